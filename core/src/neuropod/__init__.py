@@ -1,0 +1,77 @@
+"""Neuropod: one interface to run a machine-learning model, whatever framework built it.
+
+``import neuropod`` is cheap and imports no framework (and not even numpy):
+the public names below that need more are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from neuropod.errors import (
+    BackendError,
+    NeuropodError,
+    NoBackendError,
+    PackageError,
+    PluginNotInstalledError,
+    SpecError,
+    VersionRangeError,
+    WorkerError,
+)
+from neuropod.hookspecs import hookimpl
+
+__version__ = "0.4.0"
+
+if TYPE_CHECKING:
+    from neuropod.backend import Backend, DeviceCaps
+    from neuropod.model import NeuropodModel, load_neuropod, plan
+    from neuropod.package import Package, read_package
+    from neuropod.spec import TensorSpec
+
+_LAZY = {
+    "Backend": "neuropod.backend",
+    "DeviceCaps": "neuropod.backend",
+    "NeuropodModel": "neuropod.model",
+    "load_neuropod": "neuropod.model",
+    "plan": "neuropod.model",
+    "Package": "neuropod.package",
+    "read_package": "neuropod.package",
+    "TensorSpec": "neuropod.spec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'neuropod' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "DeviceCaps",
+    "NeuropodError",
+    "NeuropodModel",
+    "NoBackendError",
+    "Package",
+    "PackageError",
+    "PluginNotInstalledError",
+    "SpecError",
+    "TensorSpec",
+    "VersionRangeError",
+    "WorkerError",
+    "__version__",
+    "hookimpl",
+    "load_neuropod",
+    "plan",
+    "read_package",
+]

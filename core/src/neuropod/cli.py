@@ -1,0 +1,334 @@
+"""The ``neuropod`` command.
+
+::
+
+    neuropod backends                 installed backends, devices, failed plugins
+    neuropod inspect PKG              name, platform, range, spec, files
+    neuropod explain PKG [--host F]   which backend would run it, and why not the others
+    neuropod test PKG                 run the package's bundled test data
+    neuropod infer PKG --input x=x.npy [--output-dir DIR]
+    neuropod demo                     package a small model, explain, run it
+
+Every :class:`~neuropod.errors.NeuropodError` ends the command with its
+message on stderr and exit status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from neuropod import __version__
+from neuropod.errors import NeuropodError
+
+EXIT_ERROR = 2
+EXIT_TEST_FAILED = 1
+
+
+def _print_table(rows: Sequence[Sequence[str]], out: TextIO, indent: str = "  ") -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
+
+
+def _fmt_array(arr: Any, limit: int = 6) -> str:
+    import numpy as np
+
+    a = np.asarray(arr)
+    body = np.array2string(a, threshold=limit * 2, edgeitems=limit // 2, separator=", ")
+    body = " ".join(body.split())
+    return f"{a.dtype.name if a.dtype.kind not in 'UO' else 'string'} {list(a.shape)} {body}"
+
+
+# --- commands -------------------------------------------------------------
+
+
+def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod import plugins
+    from neuropod.devices import load_host, local_host
+
+    backends = plugins.installed_backends()
+    caps = {b: plugins.backend_caps(b) for b in backends}
+    host = load_host(args.host) if args.host else local_host()
+    failures = plugins.plugin_failures()
+    if args.json:
+        data = {
+            "neuropod": __version__,
+            "python": sys.executable,
+            "backends": [
+                {
+                    "platform": b.platform,
+                    "version": b.version,
+                    "framework": b.framework,
+                    "plugin": b.plugin,
+                    "plugin_distribution": b.plugin_distribution,
+                    "location": b.location,
+                    "cpu": caps[b].cpu,
+                    "cuda": caps[b].cuda,
+                    "compute_capabilities": list(caps[b].compute_capabilities),
+                }
+                for b in backends
+            ],
+            "host": host.to_dict(),
+            "failed_plugins": [{"name": f.name, "distribution": f.distribution, "error": f.error} for f in failures],
+        }
+        print(json.dumps(data, indent=2), file=out)
+        return 0
+    print(f"neuropod {__version__} on Python {sys.version.split()[0]} ({sys.executable})", file=out)
+    if backends:
+        print("Backends:", file=out)
+        rows = [("backend", "framework", "plugin", "devices")]
+        rows += [(b.id, b.framework, b.plugin_distribution, caps[b].describe()) for b in backends]
+        _print_table(rows, out)
+    else:
+        print("Backends: none installed (for example: pip install neuropod-onnx)", file=out)
+    infos = {i.name for i in plugins.plugin_infos()}
+    idle = sorted(infos - {b.plugin for b in backends})
+    if idle:
+        print(f"Plugins with no framework installed: {', '.join(idle)}", file=out)
+    print(f"Host: {host.name}", file=out)
+    print(host.describe(), file=out)
+    if failures:
+        print("Plugins that failed to load:", file=out)
+        for f in failures:
+            print(f"  {f}", file=out)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.package import read_package
+    from neuropod.resolve import describe_range
+
+    pkg = read_package(args.package, verify=not args.no_verify)
+    cfg = pkg.config
+    if args.json:
+        data = cfg.to_dict()
+        data["files"] = pkg.files()
+        data["manifest"] = "checked" if pkg.manifest is not None else "none (Neuropod 0.3 package)"
+        print(json.dumps(data, indent=2), file=out)
+        return 0
+    print(f"Package:   {pkg.source}" + (f" (extracted to {pkg.root})" if pkg.root != pkg.source else ""), file=out)
+    print(f"Name:      {cfg.name}", file=out)
+    print(f"Platform:  {cfg.platform}", file=out)
+    print(f"Versions:  {describe_range(cfg.platform_version_semver)}", file=out)
+    if cfg.exported_with:
+        made = ", ".join(f"{k} {v}" for k, v in cfg.exported_with.items())
+        print(f"Made with: {made}", file=out)
+    if cfg.device_requirements:
+        print(f"Needs:     {json.dumps(dict(cfg.device_requirements))}", file=out)
+    for title, specs in (("Inputs", cfg.input_spec), ("Outputs", cfg.output_spec)):
+        print(f"{title}:", file=out)
+        rows = [(s.name, s.dtype, s.describe_shape(), cfg.input_tensor_device.get(s.name, "")) for s in specs]
+        _print_table(rows or [("(none)", "", "", "")], out)
+    symbols = sorted({d for s in cfg.input_spec + cfg.output_spec for d in s.shape if isinstance(d, str)})
+    if symbols:
+        print(f"Symbols:   {', '.join(symbols)} (one size per call across inputs and outputs)", file=out)
+    if cfg.custom_ops:
+        print(f"Custom ops: {', '.join(cfg.custom_ops)}", file=out)
+    manifest = "checked" if pkg.manifest is not None and not args.no_verify else (
+        "not checked" if pkg.manifest is not None else "none (a Neuropod 0.3 package)"
+    )
+    print(f"Manifest:  {manifest}", file=out)
+    print("Test data: " + ("yes" if pkg.has_test_data else "no"), file=out)
+    print("Files:", file=out)
+    for f in pkg.files():
+        size = (pkg.root / f).stat().st_size
+        print(f"  {f}  ({size:,} bytes)", file=out)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.model import plan
+    from neuropod.package import read_package
+
+    pkg = read_package(args.package)
+    if not args.quiet_spec:
+        args_inspect = argparse.Namespace(package=args.package, no_verify=False, json=False)
+        cmd_inspect(args_inspect, out)
+        print(file=out)
+    resolution = plan(pkg, device=args.device, backend=args.backend, host=args.host)
+    print(resolution.explain(), file=out)
+    return 0 if resolution.chosen is not None else EXIT_TEST_FAILED
+
+
+def cmd_test(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.model import run_test_data
+
+    report = run_test_data(
+        args.package, trust_pickle=args.trust_pickle, device=args.device, backend=args.backend,
+        rtol=args.rtol, atol=args.atol,
+    )
+    print(f"Model {report.model!r} with {report.backend} on {report.device}", file=out)
+    for name, arr in report.inputs.items():
+        print(f"  input  {name}: {_fmt_array(arr)}", file=out)
+    for name, arr in report.outputs.items():
+        print(f"  output {name}: {_fmt_array(arr)}", file=out)
+    if report.expected is None:
+        print("No expected outputs are bundled: the model ran, nothing was compared.", file=out)
+        return 0
+    if report.passed:
+        print(f"PASSED: {len(report.expected)} output(s) match the expected values", file=out)
+        return 0
+    print("FAILED:", file=out)
+    for m in report.mismatches:
+        print(f"  {m}", file=out)
+    return EXIT_TEST_FAILED
+
+
+def _load_input(spec: str) -> tuple[str, Any]:
+    import numpy as np
+
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise NeuropodError(f"--input {spec!r} must be NAME=FILE.npy")
+    try:
+        return name, np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise NeuropodError(f"--input {name}: no such file {path}") from None
+    except (OSError, ValueError) as e:
+        raise NeuropodError(f"--input {name}: {path} is not a readable .npy file without pickles: {e}") from None
+
+
+def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
+    import numpy as np
+
+    from neuropod.model import load_neuropod
+
+    inputs = dict(_load_input(s) for s in args.input)
+    with load_neuropod(args.package, device=args.device, backend=args.backend) as model:
+        outputs = model.infer(inputs, requested_outputs=args.output or None)
+        print(f"Model {model.name!r} with {model.backend.id} on {model.device}", file=out)
+    if args.output_dir:
+        out_dir = Path(args.output_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, arr in outputs.items():
+            if arr.dtype.kind == "O":
+                arr = np.asarray(arr.tolist(), dtype=str)
+            np.save(out_dir / f"{name}.npy", arr, allow_pickle=False)
+            print(f"  wrote {out_dir / (name + '.npy')}: {_fmt_array(arr)}", file=out)
+    else:
+        for name, arr in outputs.items():
+            print(f"  {name}: {_fmt_array(arr)}", file=out)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
+    import importlib_metadata
+
+    from neuropod.errors import PluginNotInstalledError, SpecError
+    from neuropod.model import load_neuropod, plan
+    from neuropod.package import read_package
+
+    demos = {ep.name: ep for ep in importlib_metadata.entry_points(group="neuropod.demos")}
+    if not demos:
+        raise PluginNotInstalledError("neuropod demo needs a backend plugin with a demo: pip install neuropod-onnx")
+    name = args.platform or ("onnx" if "onnx" in demos else sorted(demos)[0])
+    if name not in demos:
+        raise NeuropodError(f"No demo for platform {name!r}; installed demos: {', '.join(sorted(demos))}")
+    build = demos[name].load()
+    with tempfile.TemporaryDirectory(prefix="neuropod-demo-") as tmp:
+        work = Path(args.dir) if args.dir else Path(tmp)
+        print(f"1. Packaging a small {name} model into {work}", file=out)
+        t0 = time.perf_counter()
+        path, inputs, bad_inputs = build(work)
+        print(f"   wrote {path} in {(time.perf_counter() - t0) * 1e3:.0f} ms", file=out)
+        print("\n2. The package:", file=out)
+        cmd_inspect(argparse.Namespace(package=path, no_verify=False, json=False), out)
+        print("\n3. Resolution on this machine:", file=out)
+        print(plan(read_package(path)).explain(), file=out)
+        print("\n4. Inference:", file=out)
+        t0 = time.perf_counter()
+        with load_neuropod(path) as model:
+            print(f"   loaded {model!r} in {(time.perf_counter() - t0) * 1e3:.0f} ms", file=out)
+            outputs = model.infer(inputs)
+            for k, v in inputs.items():
+                print(f"   input  {k}: {_fmt_array(v)}", file=out)
+            for k, v in outputs.items():
+                print(f"   output {k}: {_fmt_array(v)}", file=out)
+            print("\n5. Inputs that break the spec give a clear error:", file=out)
+            try:
+                model.infer(bad_inputs)
+            except SpecError as e:
+                print(f"   SpecError: {e}", file=out)
+    return 0
+
+
+# --- entry point ----------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="neuropod", description="Run machine-learning models from any framework.")
+    p.add_argument("--version", action="version", version=f"neuropod {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("backends", help="list installed backends, devices and failed plugins")
+    s.add_argument("--host", help="describe this host file's devices instead of this machine's")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_backends)
+
+    s = sub.add_parser("inspect", help="show a package's name, platform, range, spec and files")
+    s.add_argument("package")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--no-verify", action="store_true", help="do not check the manifest")
+    s.set_defaults(func=cmd_inspect)
+
+    def resolution_args(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--device", help="force 'cpu' or 'cuda:N'")
+        s.add_argument("--backend", help="pin a backend, e.g. 'onnx==1.31.1'")
+
+    s = sub.add_parser("explain", help="show which backend would run a package here, and why not the others")
+    s.add_argument("package")
+    s.add_argument("--host", help="plan for the machine described in this JSON file")
+    s.add_argument("--quiet-spec", action="store_true", help="print only the resolution")
+    resolution_args(s)
+    s.set_defaults(func=cmd_explain)
+
+    s = sub.add_parser("test", help="run the package's bundled test data and compare")
+    s.add_argument("package")
+    s.add_argument("--trust-pickle", action="store_true", help="allow reading an old test_data.pkl (runs code!)")
+    s.add_argument("--rtol", type=float, default=1e-5)
+    s.add_argument("--atol", type=float, default=1e-6)
+    resolution_args(s)
+    s.set_defaults(func=cmd_test)
+
+    s = sub.add_parser("infer", help="run a package on inputs from .npy files")
+    s.add_argument("package")
+    s.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", required=True)
+    s.add_argument("--output", "-o", action="append", default=[], metavar="NAME", help="only these outputs")
+    s.add_argument("--output-dir", help="write each output to DIR/NAME.npy")
+    resolution_args(s)
+    s.set_defaults(func=cmd_infer)
+
+    s = sub.add_parser("demo", help="package a small model, explain the resolution and run it")
+    s.add_argument("platform", nargs="?", help="which plugin's demo (default: onnx)")
+    s.add_argument("--dir", help="keep the demo package in this directory")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the ``neuropod`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    out = out or sys.stdout
+    try:
+        return int(args.func(args, out))
+    except NeuropodError as e:
+        print(f"neuropod {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `neuropod backends | head` closes the pipe early; that is not an error.
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

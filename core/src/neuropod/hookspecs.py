@@ -1,0 +1,106 @@
+"""The hook specification: the contract between the core and backend plugins.
+
+A backend plugin is a module with implementations of these hooks, marked with
+:data:`neuropod.hookimpl`, registered under the entry-point group
+``neuropod.backends``::
+
+    [project.entry-points."neuropod.backends"]
+    onnx = "neuropod_onnx"
+
+Rules every implementation keeps:
+
+* Importing the plugin module imports no framework; ``supported_versions``
+  and ``device_caps`` read package metadata only. Frameworks are imported
+  inside ``load_model``.
+* An implementation may accept a subset of a hook's arguments; hooks grow
+  only by adding arguments, so older plugins keep working.
+* ``device_caps``, ``load_model`` and ``infer`` are called with a backend or
+  model of this plugin's own; the core binds the plugin that loaded a model,
+  so ``infer`` is not broadcast to every plugin. Each returns ``None`` for
+  something that is not its own, as firstresult hooks do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from neuropod.backend import Backend, DeviceCaps
+    from neuropod.package import Package
+
+hookspec = pluggy.HookspecMarker("neuropod")
+hookimpl = pluggy.HookimplMarker("neuropod")
+
+
+@hookspec
+def supported_versions() -> Sequence[Backend]:
+    """Return the backends this plugin can run in this Python environment.
+
+    Read the installed framework's version from package metadata (for
+    example ``importlib_metadata.version("onnxruntime")``) without importing
+    the framework.
+
+    :returns: one :class:`~neuropod.backend.Backend` per installed framework
+        build (usually zero or one); empty when the framework is not installed.
+    """
+
+
+@hookspec(firstresult=True)
+def device_caps(backend: Backend) -> DeviceCaps | None:
+    """Return what ``backend`` can run on: CPU, and CUDA with its version and
+    compute capabilities.
+
+    Called only for backends this plugin returned from
+    :func:`supported_versions`. Must not import the framework.
+
+    :param backend: one of this plugin's backends.
+    :returns: a :class:`~neuropod.backend.DeviceCaps`, or None when the backend
+        is not this plugin's. Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def load_model(package: Package, backend: Backend, device: str, options: Mapping[str, Any]) -> Any:
+    """Load ``package`` with ``backend`` onto ``device`` and return a handle.
+
+    The handle is any object this plugin's :func:`infer` understands. If it
+    has a ``close()`` method, the core calls it when the model is closed.
+    Load the package's custom ops (``package.custom_op_paths``) before the
+    model. Raise :class:`~neuropod.errors.NeuropodError` for a problem the
+    user can fix; any other exception is wrapped by the core as a
+    :class:`~neuropod.errors.BackendError` naming the model and backend.
+
+    :param package: the checked package (config, spec, files).
+    :param backend: the backend resolution chose; one of this plugin's.
+    :param device: ``"cpu"`` or ``"cuda:N"``.
+    :param options: backend-specific load options the user passed to
+        :func:`neuropod.load_neuropod` (unknown ones should be an error).
+    :returns: the model handle, or None when the backend is not this plugin's.
+        Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def infer(model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None) -> Any:
+    """Run a model this plugin loaded on one set of inputs.
+
+    The core has already checked ``inputs`` against the input spec (names,
+    dtypes, shapes, symbols; arrays are C-contiguous; string tensors are
+    numpy unicode or object arrays of ``str``) and checks the returned
+    outputs against the output spec afterwards.
+
+    :param model: a handle returned by this plugin's :func:`load_model`.
+    :param inputs: input name to numpy array; inputs the caller left out are
+        absent.
+    :param requested_outputs: output names to compute, or None for all.
+    :returns: ``dict`` of output name to numpy array. Stops at first non-None
+        result.
+    """
+
+
+__all__ = ["device_caps", "hookimpl", "hookspec", "infer", "load_model", "supported_versions"]

@@ -1,0 +1,274 @@
+"""The loaded model: ``load_neuropod`` and what it returns."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from neuropod import plugins
+from neuropod.backend import Backend
+from neuropod.devices import Host, load_host, local_host
+from neuropod.errors import BackendError, NeuropodError, PackageError
+from neuropod.package import Package, read_package
+from neuropod.resolve import Resolution, resolve
+from neuropod.spec import SpecValidator, TensorSpec
+
+
+class NeuropodModel:
+    """A model loaded by a backend onto a device; call :meth:`infer`.
+
+    Use it as a context manager, or call :meth:`close`, to free the
+    backend's resources.
+    """
+
+    def __init__(self, package: Package, resolution: Resolution, handle: Any):
+        chosen = resolution.raise_if_unresolved()
+        self.package = package
+        self.resolution = resolution
+        #: The backend that runs the model.
+        self.backend: Backend = chosen.backend
+        #: ``"cpu"`` or ``"cuda:N"``.
+        self.device: str = chosen.device or "cpu"
+        self._handle = handle
+        self._validator = SpecValidator(package.name, package.config.input_spec, package.config.output_spec)
+        infer_impl = plugins.bound_hook("infer", self.backend)
+        self._infer = infer_impl.function  # type: ignore[attr-defined]
+        self._infer_args = infer_impl.argnames  # type: ignore[attr-defined]
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.package.name
+
+    @property
+    def platform(self) -> str:
+        return self.package.platform
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        """The input spec."""
+        return self.package.config.input_spec
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        """The output spec."""
+        return self.package.config.output_spec
+
+    def infer(
+        self, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Run the model on one set of inputs.
+
+        :param inputs: input name to numpy array. Arrays may be
+            non-contiguous; string tensors are numpy unicode arrays or object
+            arrays of ``str``.
+        :param requested_outputs: output names to return; all when None.
+        :returns: output name to numpy array.
+        :raises SpecError: an input or output does not fit the spec.
+        :raises BackendError: the framework failed; its exception is chained.
+        """
+        if self._closed:
+            raise NeuropodError(f"Model {self.name!r} is closed")
+        validator = self._validator
+        checked, bindings = validator.check_inputs(inputs)
+        if requested_outputs is not None:
+            requested_outputs = validator.check_requested(requested_outputs)
+        try:
+            if len(self._infer_args) == 3:
+                outputs = self._infer(self._handle, checked, requested_outputs)
+            else:
+                kwargs = {"model": self._handle, "inputs": checked, "requested_outputs": requested_outputs}
+                outputs = self._infer(**{k: kwargs[k] for k in self._infer_args})
+        except NeuropodError:
+            raise
+        except Exception as e:
+            raise BackendError(
+                f"Backend {self.backend.id} failed to run model {self.name!r}: {type(e).__name__}: {e}"
+            ) from e
+        if type(outputs) is not dict:
+            if not isinstance(outputs, Mapping):
+                raise BackendError(
+                    f"Backend {self.backend.id} returned {type(outputs).__name__} for model {self.name!r}, "
+                    "not a dict of output name to numpy array"
+                )
+            outputs = dict(outputs)
+        validator.check_outputs(outputs, bindings, requested_outputs)
+        return outputs
+
+    def close(self) -> None:
+        """Free the backend's resources; later calls to infer fail."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            handle, self._handle = self._handle, None
+        closer = getattr(handle, "close", None)
+        if callable(closer):
+            closer()
+
+    def __enter__(self) -> NeuropodModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.backend.id} on {self.device}"
+        return f"<NeuropodModel {self.name!r} ({self.platform}) {state}>"
+
+
+def _host(host: Host | str | os.PathLike[str] | None) -> Host:
+    if host is None:
+        return local_host()
+    if isinstance(host, Host):
+        return host
+    return load_host(host)
+
+
+def plan(
+    package: Package | str | os.PathLike[str],
+    *,
+    device: str | None = None,
+    backend: str | None = None,
+    host: Host | str | os.PathLike[str] | None = None,
+) -> Resolution:
+    """Resolve a package against the installed backends without loading it.
+
+    :param host: the machine to plan for: a :class:`Host`, a host file, or
+        None for this machine.
+    """
+    pkg = package if isinstance(package, Package) else read_package(package)
+    backends = plugins.installed_backends()
+    caps = {b: plugins.backend_caps(b) for b in backends}
+    return resolve(pkg.config, backends, caps, _host(host), device=device, backend=backend)
+
+
+def load_neuropod(
+    neuropod_path: str | os.PathLike[str],
+    *,
+    device: str | None = None,
+    backend: str | None = None,
+    verify: bool = True,
+    **load_options: Any,
+) -> NeuropodModel:
+    """Load a package with the best backend installed here.
+
+    :param neuropod_path: a package directory or zip.
+    :param device: ``"cpu"`` or ``"cuda:N"`` to force a device; by default a
+        GPU when the model asks for one and one fits, else the CPU.
+    :param backend: pin a backend, e.g. ``"onnx"`` or ``"onnx==1.31.1"``.
+    :param verify: check the files against the package's manifest.
+    :param load_options: passed to the backend's ``load_model`` hook
+        (for example thread counts); backends reject options they do not know.
+    :raises PackageError: the package is missing, malformed or changed.
+    :raises NoBackendError: nothing here can run it; the message has the table.
+    :raises BackendError: the framework failed to load the model.
+    """
+    package = read_package(neuropod_path, verify=verify)
+    resolution = plan(package, device=device, backend=backend)
+    chosen = resolution.raise_if_unresolved()
+    load = plugins.bound_hook("load_model", chosen.backend)
+    try:
+        handle = load(package=package, backend=chosen.backend, device=chosen.device, options=dict(load_options))
+    except NeuropodError:
+        raise
+    except Exception as e:
+        raise BackendError(
+            f"Backend {chosen.backend.id} failed to load model {package.name!r} from {package.source}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    if handle is None:
+        raise BackendError(f"Plugin {chosen.backend.plugin!r} did not load model {package.name!r}")
+    return NeuropodModel(package, resolution, handle)
+
+
+@dataclass(frozen=True)
+class TestReport:
+    """The outcome of running a package's bundled test data."""
+
+    model: str
+    backend: str
+    device: str
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    expected: dict[str, np.ndarray] | None
+    mismatches: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.mismatches
+
+
+def compare_outputs(
+    outputs: Mapping[str, np.ndarray], expected: Mapping[str, Any], *, rtol: float = 1e-5, atol: float = 1e-6
+) -> list[str]:
+    """Describe every way ``outputs`` differ from ``expected`` (empty when they match)."""
+    problems = []
+    for name, want in expected.items():
+        if name not in outputs:
+            problems.append(f"output {name!r} is missing")
+            continue
+        got, want = np.asarray(outputs[name]), np.asarray(want)
+        if got.shape != want.shape:
+            problems.append(f"output {name!r} has shape {got.shape}, expected {want.shape}")
+        elif got.dtype.kind in "UOS" or want.dtype.kind in "UOS":
+            if got.astype(str).tolist() != want.astype(str).tolist():
+                problems.append(f"output {name!r} is {got.tolist()!r:.200}, expected {want.tolist()!r:.200}")
+        elif not np.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
+            diff = np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))
+            problems.append(f"output {name!r} differs from the expected values (max abs difference {diff:.3g})")
+    return problems
+
+
+def run_test_data(
+    neuropod_path: str | os.PathLike[str],
+    *,
+    trust_pickle: bool = False,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **load_kwargs: Any,
+) -> TestReport:
+    """Load a package, run its bundled test inputs and compare with the expected outputs."""
+    with load_neuropod(neuropod_path, **load_kwargs) as model:
+        inputs, expected = model.package.test_data(trust_pickle=trust_pickle)
+        outputs = model.infer(inputs)
+        mismatches = compare_outputs(outputs, expected, rtol=rtol, atol=atol) if expected is not None else []
+        return TestReport(model.name, model.backend.id, model.device, inputs, outputs, expected, tuple(mismatches))
+
+
+def check_packaged(neuropod_path: str | os.PathLike[str], **kwargs: Any) -> TestReport:
+    """For packagers: run a new package's test data; remove the package and raise if it fails.
+
+    A package that cannot reproduce its own test output is not left behind
+    for someone to deploy by mistake.
+    """
+    try:
+        report = run_test_data(neuropod_path, **kwargs)
+        if not report.passed:
+            raise PackageError(
+                f"The new package for model {report.model!r} does not reproduce its expected test output "
+                f"with {report.backend} on {report.device}: " + "; ".join(report.mismatches)
+                + ". The package was not kept."
+            )
+    except BaseException:
+        _remove(Path(neuropod_path))
+        raise
+    return report
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+__all__ = ["NeuropodModel", "TestReport", "check_packaged", "compare_outputs", "load_neuropod", "plan", "run_test_data"]

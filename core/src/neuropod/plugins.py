@@ -1,0 +1,300 @@
+"""Finding backend plugins: entry points, allow and block lists, failures.
+
+Plugins are loaded once, lazily, by :func:`get_plugin_manager`. Each entry
+point is loaded on its own; one that fails (import error, hook with no spec,
+a hook that raises while listing its backends) is skipped with a
+:class:`PluginWarning` naming its distribution and version, and recorded so
+``neuropod backends`` can show it. It never breaks the other plugins.
+
+Environment variables, by entry-point name (e.g. ``onnx``):
+
+* ``NEUROPOD_PLUGINS=onnx,torchscript`` loads only those plugins.
+* ``NEUROPOD_DISABLE_PLUGINS=tensorflow`` loads all but those.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import importlib_metadata
+import pluggy
+
+from neuropod import hookspecs
+from neuropod.backend import Backend, DeviceCaps
+from neuropod.errors import NoBackendError, PluginNotInstalledError
+
+ENTRY_POINT_GROUP = "neuropod.backends"
+PACKAGER_GROUP = "neuropod.packagers"
+
+#: The wheel that provides each platform we know of, for "pip install" hints.
+KNOWN_PLATFORMS = {
+    "onnx": "neuropod-onnx",
+    "torchscript": "neuropod-torchscript",
+    "tensorflow": "neuropod-tensorflow",
+    "keras": "neuropod-tensorflow",
+    "tensorrt": "neuropod-tensorrt",
+}
+
+
+class PluginWarning(UserWarning):
+    """A plugin could not be loaded or misbehaved and was skipped."""
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    """A plugin that was skipped, and why."""
+
+    name: str
+    distribution: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"plugin {self.name!r} from {self.distribution}: {self.error}"
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """A plugin that loaded."""
+
+    name: str
+    distribution: str
+    module: str
+
+
+class _State:
+    def __init__(self) -> None:
+        self.pm: pluggy.PluginManager | None = None
+        self.failures: list[PluginFailure] = []
+        self.infos: dict[str, PluginInfo] = {}
+        self.backends: list[Backend] | None = None
+        self.lock = threading.RLock()
+
+
+_state = _State()
+
+
+def _names_from_env(var: str) -> set[str] | None:
+    value = os.environ.get(var)
+    if value is None:
+        return None
+    return {n.strip() for n in value.split(",") if n.strip()}
+
+
+def _dist_label(ep: Any) -> str:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "an unknown distribution"
+    return f"{dist.name} {dist.version}"
+
+
+def _fail(name: str, distribution: str, error: str) -> None:
+    failure = PluginFailure(name, distribution, error)
+    _state.failures.append(failure)
+    warnings.warn(f"Neuropod skipped {failure}", PluginWarning, stacklevel=3)
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The plugin manager with every allowed, working plugin registered."""
+    pm = _state.pm
+    if pm is not None:
+        return pm
+    with _state.lock:
+        if _state.pm is None:
+            pm = pluggy.PluginManager("neuropod")
+            pm.add_hookspecs(hookspecs)
+            _load_entry_points(pm)
+            pm.check_pending()
+            _state.pm = pm
+        return _state.pm
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    allow = _names_from_env("NEUROPOD_PLUGINS")
+    block = _names_from_env("NEUROPOD_DISABLE_PLUGINS") or set()
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if (allow is not None and ep.name not in allow) or ep.name in block:
+            continue
+        if pm.has_plugin(ep.name):
+            _fail(ep.name, _dist_label(ep), "another plugin already uses this entry-point name")
+            continue
+        try:
+            module = ep.load()
+        except Exception as e:  # a plugin's import can fail in any way
+            _fail(ep.name, _dist_label(ep), f"import failed: {type(e).__name__}: {e}")
+            continue
+        register(module, ep.name, _dist_label(ep), pm=pm)
+
+
+def register(
+    plugin: object,
+    name: str,
+    distribution: str = "(registered in code)",
+    *,
+    pm: pluggy.PluginManager | None = None,
+) -> bool:
+    """Register a plugin object by hand (tests, embedded backends).
+
+    :returns: whether it was registered; a plugin with an unknown hook or a
+        bad signature is skipped with a :class:`PluginWarning`.
+    """
+    pm = pm or get_plugin_manager()
+    try:
+        pm.register(plugin, name=name)
+    except (pluggy.PluginValidationError, ValueError) as e:
+        _fail(name, distribution, str(e))
+        return False
+    unknown = [c.name for c in (pm.get_hookcallers(plugin) or []) if not c.has_spec()]
+    if unknown:
+        pm.unregister(plugin)
+        _fail(name, distribution, f"implements hooks that do not exist: {', '.join(unknown)}")
+        return False
+    _state.infos[name] = PluginInfo(name, distribution, getattr(plugin, "__name__", type(plugin).__name__))
+    _state.backends = None
+    return True
+
+
+def unregister(name: str) -> None:
+    """Remove a plugin registered with :func:`register`."""
+    pm = get_plugin_manager()
+    if pm.has_plugin(name):
+        pm.unregister(name=name)
+    _state.infos.pop(name, None)
+    _state.backends = None
+
+
+def reset() -> None:
+    """Forget every plugin; the next call loads them again (for tests)."""
+    with _state.lock:
+        _state.pm = None
+        _state.failures = []
+        _state.infos = {}
+        _state.backends = None
+
+
+def plugin_failures() -> list[PluginFailure]:
+    """The plugins that were skipped, and why."""
+    get_plugin_manager()
+    return list(_state.failures)
+
+
+def plugin_infos() -> list[PluginInfo]:
+    """The plugins that loaded."""
+    get_plugin_manager()
+    return list(_state.infos.values())
+
+
+def installed_backends() -> list[Backend]:
+    """Every backend the loaded plugins can run in this environment."""
+    pm = get_plugin_manager()
+    if _state.backends is not None:
+        return list(_state.backends)
+    backends: list[Backend] = []
+    for impl in pm.hook.supported_versions.get_hookimpls():
+        info = _state.infos.get(impl.plugin_name)
+        dist = info.distribution if info else "(unknown)"
+        try:
+            found = impl.function()
+            if not isinstance(found, (list, tuple)) or not all(isinstance(b, Backend) for b in found):
+                raise TypeError(f"supported_versions returned {found!r}, not a list of neuropod.Backend")
+        except Exception as e:
+            _fail(impl.plugin_name, dist, f"supported_versions failed: {type(e).__name__}: {e}")
+            continue
+        backends.extend(b.with_origin(impl.plugin_name, dist) for b in found)
+    _state.backends = backends
+    return list(backends)
+
+
+def _impl(hook_name: str, plugin: str) -> Callable[..., Any]:
+    """The function implementing ``hook_name`` in one plugin, called with
+    only the arguments it declares."""
+    pm = get_plugin_manager()
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        if impl.plugin_name == plugin:
+            func, argnames = impl.function, tuple(impl.argnames)
+
+            def call(**kwargs: Any) -> Any:
+                return func(**{k: kwargs[k] for k in argnames})
+
+            call.function = func  # type: ignore[attr-defined]
+            call.argnames = argnames  # type: ignore[attr-defined]
+            return call
+    raise NoBackendError(f"Plugin {plugin!r} does not implement the {hook_name!r} hook")
+
+
+def bound_hook(hook_name: str, backend: Backend) -> Callable[..., Any]:
+    """The implementation of a hook in the plugin that offers ``backend``."""
+    return _impl(hook_name, backend.plugin)
+
+
+def backend_caps(backend: Backend) -> DeviceCaps:
+    """What ``backend`` can run on; CPU only if its plugin does not say."""
+    try:
+        caps = bound_hook("device_caps", backend)(backend=backend)
+    except NoBackendError:
+        return DeviceCaps(cpu=True, note="plugin does not report device_caps")
+    except Exception as e:
+        info = _state.infos.get(backend.plugin)
+        _fail(backend.plugin, info.distribution if info else "(unknown)", f"device_caps failed: {e}")
+        return DeviceCaps(cpu=False, note=f"device_caps failed: {e}")
+    return caps if isinstance(caps, DeviceCaps) else DeviceCaps(cpu=True)
+
+
+def install_hint(platform: str) -> str:
+    """What to install to run a platform."""
+    dist = KNOWN_PLATFORMS.get(platform)
+    if dist:
+        return f"pip install {dist}"
+    return (
+        f"no known Neuropod plugin runs platform {platform!r} (known: {', '.join(sorted(KNOWN_PLATFORMS))}); "
+        "install the plugin that provides it"
+    )
+
+
+def packager(name: str) -> Callable[..., Any]:
+    """Find ``create_<platform>_neuropod`` among the installed plugins."""
+    for ep in importlib_metadata.entry_points(group=PACKAGER_GROUP):
+        if ep.name == name:
+            try:
+                func: Callable[..., Any] = ep.load()
+            except Exception as e:
+                raise PluginNotInstalledError(
+                    f"{name} is provided by {_dist_label(ep)}, which failed to import: {type(e).__name__}: {e}"
+                ) from e
+            return func
+    platform = name[len("create_") : -len("_neuropod")]
+    raise PluginNotInstalledError(f"{name} needs the {platform!r} backend plugin: {install_hint(platform)}")
+
+
+def packager_names() -> Sequence[str]:
+    return sorted(ep.name for ep in importlib_metadata.entry_points(group=PACKAGER_GROUP))
+
+
+def plugin_distributions() -> Mapping[str, str]:
+    """Entry-point name to ``"<distribution> <version>"`` for every loaded plugin."""
+    return {i.name: i.distribution for i in plugin_infos()}
+
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "KNOWN_PLATFORMS",
+    "PACKAGER_GROUP",
+    "PluginFailure",
+    "PluginInfo",
+    "PluginWarning",
+    "backend_caps",
+    "bound_hook",
+    "get_plugin_manager",
+    "install_hint",
+    "installed_backends",
+    "packager",
+    "plugin_failures",
+    "plugin_infos",
+    "register",
+    "reset",
+    "unregister",
+]

@@ -1,0 +1,270 @@
+"""Problem specs: the names, dtypes and shapes of a model's tensors.
+
+A spec entry is ``{"name", "dtype", "shape"}``. A shape entry is a
+non-negative int (that exact size), ``None`` (any size) or a symbol string
+such as ``"batch_size"``; within one call, one symbol has one size across all
+inputs and outputs.
+
+Validation is on the per-call path of every model, so each spec is compiled
+once into plain tuples and the checks are written to do as little as possible
+when a tensor fits. Building a good error message is only done after a check
+has failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+
+from neuropod.errors import PackageError, SpecError
+
+#: The dtypes a spec can name, and the numpy dtype each one means.
+#: ``string`` tensors are numpy unicode arrays or object arrays of ``str``.
+DTYPES: dict[str, np.dtype[Any] | None] = {
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
+    "bool": np.dtype(np.bool_),
+    "string": None,
+}
+
+Dim = Union[int, str, None]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of a model's input or output spec."""
+
+    name: str
+    dtype: str
+    shape: tuple[Dim, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form used in ``config.json``."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    def describe_shape(self) -> str:
+        """The shape as people write it: ``[batch_size, None, 4]``."""
+        return "[" + ", ".join("None" if d is None else str(d) for d in self.shape) + "]"
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.dtype} {self.describe_shape()}"
+
+
+def parse_spec(entries: Any, where: str) -> tuple[TensorSpec, ...]:
+    """Read a list of spec entries (from a config or a packager call).
+
+    :param entries: the JSON value, a list of ``{"name", "dtype", "shape"}``.
+        :class:`TensorSpec` objects are accepted as they are.
+    :param where: how to name the list in errors, e.g. ``"config.json: input_spec"``.
+    :raises PackageError: naming the entry and field that is wrong.
+    """
+    if not isinstance(entries, (list, tuple)):
+        raise PackageError(f"{where} must be a list of {{name, dtype, shape}} objects, not {_kind(entries)}")
+    specs: list[TensorSpec] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        spec = entry if isinstance(entry, TensorSpec) else _parse_entry(entry, f"{where}[{i}]")
+        if spec.name in seen:
+            raise PackageError(f"{where}[{i}]: tensor name {spec.name!r} appears twice; names must be unique")
+        seen.add(spec.name)
+        specs.append(spec)
+    return tuple(specs)
+
+
+def _parse_entry(entry: Any, where: str) -> TensorSpec:
+    if not isinstance(entry, Mapping):
+        raise PackageError(f"{where} must be an object with name, dtype and shape, not {_kind(entry)}")
+    unknown = sorted(set(entry) - {"name", "dtype", "shape"}, key=str)
+    if unknown:
+        raise PackageError(f"{where} has unknown field(s) {', '.join(map(repr, unknown))}; allowed: name, dtype, shape")
+    for field in ("name", "dtype", "shape"):
+        if field not in entry:
+            raise PackageError(f"{where} is missing {field!r}")
+    name, dtype, shape = entry["name"], entry["dtype"], entry["shape"]
+    if not isinstance(name, str) or not name:
+        raise PackageError(f"{where}.name must be a non-empty string, not {name!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise PackageError(f"{where} ({name!r}): dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if not isinstance(shape, (list, tuple)):
+        raise PackageError(f"{where} ({name!r}): shape must be a list, not {_kind(shape)}")
+    dims: list[Dim] = []
+    for j, dim in enumerate(shape):
+        ok = (
+            dim is None
+            or (isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0)
+            or (isinstance(dim, str) and dim.isidentifier())
+        )
+        if not ok:
+            raise PackageError(
+                f"{where} ({name!r}): shape[{j}] is {dim!r}; a dim is a size >= 0, "
+                "null for any size, or a symbol name such as \"batch_size\""
+            )
+        dims.append(dim)
+    return TensorSpec(name, dtype, tuple(dims))
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+# --- validation -----------------------------------------------------------
+
+# A compiled spec entry: (name, numpy dtype or None for strings, ndim,
+# ((axis, size), ...) fixed dims, ((axis, symbol), ...) symbolic dims, spec).
+_Compiled = tuple[str, "np.dtype[Any] | None", int, tuple[tuple[int, int], ...], tuple[tuple[int, str], ...], TensorSpec]
+Bindings = dict[str, tuple[int, str]]
+
+
+class SpecValidator:
+    """Checks one model's tensors against its input and output specs.
+
+    Built once per loaded model; :meth:`check_inputs` and
+    :meth:`check_outputs` are called on every inference.
+    """
+
+    def __init__(self, model_name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]):
+        self.model_name = model_name
+        self._inputs = {s.name: _compile(s) for s in inputs}
+        self._outputs = {s.name: _compile(s) for s in outputs}
+
+    def check_inputs(self, tensors: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], Bindings]:
+        """Validate the inputs of one call.
+
+        :returns: the inputs as C-contiguous numpy arrays (the same objects
+            when they already were), and the symbol sizes they set, for
+            :meth:`check_outputs`.
+        :raises SpecError: for an unknown name or a tensor that does not fit.
+        """
+        if not isinstance(tensors, Mapping):
+            raise SpecError(
+                f"Inputs of model {self.model_name!r} must be a dict of name -> numpy array, not {_kind(tensors)}"
+            )
+        bindings: Bindings = {}
+        out: dict[str, np.ndarray] = {}
+        specs = self._inputs
+        for name, arr in tensors.items():
+            compiled = specs.get(name)
+            if compiled is None:
+                raise SpecError(
+                    f"Model {self.model_name!r} has no input named {name!r}; its inputs are: "
+                    + ", ".join(str(c[5]) for c in specs.values())
+                )
+            _check(arr, compiled, bindings, "input", self.model_name)
+            out[name] = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+        return out, bindings
+
+    def check_outputs(
+        self,
+        tensors: Mapping[str, Any],
+        bindings: Bindings,
+        requested: Iterable[str] | None = None,
+    ) -> None:
+        """Validate what a backend returned, with the symbol sizes the inputs set.
+
+        :param requested: the outputs the caller asked for; all of the spec's
+            outputs when None. Each must be present.
+        :raises SpecError: for a missing, unexpected or misfitting output.
+        """
+        specs = self._outputs
+        for name, arr in tensors.items():
+            compiled = specs.get(name)
+            if compiled is None:
+                raise SpecError(
+                    f"Model {self.model_name!r} returned a tensor {name!r} that is not in its output spec "
+                    f"({', '.join(specs)})"
+                )
+            _check(arr, compiled, bindings, "output", self.model_name)
+        if len(tensors) != len(specs) or requested is not None:
+            wanted = specs if requested is None else requested
+            missing = [n for n in wanted if n not in tensors]
+            if missing:
+                raise SpecError(
+                    f"Model {self.model_name!r} did not return output(s) {', '.join(map(repr, missing))} "
+                    f"(returned: {', '.join(map(repr, tensors)) or 'nothing'})"
+                )
+
+    def check_requested(self, requested: Iterable[str]) -> list[str]:
+        """Check that every requested output name is in the output spec."""
+        names = list(requested) if not isinstance(requested, str) else [requested]
+        unknown = [n for n in names if n not in self._outputs]
+        if unknown:
+            raise SpecError(
+                f"Requested output(s) {', '.join(map(repr, unknown))} of model {self.model_name!r} "
+                f"are not in its output spec; its outputs are: {', '.join(map(repr, self._outputs))}"
+            )
+        return names
+
+
+def _compile(spec: TensorSpec) -> _Compiled:
+    fixed = tuple((i, d) for i, d in enumerate(spec.shape) if isinstance(d, int))
+    symbols = tuple((i, d) for i, d in enumerate(spec.shape) if isinstance(d, str))
+    return (spec.name, DTYPES[spec.dtype], len(spec.shape), fixed, symbols, spec)
+
+
+def _check(arr: Any, compiled: _Compiled, bindings: Bindings, kind: str, model: str) -> None:
+    name, dtype, ndim, fixed, symbols, spec = compiled
+    if type(arr) is not np.ndarray and not isinstance(arr, np.ndarray):
+        _fail(spec, kind, model, f"expected a numpy array of {spec.dtype}, but got {_kind(arr)}")
+    if dtype is None:
+        _check_strings(arr, spec, kind, model)
+    elif arr.dtype != dtype:
+        _fail(spec, kind, model, f"dtype should be {spec.dtype}, but was {arr.dtype}")
+    shape = arr.shape
+    if len(shape) != ndim:
+        _fail(
+            spec, kind, model,
+            f"expected {ndim} dims {spec.describe_shape()}, but got {len(shape)} dims {tuple(shape)}",
+        )
+    for axis, size in fixed:
+        if shape[axis] != size:
+            _fail(spec, kind, model, f"dim {axis} should be {size}, but was {shape[axis]} (shape {tuple(shape)})")
+    for axis, symbol in symbols:
+        size = shape[axis]
+        bound = bindings.get(symbol)
+        if bound is None:
+            bindings[symbol] = (size, name)
+        elif bound[0] != size:
+            source = "this tensor" if bound[1] == name else f"tensor {bound[1]!r}"
+            _fail(spec, kind, model, f"dim {axis} is symbol {symbol!r} = {bound[0]} (from {source}), but was {size}")
+
+
+def _check_strings(arr: np.ndarray, spec: TensorSpec, kind: str, model: str) -> None:
+    k = arr.dtype.kind
+    if k == "U":
+        return
+    if k == "O":
+        for item in arr.flat:
+            if type(item) is not str:
+                _fail(spec, kind, model, f"string tensors hold str, but an element is {_kind(item)} ({item!r:.40})")
+        return
+    hint = " (decode bytes to str first)" if k == "S" else ""
+    _fail(
+        spec, kind, model,
+        f"dtype should be string (a numpy unicode array or an object array of str), but was {arr.dtype}{hint}",
+    )
+
+
+def _fail(spec: TensorSpec, kind: str, model: str, what: str) -> None:
+    raise SpecError(f"Tensor {spec.name!r} in the {kind} spec of model {model!r}: {what}")
+
+
+def to_string_array(values: Any) -> np.ndarray:
+    """Turn a sequence or array of str (or bytes, decoded as UTF-8) into a numpy unicode array."""
+    arr = np.asarray(values, dtype=object)
+    flat = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in arr.flat]
+    return np.array(flat, dtype=str).reshape(arr.shape) if flat else np.zeros(arr.shape, dtype="<U1")
+
+
+__all__ = ["DTYPES", "Dim", "SpecValidator", "TensorSpec", "parse_spec", "to_string_array"]

@@ -1,0 +1,190 @@
+"""The ONNX Runtime session behind a loaded model (imports onnxruntime)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
+from neuropod.package import Package
+from neuropod.spec import TensorSpec
+
+MODEL_FILE = "model.onnx"
+
+# ONNX type strings as ONNX Runtime reports them, for each spec dtype.
+ORT_TYPES = {
+    "float16": "tensor(float16)",
+    "float32": "tensor(float)",
+    "float64": "tensor(double)",
+    "int8": "tensor(int8)",
+    "int16": "tensor(int16)",
+    "int32": "tensor(int32)",
+    "int64": "tensor(int64)",
+    "uint8": "tensor(uint8)",
+    "uint16": "tensor(uint16)",
+    "uint32": "tensor(uint32)",
+    "uint64": "tensor(uint64)",
+    "bool": "tensor(bool)",
+    "string": "tensor(string)",
+}
+
+#: Load options this backend accepts, with what they do.
+LOAD_OPTIONS = {
+    "intra_op_num_threads": "threads used inside one operator (0 = ONNX Runtime's default)",
+    "inter_op_num_threads": "threads used across operators (0 = ONNX Runtime's default)",
+    "graph_optimization_level": "'disable', 'basic', 'extended' or 'all' (default 'all')",
+    "execution_mode": "'sequential' (default) or 'parallel'",
+}
+
+_OPT_LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
+
+
+def session_options(options: Mapping[str, Any], custom_ops: Sequence[Path], where: str) -> ort.SessionOptions:
+    """SessionOptions from the user's load options, with custom ops registered.
+
+    Custom-op libraries must be registered before the session is created,
+    or the model's nodes from their domains are unknown.
+    """
+    unknown = sorted(set(options) - set(LOAD_OPTIONS))
+    if unknown:
+        known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
+        raise NeuropodError(f"Unknown ONNX Runtime load option(s) {', '.join(map(repr, unknown))}. Known: {known}")
+    so = ort.SessionOptions()
+    for key in ("intra_op_num_threads", "inter_op_num_threads"):
+        if key in options:
+            value = options[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise NeuropodError(f"Load option {key} must be an int >= 0, not {value!r}")
+            setattr(so, key, value)
+    if "graph_optimization_level" in options:
+        level = _OPT_LEVELS.get(str(options["graph_optimization_level"]).lower())
+        if level is None:
+            raise NeuropodError(
+                f"graph_optimization_level must be one of {', '.join(_OPT_LEVELS)}, "
+                f"not {options['graph_optimization_level']!r}"
+            )
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    if "execution_mode" in options:
+        mode = str(options["execution_mode"]).lower()
+        if mode not in ("sequential", "parallel"):
+            raise NeuropodError(f"execution_mode must be 'sequential' or 'parallel', not {options['execution_mode']!r}")
+        so.execution_mode = getattr(ort.ExecutionMode, f"ORT_{mode.upper()}")
+    for lib in custom_ops:
+        if not lib.is_file():
+            raise PackageError(f"{where}: custom op library {lib} is listed in config.json but missing")
+        try:
+            so.register_custom_ops_library(str(lib))
+        except Exception as e:
+            raise PackageError(
+                f"{where}: custom op library {lib.name} failed to load in onnxruntime {ort.__version__}: {e}"
+            ) from e
+    return so
+
+
+def providers_for(device: str, where: str) -> list[Any]:
+    """Execution providers for a device; a GPU that cannot be used is an error, not a fallback."""
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    index = int(device.split(":", 1)[1])
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise NeuropodError(
+            f"{where}: device {device!r} was asked for, but this onnxruntime build has no CUDA provider "
+            f"(available: {', '.join(available)}). Install onnxruntime-gpu or load with device='cpu'."
+        )
+    # CPU stays in the list only for the nodes CUDA has no kernel for; the
+    # session is checked after creation to really have CUDA.
+    return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+
+
+def check_io(sess: ort.InferenceSession, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], where: str) -> None:
+    """The spec and the ONNX graph must agree on names and element types."""
+    for kind, specs, nodes in (("input", inputs, sess.get_inputs()), ("output", outputs, sess.get_outputs())):
+        graph = {n.name: n for n in nodes}
+        spec_names = {s.name for s in specs}
+        missing = sorted(spec_names - set(graph))
+        if missing:
+            raise SpecError(
+                f"{where}: {kind} spec names {', '.join(map(repr, missing))}, but the ONNX graph's {kind}s are "
+                f"{', '.join(map(repr, graph)) or 'none'}"
+            )
+        if kind == "input":
+            unspecified = sorted(set(graph) - spec_names)
+            if unspecified:
+                raise SpecError(
+                    f"{where}: the ONNX graph needs input(s) {', '.join(map(repr, unspecified))} that the input spec "
+                    "does not describe"
+                )
+        for spec in specs:
+            node = graph[spec.name]
+            want = ORT_TYPES[spec.dtype]
+            if node.type != want:
+                raise SpecError(
+                    f"{where}: {kind} {spec.name!r} is {spec.dtype} in the spec, but {node.type} in the ONNX graph"
+                )
+            shape = node.shape
+            if isinstance(shape, list) and len(shape) != len(spec.shape):
+                raise SpecError(
+                    f"{where}: {kind} {spec.name!r} has {len(spec.shape)} dims {spec.describe_shape()} in the spec, "
+                    f"but {len(shape)} dims {shape} in the ONNX graph"
+                )
+
+
+def create_session(
+    model: bytes | str, device: str, options: Mapping[str, Any], custom_ops: Sequence[Path], where: str
+) -> ort.InferenceSession:
+    so = session_options(options, custom_ops, where)
+    providers = providers_for(device, where)
+    try:
+        sess = ort.InferenceSession(model, so, providers=providers)
+    except Exception as e:
+        raise BackendError(f"{where}: onnxruntime {ort.__version__} could not load the model: {e}") from e
+    if device != "cpu" and "CUDAExecutionProvider" not in sess.get_providers():
+        raise NeuropodError(
+            f"{where}: device {device!r} was asked for, but onnxruntime could not start its CUDA provider "
+            "(see onnxruntime's log above for the missing CUDA/cuDNN library); load with device='cpu' to use the CPU"
+        )
+    return sess
+
+
+class OnnxModel:
+    """A session plus what ``infer`` needs to call it quickly."""
+
+    def __init__(self, sess: ort.InferenceSession, name: str):
+        self.session = sess
+        self.name = name
+        self._run = sess.run
+        self._output_names = [o.name for o in sess.get_outputs()]
+        self._input_names = [i.name for i in sess.get_inputs()]
+        self._n_inputs = len(self._input_names)
+
+    @classmethod
+    def load(cls, package: Package, device: str, options: Mapping[str, Any]) -> OnnxModel:
+        path = package.data_dir / MODEL_FILE
+        where = f"Model {package.name!r} ({package.source})"
+        if not path.is_file():
+            raise PackageError(f"{where}: the ONNX model file 0/data/{MODEL_FILE} is missing")
+        sess = create_session(str(path), device, options, package.custom_op_paths, where)
+        check_io(sess, package.config.input_spec, package.config.output_spec, where)
+        return cls(sess, package.name)
+
+    def run(self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+        if len(inputs) != self._n_inputs:
+            missing = [n for n in self._input_names if n not in inputs]
+            raise SpecError(f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: ONNX has no optional inputs")
+        names = self._output_names if requested is None else requested
+        return dict(zip(names, self._run(names, inputs)))
+
+    def close(self) -> None:
+        # Dropping the last reference frees the session's memory.
+        self.session = None  # type: ignore[assignment]
+        self._run = None  # type: ignore[assignment]
