@@ -62,7 +62,8 @@ NPM_TABLE = [
     ("1.2.*", "1.2.0 1.2.9", "1.3.0"),
     ("1", "1.0.0 1.5.0", "0.9.0 2.0.0"),
     ("1.2", "1.2.0 1.2.9", "1.1.0 1.3.0"),
-    ("x.1", "0.0.0 5.0.0", ""),  # everything after a wildcard is a wildcard
+    ("^1.x.3", "1.0.0 1.9.0", "2.0.0"),  # node ignores numbers after a wildcard
+    ("x.1", "0.0.0 5.0.0", ""),
     # Primitive comparators with X-ranges: README's "<=2 means below 3" family.
     ("<=2", "2.9.9 0.0.1", "3.0.0 3.0.0rc1"),
     ("<2", "1.9.9", "2.0.0 2.0.0a1"),
@@ -141,7 +142,7 @@ PRERELEASE_TABLE = [
     ("<2.0.0", "1.0.0", "2.0.0rc1"),
     ("*", "", "1.0.0a1 1.0.0.dev0 1.0.0rc1"),
     ("^2.15.0", "", "2.15.0.post1.dev0"),  # packaging counts this as a prerelease
-    (">=2.16rc0", "2.16.0rc1", ""),  # release tuples compare without trailing zeros
+    (">=2.16.0-rc.0", "2.16rc1 2.16.0.0rc1", ""),  # trailing zeros do not matter
     ("2.16.0-rc.1 || >=3", "2.16.0rc1 3.0.0", "3.0.0rc1"),
 ]
 
@@ -378,7 +379,9 @@ def test_version_range_object() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         parsed.text = "*"  # type: ignore[misc]
     assert parse_range(" ^2.13.0 ") is parsed  # cached
-    assert parsed == parse_range(" ^2.13.0 ") and hash(parsed) == hash(parse_range(" ^2.13.0 "))
+    assert parsed == parse_range(" ^2.13.0 ") and hash(parsed) == hash(
+        parse_range(" ^2.13.0 ")
+    )
     assert parsed != parse_range("^2.13.0")
     with pytest.raises(VersionRangeError):
         _ = "not a version" in parsed
@@ -429,7 +432,8 @@ def _pep440_range(draw: st.DrawFn) -> str:
         elif op not in ("===",) and draw(st.booleans()):
             version += draw(st.sampled_from(["rc1", "a0", ".dev2", ".post1"]))
         specifiers.append(op + version)
-    return ",".join(specifiers)
+    # A lone ">=1" would be npm-style; the comma makes it a PEP 440 set.
+    return ",".join(specifiers) + ("," if len(specifiers) == 1 else "")
 
 
 @st.composite

@@ -165,7 +165,7 @@ def parse_device(device: str) -> str:
 def read_nvml() -> Host:
     """Ask NVML what GPUs this machine has. Never raises: no NVML is a CPU host."""
     try:
-        import pynvml  # type: ignore[import-untyped]
+        import pynvml
 
         pynvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001  # missing package, library, driver or device node alike

@@ -152,7 +152,7 @@ def plan(
 
 
 def load_neuropod(
-    neuropod_path: str | os.PathLike[str],
+    neuropod_path: str | os.PathLike[str] | Package,
     *,
     device: str | None = None,
     backend: str | None = None,
@@ -161,7 +161,7 @@ def load_neuropod(
 ) -> NeuropodModel:
     """Load a package with the best backend installed here.
 
-    :param neuropod_path: a package directory or zip.
+    :param neuropod_path: a package directory or zip (or a :class:`Package` already read).
     :param device: ``"cpu"`` or ``"cuda:N"`` to force a device; by default a
         GPU when the model asks for one and one fits, else the CPU.
     :param backend: pin a backend, e.g. ``"onnx"`` or ``"onnx==1.31.1"``.
@@ -172,7 +172,7 @@ def load_neuropod(
     :raises NoBackendError: nothing here can run it; the message has the table.
     :raises BackendError: the framework failed to load the model.
     """
-    package = read_package(neuropod_path, verify=verify)
+    package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)
     resolution = plan(package, device=device, backend=backend)
     chosen = resolution.raise_if_unresolved()
     load = plugins.bound_hook("load_model", chosen.backend)
@@ -237,8 +237,10 @@ def run_test_data(
     **load_kwargs: Any,
 ) -> TestReport:
     """Load a package, run its bundled test inputs and compare with the expected outputs."""
-    with load_neuropod(neuropod_path, **load_kwargs) as model:
-        inputs, expected = model.package.test_data(trust_pickle=trust_pickle)
+    package = read_package(neuropod_path, verify=load_kwargs.pop("verify", True))
+    # Read the test data first: a refused pickle should not wait for a backend.
+    inputs, expected = package.test_data(trust_pickle=trust_pickle)
+    with load_neuropod(package, **load_kwargs) as model:
         outputs = model.infer(inputs)
         mismatches = compare_outputs(outputs, expected, rtol=rtol, atol=atol) if expected is not None else []
         return TestReport(model.name, model.backend.id, model.device, inputs, outputs, expected, tuple(mismatches))

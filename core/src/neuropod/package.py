@@ -41,7 +41,7 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +73,7 @@ _KNOWN_KEYS = {
     "device_requirements",
 }
 
-FileSource = Union[str, os.PathLike, bytes]
+FileSource = str | os.PathLike[str] | bytes
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,8 @@ def _read_json(path: Path, what: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise PackageError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except (ValueError, RecursionError) as e:  # an over-long integer, or nesting too deep to decode
+        raise PackageError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -402,6 +404,8 @@ def write_package(
     :returns: the path written.
     """
     dest = Path(neuropod_path)
+    # Check the config as a reader will see it before writing anything.
+    config = parse_config(json.loads(json.dumps(config.to_dict())), f"config of {dest}")
     if dest.exists():
         raise PackageError(f"{dest} already exists; choose a new path or remove it first")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -560,6 +564,8 @@ def extract_zip(source: Path, *, max_bytes: int | None = None) -> Path:
                             dst.write(chunk)
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, NotImplementedError, RuntimeError) as e:
             raise PackageError(f"{source} is not a readable zip package: {e}") from None
+        except OSError as e:  # e.g. members "a" and "a/b", or a member named "."
+            raise PackageError(f"Cannot extract zip package {source}: {e}") from None
         try:
             tmp.rename(final)
         except OSError:

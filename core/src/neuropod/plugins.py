@@ -124,7 +124,7 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             continue
         try:
             module = ep.load()
-        except Exception as e:  # a plugin's import can fail in any way
+        except Exception as e:  # noqa: BLE001 - a plugin's import can fail in any way
             _fail(ep.name, _dist_label(ep), f"import failed: {type(e).__name__}: {e}")
             continue
         register(module, ep.name, _dist_label(ep), pm=pm)
@@ -201,7 +201,7 @@ def installed_backends() -> list[Backend]:
             found = impl.function()
             if not isinstance(found, (list, tuple)) or not all(isinstance(b, Backend) for b in found):
                 raise TypeError(f"supported_versions returned {found!r}, not a list of neuropod.Backend")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not break the others
             _fail(impl.plugin_name, dist, f"supported_versions failed: {type(e).__name__}: {e}")
             continue
         backends.extend(b.with_origin(impl.plugin_name, dist) for b in found)
@@ -217,7 +217,7 @@ def _impl(hook_name: str, plugin: str) -> Callable[..., Any]:
         if impl.plugin_name == plugin:
             func, argnames = impl.function, tuple(impl.argnames)
 
-            def call(**kwargs: Any) -> Any:
+            def call(func: Callable[..., Any] = func, argnames: tuple[str, ...] = argnames, **kwargs: Any) -> Any:
                 return func(**{k: kwargs[k] for k in argnames})
 
             call.function = func  # type: ignore[attr-defined]
@@ -237,7 +237,7 @@ def backend_caps(backend: Backend) -> DeviceCaps:
         caps = bound_hook("device_caps", backend)(backend=backend)
     except NoBackendError:
         return DeviceCaps(cpu=True, note="plugin does not report device_caps")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - as above
         info = _state.infos.get(backend.plugin)
         _fail(backend.plugin, info.distribution if info else "(unknown)", f"device_caps failed: {e}")
         return DeviceCaps(cpu=False, note=f"device_caps failed: {e}")

@@ -185,7 +185,7 @@ def _pick_device(
         if not any(g.device == device for g in host.gpus):
             return None, f"device={device!r} was requested, but the host has no such GPU"
         return None, f"device={device!r} was requested, but " + "; ".join(gpu_reasons or ["it does not fit"])
-    if fitting and prefers:
+    if fitting and (prefers or not caps.cpu):
         best = max(fitting, key=lambda g: (g.memory_free, -g.index))
         return best.device, f"ok: {_describe_gpu(best)}"
     if caps.cpu and not requires:

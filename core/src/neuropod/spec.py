@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +39,7 @@ DTYPES: dict[str, np.dtype[Any] | None] = {
     "string": None,
 }
 
-Dim = Union[int, str, None]
+Dim = int | str | None
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,8 @@ def _parse_entry(entry: Any, where: str) -> TensorSpec:
         raise PackageError(f"{where} ({name!r}): shape must be a list, not {_kind(shape)}")
     dims: list[Dim] = []
     for j, dim in enumerate(shape):
+        if isinstance(dim, np.integer):  # packager callers often pass numpy sizes
+            dim = int(dim)
         ok = (
             dim is None
             or (isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0)
@@ -246,7 +248,7 @@ def _check_strings(arr: np.ndarray, spec: TensorSpec, kind: str, model: str) -> 
         return
     if k == "O":
         for item in arr.flat:
-            if type(item) is not str:
+            if type(item) is not str and not isinstance(item, str):
                 _fail(spec, kind, model, f"string tensors hold str, but an element is {_kind(item)} ({item!r:.40})")
         return
     hint = " (decode bytes to str first)" if k == "S" else ""

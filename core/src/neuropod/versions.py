@@ -32,6 +32,10 @@ to one of two families, picked per alternative:
   prerelease". The PEP 440 spelling (``>=2.16.0rc0``) is accepted too. Any
   other tag is an error, since it has no place in PEP 440 ordering.
 
+  Two small leniencies beyond node-semver: leading zeros are accepted
+  (``2024.01``), and numbers after a wildcard are ignored everywhere
+  (``1.x.3`` is ``1.x``; node-semver does that only in ``^``/``~``/hyphens).
+
 Matching decisions
 ------------------
 * **Local labels never exclude a match**: ``2.13.0+cpu`` is compared as
@@ -41,15 +45,22 @@ Matching decisions
 * **Post releases follow PEP 440 ordering**: ``2.15.0.post1`` sorts just after
   ``2.15.0``, so it satisfies ``>=2.15.0``, ``^2.15.0``, ``~2.15.0``,
   ``2.15.x`` and ``<2.16`` but not ``<=2.15.0`` or the exact ``2.15.0``.
+  npm ``>2.15.0`` matches it too; PEP 440 ``>2.15.0`` does not, by its spec.
 * **Prereleases (including ``.devN``) must be asked for.** In the npm family
   the node-semver rule applies: a prerelease matches an AND-set only if one
   of that set's comparators names a prerelease of the same release
   (``>=2.16.0-rc.0`` admits ``2.16.0rc1``; ``>=2.15`` and ``*`` do not). In
-  the PEP 440 family a prerelease matches only if some specifier names one
+  the PEP 440 family a prerelease matches only if some specifier other than
+  ``!=`` names one
   (packaging's classic rule, applied explicitly because packaging 26 changed
   its default). Upper bounds created by desugaring (``^1.2.3`` gives
   ``<2.0.0-0``) sit below every prerelease of that release.
 * Versions with more than three release parts (``1.2.3.4``) compare by PEP 440.
+
+:meth:`VersionRange.describe` renders each alternative as PEP 440 style
+comparators joined by ", " and alternatives by " || " (``>=2.13 <2.15`` gives
+``>=2.13.0, <2.15.0``; ``1.x || ^3.1`` gives ``>=1.0.0, <2.0.0 || >=3.1.0,
+<4.0.0``).
 """
 
 from __future__ import annotations
@@ -179,6 +190,7 @@ class _NpmSet:
 @dataclass(frozen=True)
 class _PepSet:
     specifiers: tuple[Specifier, ...]  # in the order written, for describe()
+    specifier_set: SpecifierSet
     allows_prereleases: bool
     uses_local: bool
 
@@ -187,7 +199,7 @@ class _PepSet:
             version = _public(version)
         if version.is_prerelease and not self.allows_prereleases:
             return False
-        return SpecifierSet(self.specifiers).contains(version, prereleases=True)
+        return self.specifier_set.contains(version, prereleases=True)
 
     def describe(self) -> str:
         return ", ".join(map(str, self.specifiers)) or "*"
@@ -226,13 +238,17 @@ def _parse_pep440(part: str) -> _PepSet:
             spec = Specifier(item)
         except InvalidSpecifier:
             raise _Problem(f"'{item}' is not a valid PEP 440 specifier") from None
+        if not spec.version:  # packaging accepts a bare "==="
+            raise _Problem(f"'{item}' has no version")
         if spec.operator != "===":
             # Parsed now so a bad number fails here, not later in satisfies().
             bound = Version(spec.version.removesuffix(".*"))
             allows_prereleases |= spec.operator != "!=" and bound.is_prerelease
         specifiers.append(spec)
     uses_local = any("+" in s.version for s in specifiers)
-    return _PepSet(tuple(specifiers), allows_prereleases, uses_local)
+    return _PepSet(
+        tuple(specifiers), SpecifierSet(specifiers), allows_prereleases, uses_local
+    )
 
 
 def _prerelease(release: str, npm_tag: str | None, pep_tag: str | None) -> Version:
@@ -253,10 +269,9 @@ def _ints(match: re.Match[str]) -> tuple[int | None, int | None, int | None]:
     parts: list[int | None] = []
     for name in ("M", "m", "p"):
         text = match[name]
-        if text is None or text in ("x", "X", "*") or None in parts:
-            parts.append(None)
-        else:
-            parts.append(int(text))
+        # node-semver ignores numbers after a wildcard ("^1.x.3" is "^1.x").
+        wild = text is None or text in ("x", "X", "*") or None in parts
+        parts.append(None if wild else int(text))
     return parts[0], parts[1], parts[2]
 
 

@@ -185,6 +185,6 @@ class OnnxModel:
         return dict(zip(names, self._run(names, inputs)))
 
     def close(self) -> None:
-        # Dropping the last reference frees the session's memory.
-        self.session = None  # type: ignore[assignment]
-        self._run = None  # type: ignore[assignment]
+        # Dropping the last references frees the session's memory.
+        self.__dict__.pop("session", None)
+        self.__dict__.pop("_run", None)

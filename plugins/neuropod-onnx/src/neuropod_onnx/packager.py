@@ -11,7 +11,6 @@ from neuropod import __version__ as neuropod_version
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.package import ModelConfig, write_package
 from neuropod.spec import parse_spec
-
 from neuropod_onnx import PLATFORM, _installed
 
 MODEL_PATH = "0/data/model.onnx"

@@ -1,0 +1,157 @@
+"""Plugin discovery through real entry points: broken plugins, allow and block lists."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from neuropod import hookimpl, hookspecs, plugins
+from neuropod.errors import PluginNotInstalledError
+
+from _toy_backend import ToyPlugin
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory on sys.path where tests install small distributions with entry points."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugins.reset()
+    yield tmp_path
+    plugins.reset()
+    for name in [m for m in sys.modules if m.startswith("np_test_")]:
+        del sys.modules[name]
+
+
+def install_dist(site: Path, dist: str, version: str, entry_points: str, modules: dict[str, str]) -> None:
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+    for name, code in modules.items():
+        (site / f"{name}.py").write_text(textwrap.dedent(code))
+
+
+GOOD = """
+    import importlib_metadata
+    from neuropod import hookimpl
+    from neuropod.backend import Backend
+
+    @hookimpl
+    def supported_versions():
+        return [Backend("good", importlib_metadata.version("good-framework"), "good-framework")]
+"""
+
+
+def test_broken_plugins_are_skipped_with_a_warning_naming_them(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEUROPOD_PLUGINS", "good,broken,typo,raises")  # not the plugins this venv has
+    install_dist(site, "good-framework", "3.1.4", "", {})
+    install_dist(site, "neuropod-good", "1.0", "[neuropod.backends]\ngood = np_test_good\n", {"np_test_good": GOOD})
+    install_dist(
+        site, "neuropod-broken", "0.9", "[neuropod.backends]\nbroken = np_test_broken\n",
+        {"np_test_broken": "raise ImportError('needs libfoo.so')\n"},
+    )
+    install_dist(
+        site, "neuropod-typo", "0.1", "[neuropod.backends]\ntypo = np_test_typo\n",
+        {"np_test_typo": "from neuropod import hookimpl\n@hookimpl\ndef supported_version():\n    return []\n"},
+    )
+    install_dist(
+        site, "neuropod-raises", "2.0", "[neuropod.backends]\nraises = np_test_raises\n",
+        {"np_test_raises": "from neuropod import hookimpl\n@hookimpl\ndef supported_versions():\n    1 / 0\n"},
+    )
+    with pytest.warns(plugins.PluginWarning) as caught:
+        backends = plugins.installed_backends()
+    assert [(b.platform, b.version, b.plugin, b.plugin_distribution) for b in backends] == [
+        ("good", "3.1.4", "good", "neuropod-good 1.0")
+    ]
+    failures = {f.name: f for f in plugins.plugin_failures()}
+    assert set(failures) == {"broken", "typo", "raises"}
+    assert failures["broken"].distribution == "neuropod-broken 0.9"
+    assert "ImportError: needs libfoo.so" in failures["broken"].error
+    assert "supported_version" in failures["typo"].error and "do not exist" in failures["typo"].error
+    assert "ZeroDivisionError" in failures["raises"].error
+    messages = " ".join(str(w.message) for w in caught)
+    assert "neuropod-broken 0.9" in messages and "neuropod-typo 0.1" in messages
+
+
+def test_allow_and_block_lists(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    install_dist(site, "good-framework", "3.1.4", "", {})
+    install_dist(site, "neuropod-good", "1.0", "[neuropod.backends]\ngood = np_test_good\n", {"np_test_good": GOOD})
+    install_dist(
+        site, "neuropod-broken", "0.9", "[neuropod.backends]\nbroken = np_test_broken\n",
+        {"np_test_broken": "raise ImportError('x')\n"},
+    )
+    monkeypatch.setenv("NEUROPOD_DISABLE_PLUGINS", "broken")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the blocked plugin is not even imported
+        assert "good" in {b.platform for b in plugins.installed_backends()}
+    plugins.reset()
+    monkeypatch.delenv("NEUROPOD_DISABLE_PLUGINS")
+    monkeypatch.setenv("NEUROPOD_PLUGINS", "broken")
+    with pytest.warns(plugins.PluginWarning):
+        assert plugins.installed_backends() == []
+    plugins.reset()
+    monkeypatch.setenv("NEUROPOD_PLUGINS", "")
+    assert plugins.installed_backends() == [] and plugins.plugin_failures() == []
+
+
+def test_register_rejects_unknown_hooks_and_bad_signatures() -> None:
+    class Typo:
+        @hookimpl
+        def infer_model(self) -> None: ...
+
+    class BadArgs:
+        @hookimpl
+        def infer(self, model, inputs, requested_outputs, surprise): ...  # type: ignore[no-untyped-def]
+
+    with pytest.warns(plugins.PluginWarning, match="infer_model"):
+        assert not plugins.register(Typo(), "typo")
+    with pytest.warns(plugins.PluginWarning, match="surprise"):
+        assert not plugins.register(BadArgs(), "badargs")
+    plugins.get_plugin_manager().check_pending()
+
+
+def test_subset_of_arguments_is_allowed() -> None:
+    class Minimal:
+        @hookimpl
+        def supported_versions(self):  # type: ignore[no-untyped-def]
+            return []
+
+        @hookimpl
+        def device_caps(self):  # type: ignore[no-untyped-def] # takes none of the hook's arguments
+            return None
+
+    assert plugins.register(Minimal(), "minimal")
+    plugins.unregister("minimal")
+
+
+def test_every_hook_is_documented_and_exercised() -> None:
+    """Each hookspec has a docstring with its params, and the toy backend implements it."""
+    names = [n for n in ("supported_versions", "device_caps", "load_model", "infer")]
+    for name in names:
+        spec = getattr(hookspecs, name)
+        assert spec.__doc__ and ":returns:" in spec.__doc__, name
+        assert hasattr(ToyPlugin, name), name
+    pm = plugins.get_plugin_manager()
+    specified = [h for h in dir(pm.hook) if not h.startswith("_") and getattr(pm.hook, h).has_spec()]
+    assert sorted(specified) == sorted(names)
+
+
+def test_packager_for_a_missing_plugin() -> None:
+    with pytest.raises(PluginNotInstalledError, match="create_tensorflow_neuropod needs.*pip install neuropod-tensorflow"):
+        from neuropod.packagers import create_tensorflow_neuropod  # noqa: F401
+    with pytest.raises(ImportError):  # it is an ImportError too
+        from neuropod.packagers import create_foo_neuropod  # noqa: F401
+    with pytest.raises(AttributeError):
+        import neuropod.packagers
+
+        neuropod.packagers.something_else  # noqa: B018
+
+
+def test_install_hints() -> None:
+    assert plugins.install_hint("torchscript") == "pip install neuropod-torchscript"
+    assert "no known Neuropod plugin runs platform 'caffe'" in plugins.install_hint("caffe")

@@ -1,0 +1,124 @@
+"""Every test, lint, type, benchmark and build session.
+
+    nox -t ci                      what CI runs (README's test command)
+    nox -s tests_core              core tests on Python 3.10 to 3.13
+    nox -s tests_onnx              the ONNX plugin on several onnxruntime releases
+    nox -s lint types              ruff, mypy
+    nox -s bench                   benchmarks (print ratios against the raw framework)
+    nox -s build                   wheels for the core and every plugin into dist/
+
+Plugins are discovered from ``plugins/``; each is installed next to the core
+from source, never from PyPI (PyPI's old ``neuropod`` 0.2 is another project).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import nox
+from packaging.version import Version
+
+ROOT = Path(__file__).parent
+CORE = ROOT / "core"
+PLUGINS = sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file())
+PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+DEFAULT_PYTHON = "3.11"
+
+# onnxruntime releases the ONNX plugin is tested against: the newest is the
+# default (what CI runs), the others the matrix.
+ONNXRUNTIME_VERSIONS = ["1.31.1", "1.24.4", "1.20.1"]
+ONNXRUNTIME_DEFAULT = ONNXRUNTIME_VERSIONS[0]
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run(
+        "python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *paths, *session.posargs,
+        env={"NEUROPOD_CACHE_DIR": tempfile.mkdtemp(prefix="neuropod-cache-")},
+    )
+
+
+@nox.session(python=PYTHONS, tags=["ci"])
+def tests_core(session: nox.Session) -> None:
+    """The core's tests, with no backend framework installed."""
+    session.install(f"{CORE}[test]")
+    _pytest(session, "core/tests")
+
+
+@nox.session(python=DEFAULT_PYTHON)
+@nox.parametrize("onnxruntime", ONNXRUNTIME_VERSIONS)
+def tests_onnx(session: nox.Session, onnxruntime: str) -> None:
+    """The ONNX plugin against one onnxruntime release."""
+    _install_onnx(session, onnxruntime)
+    _pytest(session, "plugins/neuropod-onnx/tests")
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def tests_onnx_default(session: nox.Session) -> None:
+    """The ONNX plugin on the default onnxruntime, plus the core's end-to-end tests with it."""
+    _install_onnx(session, ONNXRUNTIME_DEFAULT)
+    _pytest(session, "plugins/neuropod-onnx/tests", "core/tests")
+
+
+def _install_onnx(session: nox.Session, onnxruntime: str) -> None:
+    # onnxruntime-extensions ships the custom-op library the tests register;
+    # its newest releases follow onnxruntime, so older runtimes get an older one.
+    extensions = "onnxruntime-extensions" if Version(onnxruntime) >= Version("1.24") else "onnxruntime-extensions<0.14"
+    session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]", f"onnxruntime=={onnxruntime}", extensions)
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def types(session: nox.Session) -> None:
+    """mypy (strict) over the core and the plugins."""
+    session.install("mypy", f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}")
+    session.run("mypy", "core/src/neuropod", "plugins/neuropod-onnx/src/neuropod_onnx")
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks: our call against the raw framework call, same run."""
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
+    for script in sorted((ROOT / "bench").glob("bench_*.py")):
+        session.run("python", str(script), *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def build(session: nox.Session) -> None:
+    """Wheels and sdists for the core and every plugin, into dist/."""
+    session.install("build", "twine")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for project in [CORE, *PLUGINS]:
+        session.run("python", "-m", "build", "--outdir", str(dist), str(project))
+    session.run("twine", "check", "--strict", *sorted(str(p) for p in dist.iterdir()))
+    _check_plugin_needs_our_core(session, dist)
+
+
+def _check_plugin_needs_our_core(session: nox.Session, dist: Path) -> None:
+    """A plugin wheel offered without our core must fail to install, not pull another `neuropod`."""
+    wheels = Path(tempfile.mkdtemp(prefix="plugin-only-"))
+    for whl in dist.glob("neuropod_onnx-*.whl"):
+        shutil.copy(whl, wheels)
+    venv = Path(tempfile.mkdtemp(prefix="venv-")) / "v"
+    session.run("python", "-m", "venv", str(venv))
+    py = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    out = session.run(
+        str(py), "-m", "pip", "install", "--dry-run", "--no-index", "--find-links", str(wheels), "neuropod-onnx",
+        success_codes=[1], silent=True, external=True,
+    )
+    if "No matching distribution found for neuropod" not in str(out):
+        session.error(f"installing the plugin alone did not fail on the missing core:\n{out}")
+    session.log("ok: the plugin alone fails with 'No matching distribution found for neuropod<0.5,>=0.4'")

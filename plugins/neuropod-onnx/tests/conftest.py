@@ -1,0 +1,107 @@
+"""Real ONNX models built with onnx.helper, and a private package cache per test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+FIXTURES = Path(__file__).resolve().parents[3].parent / "shared" / "fixtures" / "uber-neuropod-0.3"
+
+ONNX_TYPES = {
+    "float16": TensorProto.FLOAT16,
+    "float32": TensorProto.FLOAT,
+    "float64": TensorProto.DOUBLE,
+    "int8": TensorProto.INT8,
+    "int16": TensorProto.INT16,
+    "int32": TensorProto.INT32,
+    "int64": TensorProto.INT64,
+    "uint8": TensorProto.UINT8,
+    "uint16": TensorProto.UINT16,
+    "uint32": TensorProto.UINT32,
+    "uint64": TensorProto.UINT64,
+    "bool": TensorProto.BOOL,
+    "string": TensorProto.STRING,
+}
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(cache))
+    return cache
+
+
+def make_model(
+    nodes: Sequence[onnx.NodeProto],
+    inputs: Sequence[tuple[str, str, Sequence[Any]]],
+    outputs: Sequence[tuple[str, str, Sequence[Any]]],
+    initializers: Sequence[onnx.TensorProto] = (),
+    extra_opsets: Sequence[tuple[str, int]] = (),
+) -> onnx.ModelProto:
+    """An ONNX model (IR 8, opset 17) from nodes and (name, dtype, shape) triples."""
+    graph = helper.make_graph(
+        list(nodes),
+        "test",
+        [helper.make_tensor_value_info(n, ONNX_TYPES[t], list(s)) for n, t, s in inputs],
+        [helper.make_tensor_value_info(n, ONNX_TYPES[t], list(s)) for n, t, s in outputs],
+        initializer=list(initializers),
+    )
+    opsets = [helper.make_opsetid("", 17)] + [helper.make_opsetid(d, v) for d, v in extra_opsets]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8  # readable by every onnxruntime in the test matrix
+    onnx.checker.check_model(model)
+    return model
+
+
+def spec(*entries: tuple[str, str, Sequence[Any]]) -> list[dict[str, Any]]:
+    return [{"name": n, "dtype": t, "shape": list(s)} for n, t, s in entries]
+
+
+@pytest.fixture
+def adder_model() -> onnx.ModelProto:
+    """out = x + y over float32 [batch_size, 2]; also doubled = out * 2."""
+    return make_model(
+        [
+            helper.make_node("Add", ["x", "y"], ["out"]),
+            helper.make_node("Mul", ["out", "two"], ["doubled"]),
+        ],
+        [("x", "float32", ["batch_size", 2]), ("y", "float32", ["batch_size", 2])],
+        [("out", "float32", ["batch_size", 2]), ("doubled", "float32", ["batch_size", 2])],
+        [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])],
+    )
+
+
+ADDER_INPUT_SPEC = spec(("x", "float32", ["batch_size", 2]), ("y", "float32", ["batch_size", 2]))
+ADDER_OUTPUT_SPEC = spec(("out", "float32", ["batch_size", 2]), ("doubled", "float32", ["batch_size", 2]))
+
+
+@pytest.fixture
+def make_adder(tmp_path: Path, adder_model: onnx.ModelProto) -> Callable[..., Path]:
+    """Package the adder; keyword arguments go to create_onnx_neuropod."""
+    from neuropod.packagers import create_onnx_neuropod
+
+    counter = iter(range(1000))
+
+    def make(**kwargs: Any) -> Path:
+        kwargs.setdefault("input_spec", ADDER_INPUT_SPEC)
+        kwargs.setdefault("output_spec", ADDER_OUTPUT_SPEC)
+        path: Path = create_onnx_neuropod(
+            tmp_path / f"adder{next(counter)}.neuropod", "adder", onnx_model=adder_model, **kwargs
+        )
+        return path
+
+    return make
+
+
+def xy(batch: int = 2) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(batch)
+    return {
+        "x": rng.standard_normal((batch, 2)).astype(np.float32),
+        "y": rng.standard_normal((batch, 2)).astype(np.float32),
+    }
