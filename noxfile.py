@@ -32,6 +32,29 @@ DEFAULT_PYTHON = "3.11"
 ONNXRUNTIME_VERSIONS = ["1.31.1", "1.24.4", "1.20.1"]
 ONNXRUNTIME_DEFAULT = ONNXRUNTIME_VERSIONS[0]
 
+
+
+def _find_pythons() -> None:
+    """Put pyenv's interpreters on PATH when ``python3.X`` is not there (pyenv
+    shims only answer for the active version), so every listed Python runs."""
+    import glob
+    import subprocess
+
+    missing = []
+    for version in PYTHONS:
+        exe = shutil.which(f"python{version}")
+        ok = exe is not None and subprocess.run([exe, "--version"], capture_output=True).returncode == 0
+        if not ok:
+            missing.append(version)
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    dirs = [sorted(glob.glob(f"{root}/versions/{v}.*/bin"))[-1:] for v in missing]
+    extra = [d[0] for d in dirs if d]
+    if extra:
+        os.environ["PATH"] = os.pathsep.join([*extra, os.environ.get("PATH", "")])
+
+
+_find_pythons()
+
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True

@@ -6,6 +6,9 @@ They hold no framework objects, so building them never imports a framework.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from dataclasses import dataclass, field, replace
 
 
@@ -68,4 +71,50 @@ class DeviceCaps:
         return f"{text} ({self.note})" if self.note else text
 
 
-__all__ = ["Backend", "DeviceCaps"]
+_DIST_INFO = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info")
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _dist_infos(directory: str) -> dict[str, str]:
+    """Normalized distribution name -> version, from the ``.dist-info`` folder names in one directory."""
+    try:
+        entries = os.listdir(directory or ".")
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for entry in entries:
+        m = _DIST_INFO.fullmatch(entry)
+        if m:
+            found.setdefault(_normalize(m["name"]), m["version"])
+    return found
+
+
+def installed_distribution(*names: str) -> tuple[str, str] | None:
+    """The first of ``names`` that is installed, as ``(name, version)``, or None.
+
+    For plugins' ``supported_versions``: it reads the ``{name}-{version}.dist-info``
+    folder names that installers write (PEP 427/376), so listing backends
+    needs neither the framework nor a metadata parse; a distribution found
+    no other way (an egg, a zip) falls back to importlib-metadata.
+    Directories are searched in ``sys.path`` order, as imports are.
+    """
+    wanted = [_normalize(n) for n in names]
+    listings = [_dist_infos(d) for d in sys.path if isinstance(d, str)]
+    for name, norm in zip(names, wanted):
+        for found in listings:
+            if norm in found:
+                return name, found[norm]
+    import importlib_metadata
+
+    for name in names:
+        try:
+            return name, importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+__all__ = ["Backend", "DeviceCaps", "installed_distribution"]

@@ -434,6 +434,7 @@ def write_package(
         if package_as_zip:
             write_zip(staging, dest)
         else:
+            staging.chmod(0o755)  # mkdtemp made it private; a package is meant to be shared
             staging.rename(dest)
     finally:
         if staging.exists():

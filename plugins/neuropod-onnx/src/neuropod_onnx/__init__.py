@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import importlib_metadata
 from packaging.version import Version
 
 from neuropod import hookimpl
-from neuropod.backend import Backend, DeviceCaps
+from neuropod.backend import Backend, DeviceCaps, installed_distribution
 
 if TYPE_CHECKING:
     import numpy as np
@@ -29,13 +28,8 @@ _GPU_DISTRIBUTIONS = {"onnxruntime-gpu"}
 
 
 def _installed() -> list[tuple[str, str]]:
-    found = []
-    for dist in FRAMEWORK_DISTRIBUTIONS:
-        try:
-            found.append((dist, importlib_metadata.version(dist)))
-        except importlib_metadata.PackageNotFoundError:
-            continue
-    return found
+    """(distribution, version) of every installed onnxruntime build, best first."""
+    return [found for dist in FRAMEWORK_DISTRIBUTIONS if (found := installed_distribution(dist))]
 
 
 @hookimpl
