@@ -61,10 +61,12 @@ nox.options.error_on_missing_interpreters = True
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
-    session.run(
-        "python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *paths, *session.posargs,
-        env={"NEUROPOD_CACHE_DIR": tempfile.mkdtemp(prefix="neuropod-cache-")},
-    )
+    # A private package cache per run, removed afterwards: tests leave nothing behind.
+    with tempfile.TemporaryDirectory(prefix="neuropod-cache-") as cache:
+        session.run(
+            "python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *paths, *session.posargs,
+            env={"NEUROPOD_CACHE_DIR": cache},
+        )
 
 
 @nox.session(python=PYTHONS, tags=["ci"])

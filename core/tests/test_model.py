@@ -67,6 +67,16 @@ def test_no_backend_for_platform(tmp_path: Path) -> None:
         neuropod.load_neuropod(path)
 
 
+def test_unknown_platform(tmp_path: Path) -> None:
+    path = write_toy(tmp_path / "m", platform="caffe")
+    with toy_plugin(), pytest.raises(NoBackendError) as info:
+        neuropod.load_neuropod(path)
+    text = str(info.value)
+    assert "needs platform 'caffe'" in text
+    assert "no known Neuropod plugin runs platform 'caffe' (known: keras, onnx, tensorflow, tensorrt, torchscript)" in text
+    assert "runs platform 'toy', not 'caffe'" in text
+
+
 def test_missing_package() -> None:
     with pytest.raises(PackageError, match="No Neuropod package at /nonexistent"):
         neuropod.load_neuropod("/nonexistent/model")
