@@ -3,6 +3,7 @@
     nox -t ci                      what CI runs (README's test command)
     nox -s tests_core              core tests on Python 3.10 to 3.13
     nox -s tests_onnx              the ONNX plugin on onnxruntime 1.31.1, 1.24.4 and 1.20.1
+    nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s build                   wheels for the core and every plugin into dist/
@@ -84,6 +85,21 @@ def tests_onnx(session: nox.Session, onnxruntime: str) -> None:
     _pytest(session, "plugins/neuropod-onnx/tests")
 
 
+# torch releases the TorchScript plugin is tested against. 2.13.0 (a CPU
+# build) is the default and the one CI runs; 2.14.1 is a CUDA build of
+# several GB (CPU-tested here), run by `nox -s tests_torchscript`.
+TORCH_VERSIONS = [nox.param("2.13.0", tags=["ci"]), "2.14.1"]
+TORCH_DEFAULT = "2.13.0"
+
+
+@nox.session(python=DEFAULT_PYTHON)
+@nox.parametrize("torch", TORCH_VERSIONS)
+def tests_torchscript(session: nox.Session, torch: str) -> None:
+    """The TorchScript plugin against one torch release (needs g++ for the custom-op test)."""
+    session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-torchscript'}[test]", f"torch=={torch}")
+    _pytest(session, "plugins/neuropod-torchscript/tests")
+
+
 def _install_onnx(session: nox.Session, onnxruntime: str) -> None:
     # onnxruntime-extensions ships the custom-op library the tests register;
     # its newest releases follow onnxruntime, so older runtimes get an older one.
@@ -101,14 +117,17 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def types(session: nox.Session) -> None:
     """mypy (strict) over the core and the plugins."""
-    session.install("mypy", f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}")
-    session.run("mypy", "core/src/neuropod", "plugins/neuropod-onnx/src/neuropod_onnx")
+    session.install("mypy", f"{CORE}", *[str(p) for p in PLUGINS], f"torch=={TORCH_DEFAULT}")
+    session.run("mypy", "core/src/neuropod", *[str(next((p / "src").iterdir())) for p in PLUGINS])
 
 
 @nox.session(python=DEFAULT_PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks: our call against the raw framework call, same run."""
-    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx")
+    session.install(
+        f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx",
+        f"{ROOT / 'plugins/neuropod-torchscript'}", f"torch=={TORCH_DEFAULT}",
+    )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
         session.run("python", str(script), *session.posargs)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,9 +91,7 @@ class NeuropodModel:
         except NeuropodError:
             raise
         except Exception as e:
-            raise BackendError(
-                f"Backend {self.backend.id} failed to run model {self.name!r}: {type(e).__name__}: {e}"
-            ) from e
+            raise BackendError(f"Backend {self.backend.id} failed to run model {self.name!r}: {_framework_error(e)}") from e
         if type(outputs) is not dict:
             if not isinstance(outputs, Mapping):
                 raise BackendError(
@@ -123,6 +122,17 @@ class NeuropodModel:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.backend.id} on {self.device}"
         return f"<NeuropodModel {self.name!r} ({self.platform}) {state}>"
+
+
+def _framework_error(e: BaseException) -> str:
+    """A framework's exception as text: its last line first (frameworks such as
+    TorchScript put the actual error under a long trace of the model's code),
+    then the whole message."""
+    text = str(e).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return f"{type(e).__name__}: {text}"
+    return f"{lines[-1].strip()}\n{type(e).__name__} from the framework:\n{text}"
 
 
 def _host(host: Host | str | os.PathLike[str] | None) -> Host:
@@ -183,7 +193,7 @@ def load_neuropod(
     except Exception as e:
         raise BackendError(
             f"Backend {chosen.backend.id} failed to load model {package.name!r} from {package.source}: "
-            f"{type(e).__name__}: {e}"
+            f"{_framework_error(e)}"
         ) from e
     if handle is None:
         raise BackendError(f"Plugin {chosen.backend.plugin!r} did not load model {package.name!r}")
@@ -246,24 +256,47 @@ def run_test_data(
         return TestReport(model.name, model.backend.id, model.device, inputs, outputs, expected, tuple(mismatches))
 
 
-def check_packaged(neuropod_path: str | os.PathLike[str], **kwargs: Any) -> TestReport:
-    """For packagers: run a new package's test data; remove the package and raise if it fails.
+def check_packaged(neuropod_path: str | os.PathLike[str], **kwargs: Any) -> TestReport | None:
+    """For packagers: load a new package once and run its test data, if it has expected outputs.
 
-    A package that cannot reproduce its own test output is not left behind
-    for someone to deploy by mistake.
+    A package that cannot load (say, a spec that does not fit the model) or
+    does not reproduce its own test output is removed, so nobody deploys it
+    by mistake; the error says why. Without expected outputs, a package that
+    no backend here can run (made for another framework version) is kept
+    with a warning that it was not checked.
+
+    :param kwargs: for :func:`load_neuropod` (e.g. ``backend=``), plus
+        ``rtol``/``atol`` for the comparison.
+    :returns: the test report, or None when there was nothing to compare.
     """
+    rtol, atol = kwargs.pop("rtol", 1e-5), kwargs.pop("atol", 1e-6)
     try:
-        report = run_test_data(neuropod_path, **kwargs)
-        if not report.passed:
-            raise PackageError(
-                f"The new package for model {report.model!r} does not reproduce its expected test output "
-                f"with {report.backend} on {report.device}: " + "; ".join(report.mismatches)
-                + ". The package was not kept."
+        package = read_package(neuropod_path)
+        if (package.root / "test_data" / "expected.npz").is_file():
+            report = run_test_data(package.source, rtol=rtol, atol=atol, **kwargs)
+            if not report.passed:
+                raise PackageError(
+                    f"The new package for model {report.model!r} does not reproduce its expected test output "
+                    f"with {report.backend} on {report.device}: " + "; ".join(report.mismatches)
+                    + ". The package was not kept."
+                )
+            return report
+        resolution = plan(package, device=kwargs.get("device"), backend=kwargs.get("backend"))
+        if resolution.chosen is None:
+            # Packaging for a framework version this machine does not have is
+            # legitimate; say that the package was not tried rather than fail.
+            warnings.warn(
+                f"Package {package.source} was not checked by loading it: no installed backend can run it here "
+                f"({resolution.advice()})",
+                UserWarning,
+                stacklevel=3,
             )
+            return None
+        load_neuropod(package, **kwargs).close()
+        return None
     except BaseException:
         _remove(Path(neuropod_path))
         raise
-    return report
 
 
 def _remove(path: Path) -> None:

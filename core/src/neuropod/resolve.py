@@ -81,7 +81,7 @@ class Resolution:
         same = [c for c in self.candidates if c.backend.platform == cfg.platform]
         if not same:
             return f"No backend for platform {cfg.platform!r} is installed: {install_hint(cfg.platform)}."
-        if self.requested_backend and not any(c.backend.id == self.requested_backend for c in same):
+        if self.requested_backend and all(c.reason.startswith(_NOT_PINNED) for c in same):
             return f"Nothing matches backend={self.requested_backend!r}; drop the pin or install that version."
         if not any(_in_range(c.backend, cfg.platform_version_semver) for c in same):
             return (
@@ -98,6 +98,9 @@ class Resolution:
         if self.chosen is None:
             raise NoBackendError(f"{self.summary()}\nCandidates:\n{self.table()}")
         return self.chosen
+
+
+_NOT_PINNED = "not the requested backend"
 
 
 def describe_range(text: str) -> str:
@@ -245,7 +248,7 @@ def resolve(
             candidates.append(Candidate(b, c, None, f"runs platform {b.platform!r}, not {config.platform!r}"))
             continue
         if pin is not None and (pin[0] != b.platform or (pin[1] and not _version_in(b.version, pin[1]))):
-            candidates.append(Candidate(b, c, None, f"not the requested backend {backend!r}"))
+            candidates.append(Candidate(b, c, None, f"{_NOT_PINNED} {backend!r}"))
             continue
         if not _version_in(b.version, rng.text):
             candidates.append(

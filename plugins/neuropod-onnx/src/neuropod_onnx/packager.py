@@ -9,6 +9,7 @@ from typing import Any
 
 from neuropod import __version__ as neuropod_version
 from neuropod.errors import NeuropodError, PackageError
+from neuropod.model import check_packaged
 from neuropod.package import ModelConfig, write_package
 from neuropod.spec import parse_spec
 from neuropod_onnx import PLATFORM, _installed
@@ -93,10 +94,7 @@ def create_onnx_neuropod(
         test_expected_out=test_expected_out,
         package_as_zip=package_as_zip,
     )
-    if test_input_data is not None and test_expected_out is not None:
-        from neuropod.model import check_packaged
-
-        check_packaged(path, backend=PLATFORM, rtol=test_rtol, atol=test_atol)
+    check_packaged(path, backend=PLATFORM, rtol=test_rtol, atol=test_atol)
     return path
 
 

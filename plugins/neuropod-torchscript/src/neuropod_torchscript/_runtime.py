@@ -1,0 +1,305 @@
+"""The TorchScript module behind a loaded model (imports torch).
+
+Calling conventions, read from the scripted ``forward``'s schema at load
+time (as the original Neuropod supported them):
+
+* ``forward(self, x, y, ...)``: one argument per input name. Arguments with
+  a default (or ``Optional``) may be left out by the caller.
+* ``forward(self, inputs: Dict[str, Tensor])``, ``Dict[str, List[str]]`` or
+  ``Dict[str, Union[Tensor, List[str]]]``: one dict of every input.
+
+String tensors travel as ``List[str]`` (so they must be 1-D). ``forward``
+may return a dict of tensors and/or ``List[str]``, a single tensor (when the
+output spec has exactly one entry), a named tuple, or a tuple of dicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import warnings
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
+from neuropod.package import Package
+from neuropod.spec import TensorSpec
+
+MODEL_FILE = "model.pt"
+
+#: Load options this backend accepts. Both are process-wide in PyTorch.
+LOAD_OPTIONS = {
+    "intra_op_num_threads": "threads inside one operator (torch.set_num_threads; process-wide)",
+    "inter_op_num_threads": "threads across operators (torch.set_num_interop_threads; process-wide, settable once)",
+}
+
+# Inference mode per call, as a C++ guard: the Python context manager costs a
+# few microseconds a call, more than everything else neuropod adds.
+_InferenceGuard: Callable[[bool], Any] | None = getattr(torch._C, "_InferenceMode", None)
+
+_ops_lock = threading.Lock()
+_loaded_ops: dict[str, Path] = {}
+
+
+def load_custom_ops(paths: Sequence[Path], where: str) -> None:
+    """Load custom-op libraries once per process per file content.
+
+    The same library shipped in several packages (or extracted twice) is
+    loaded once; PyTorch would reject registering its ops a second time.
+    """
+    for path in paths:
+        if not path.is_file():
+            raise PackageError(f"{where}: custom op library {path} is listed in config.json but missing")
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        with _ops_lock:
+            if digest in _loaded_ops:
+                continue
+            try:
+                torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
+            except Exception as e:
+                raise PackageError(
+                    f"{where}: custom op library {path.name} failed to load in torch {torch.__version__}: {e}"
+                ) from e
+            _loaded_ops[digest] = path
+
+
+def _set_threads(options: Mapping[str, Any]) -> None:
+    unknown = sorted(set(options) - set(LOAD_OPTIONS))
+    if unknown:
+        known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
+        raise NeuropodError(f"Unknown TorchScript load option(s) {', '.join(map(repr, unknown))}. Known: {known}")
+    for key, getter, setter in (
+        ("intra_op_num_threads", torch.get_num_threads, torch.set_num_threads),
+        ("inter_op_num_threads", torch.get_num_interop_threads, torch.set_num_interop_threads),
+    ):
+        if key not in options:
+            continue
+        value = options[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise NeuropodError(f"Load option {key} must be an int >= 1, not {value!r}")
+        if getter() == value:
+            continue
+        try:
+            setter(value)
+        except RuntimeError as e:
+            raise NeuropodError(
+                f"Cannot set {key}={value}: PyTorch allows it only once per process, before any parallel work "
+                f"(it is {getter()} now). Set it on the first model loaded, or use torch's environment variables. ({e})"
+            ) from e
+
+
+def is_legacy_format(path: Path) -> bool:
+    """TorchScript files from torch < 1.4 are zips with ``model.json`` and no ``data.pkl``."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False
+    return any(n.endswith("/model.json") for n in names) and not any(n.endswith("data.pkl") for n in names)
+
+
+def _check_gpu(device: str, where: str) -> torch.device:
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise NeuropodError(
+            f"{where}: device {device!r} was asked for, but torch {torch.__version__} "
+            f"{'has no CUDA support' if torch.version.cuda is None else 'sees no usable GPU'}; load with device='cpu'"
+        )
+    dev = torch.device(device)
+    major, minor = torch.cuda.get_device_capability(dev)
+    arch = torch.cuda.get_arch_list()
+    sm = f"sm_{major}{minor}"
+    # PTX for an older architecture can be JIT-compiled for a newer GPU.
+    ptx_ok = any(a.startswith("compute_") and int(a[8:]) <= major * 10 + minor for a in arch)
+    if arch and sm not in arch and not ptx_ok:
+        raise NeuropodError(
+            f"{where}: {device} is compute capability {major}.{minor}, but torch {torch.__version__} has kernels only "
+            f"for {', '.join(arch)}"
+        )
+    return dev
+
+
+class _Signature:
+    """How to call ``forward``: by argument name, or with one dict."""
+
+    def __init__(self, module: Any, inputs: Sequence[TensorSpec], where: str):
+        try:
+            schema = module.forward.schema
+        except (AttributeError, RuntimeError) as e:
+            raise NeuropodError(f"{where}: the TorchScript module has no scripted forward method ({e})") from None
+        args = schema.arguments[1:]  # after self
+        spec_names = [s.name for s in inputs]
+        self.text = f"forward({', '.join(f'{a.name}: {a.type}' for a in args)})"
+        self.dict_arg = len(args) == 1 and args[0].type.kind() == "DictType"
+        if self.dict_arg:
+            value = args[0].type.getValueType()
+            kinds = [str(t) for t in value.containedTypes()] if value.kind() == "UnionType" else [str(value)]
+            self.accepts_tensors = "Tensor" in kinds
+            self.accepts_strings = "List[str]" in kinds
+            for spec in inputs:
+                ok = self.accepts_strings if spec.dtype == "string" else self.accepts_tensors
+                if not ok:
+                    raise SpecError(
+                        f"{where}: input {spec.name!r} is {spec.dtype}, but {self.text} takes dict values of type "
+                        f"{value}; string tensors travel as List[str], others as Tensor"
+                    )
+            self.names: list[str] = []
+            return
+        self.names = [a.name for a in args]
+        unknown = [n for n in spec_names if n not in self.names]
+        required = [a.name for a in args if not a.has_default_value() and a.type.kind() != "OptionalType"]
+        unfed = [n for n in required if n not in spec_names]
+        if unknown or unfed:
+            problems = []
+            if unknown:
+                problems.append(f"the input spec has {', '.join(map(repr, unknown))} that it does not take")
+            if unfed:
+                problems.append(f"it needs {', '.join(map(repr, unfed))} that the input spec does not describe")
+            raise SpecError(
+                f"{where}: {self.text} does not match the input spec ({'; '.join(problems)}). Neuropod calls forward "
+                "with one argument per input name, or with one Dict[str, ...] of all inputs"
+            )
+        self.required = required
+
+
+class TorchScriptModel:
+    """A loaded TorchScript module plus what ``infer`` needs to call it quickly."""
+
+    def __init__(self, module: Any, package: Package, device: torch.device, where: str):
+        config = package.config
+        self.module = module
+        self.name = package.name
+        self.where = where
+        self.device = device
+        self.signature = _Signature(module, config.input_spec, where)
+        self._forward = module.forward
+        self._output_names = [s.name for s in config.output_spec]
+        self._string_outputs = {s.name for s in config.output_spec if s.dtype == "string"}
+        for spec in config.input_spec:
+            if spec.dtype == "string" and len(spec.shape) != 1:
+                raise SpecError(
+                    f"{where}: string input {spec.name!r} has shape {spec.describe_shape()}, but TorchScript takes "
+                    "string tensors as List[str], so they must be 1-D"
+                )
+        on_gpu = device.type != "cpu"
+        self._convert = {
+            s.name: _converter(s, device if on_gpu and config.input_tensor_device.get(s.name, "GPU") != "CPU" else None)
+            for s in config.input_spec
+        }
+
+    @classmethod
+    def load(cls, package: Package, device: str, options: Mapping[str, Any]) -> TorchScriptModel:
+        where = f"Model {package.name!r} ({package.source})"
+        path = package.data_dir / MODEL_FILE
+        if not path.is_file():
+            raise PackageError(f"{where}: the TorchScript file 0/data/{MODEL_FILE} is missing")
+        if is_legacy_format(path):
+            raise PackageError(
+                f"{where}: 0/data/{MODEL_FILE} is in TorchScript's legacy format from before torch 1.4 (it holds "
+                f"model.json), and torch {torch.__version__} cannot read it. Re-export the model with torch.jit.save "
+                "from torch >= 1.4, or run it with a torch older than 1.4."
+            )
+        _set_threads(options)
+        dev = _check_gpu(device, where)
+        load_custom_ops(package.custom_op_paths, where)
+        try:
+            with warnings.catch_warnings():
+                # torch 2.10+ marks torch.jit as deprecated on every load; the
+                # notice is for model authors, not for people running models.
+                warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+                module = torch.jit.load(str(path), map_location=dev)  # type: ignore[no-untyped-call]
+        except Exception as e:
+            raise BackendError(f"{where}: torch {torch.__version__} could not load {MODEL_FILE}: {e}") from e
+        module.eval()
+        for p in module.parameters():
+            p.requires_grad_(False)
+        return cls(module, package, dev, where)
+
+    def run(self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+        convert = self._convert
+        guard = _InferenceGuard(True) if _InferenceGuard is not None else None
+        try:
+            sig = self.signature
+            if sig.dict_arg:
+                result = self._forward({name: convert[name](arr) for name, arr in inputs.items()})
+            elif len(inputs) == len(sig.names):
+                result = self._forward(*[convert[n](inputs[n]) for n in sig.names])
+            else:
+                missing = [n for n in sig.required if n not in inputs]
+                if missing:
+                    raise SpecError(
+                        f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: {sig.text} has no "
+                        "default for them"
+                    )
+                result = self._forward(**{name: convert[name](arr) for name, arr in inputs.items()})
+            return self._outputs(result, requested)
+        finally:
+            del guard
+
+    def _outputs(self, result: Any, requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+        if isinstance(result, dict):
+            items: Any = result.items()
+        elif isinstance(result, torch.Tensor):
+            if len(self._output_names) != 1:
+                raise NeuropodError(
+                    f"Model {self.name!r} returned a single tensor, but its output spec has "
+                    f"{len(self._output_names)} outputs ({', '.join(self._output_names)}); return a dict of name -> "
+                    "tensor (or a named tuple)"
+                )
+            items = [(self._output_names[0], result)]
+        elif isinstance(result, tuple) and hasattr(result, "_fields"):
+            items = zip(result._fields, result)
+        elif isinstance(result, tuple) and result and all(isinstance(d, dict) for d in result):
+            items = [kv for d in result for kv in d.items()]
+        else:
+            raise NeuropodError(
+                f"Model {self.name!r} returned {_describe(result)}, which its output spec cannot describe; forward "
+                "must return a dict of name -> Tensor or List[str], a single Tensor, a named tuple, or a tuple of dicts"
+            )
+        out: dict[str, np.ndarray] = {}
+        for name, value in items:
+            if requested is not None and name not in requested:
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.device.type != "cpu":
+                    value = value.cpu()
+                out[name] = value.numpy()
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                out[name] = np.array(value, dtype=str) if value else np.zeros(0, dtype="<U1")
+            else:
+                raise NeuropodError(
+                    f"Model {self.name!r} returned {_describe(value)} for output {name!r}; outputs must be Tensor or "
+                    "List[str]"
+                )
+        return out
+
+    def close(self) -> None:
+        # Dropping the last references frees the module's memory.
+        self.__dict__.pop("module", None)
+        self.__dict__.pop("_forward", None)
+
+
+def _converter(spec: TensorSpec, device: torch.device | None) -> Callable[[np.ndarray], Any]:
+    if spec.dtype == "string":
+        return _to_str_list
+    from_numpy = torch.from_numpy
+    if device is None:
+        return from_numpy
+    return lambda arr: from_numpy(arr).to(device, non_blocking=False)
+
+
+def _to_str_list(arr: np.ndarray) -> list[str]:
+    return [str(v) for v in arr.tolist()]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        inner = {type(v).__name__ for v in value}
+        return f"a {type(value).__name__} of {', '.join(sorted(inner)) or 'nothing'}"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,114 @@
+"""``create_torchscript_neuropod``: package a TorchScript module with its problem spec."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from neuropod import __version__ as neuropod_version
+from neuropod.backend import installed_distribution
+from neuropod.errors import NeuropodError, PackageError
+from neuropod.model import check_packaged
+from neuropod.package import ModelConfig, write_package
+from neuropod.spec import parse_spec
+from neuropod_torchscript import FRAMEWORK_DISTRIBUTIONS, PLATFORM
+
+MODEL_PATH = "0/data/model.pt"
+
+
+def create_torchscript_neuropod(
+    neuropod_path: str | os.PathLike[str],
+    model_name: str,
+    input_spec: Sequence[Mapping[str, Any]],
+    output_spec: Sequence[Mapping[str, Any]],
+    module: Any = None,
+    module_path: str | os.PathLike[str] | None = None,
+    platform_version_semver: str = "*",
+    custom_ops: Sequence[str | os.PathLike[str]] = (),
+    input_tensor_device: Mapping[str, str] | None = None,
+    default_input_tensor_device: str = "GPU",
+    test_input_data: Mapping[str, Any] | None = None,
+    test_expected_out: Mapping[str, Any] | None = None,
+    package_as_zip: bool = False,
+    test_rtol: float = 1e-5,
+    test_atol: float = 1e-6,
+) -> Path:
+    """Package a TorchScript module as a Neuropod.
+
+    :param neuropod_path: where to write the package (must not exist).
+    :param model_name: the model's name.
+    :param input_spec: list of ``{"name", "dtype", "shape"}``.
+    :param output_spec: the same, for outputs.
+    :param module: a ``torch.jit.ScriptModule`` (from ``torch.jit.script`` or
+        ``torch.jit.trace``), saved with ``torch.jit.save``.
+    :param module_path: or the path of a file written by ``torch.jit.save``;
+        exactly one of the two.
+    :param platform_version_semver: the torch versions the model works with.
+    :param custom_ops: shared libraries with custom ops; stored in ``0/ops/``
+        and loaded with ``torch.ops.load_library`` before the module.
+    :param input_tensor_device: input name to ``"CPU"``/``"GPU"``; inputs not
+        named get ``default_input_tensor_device``. On a GPU, ``"CPU"`` inputs
+        stay on the CPU, as in the original Neuropod.
+    :param test_input_data: inputs to store as test data; with
+        ``test_expected_out``, the new package is loaded and checked before
+        this returns (a package that fails is removed).
+    :param package_as_zip: write a zip instead of a directory.
+    :returns: the path written.
+    """
+    if (module is None) == (module_path is None):
+        raise NeuropodError("create_torchscript_neuropod needs exactly one of module= or module_path=")
+    source: bytes | Path
+    if module_path is not None:
+        source = Path(module_path)
+        if not source.is_file():
+            raise PackageError(f"module_path {source} does not exist")
+    else:
+        source = _serialize(module)
+    inputs = parse_spec(input_spec, "input_spec")
+    outputs = parse_spec(output_spec, "output_spec")
+    devices = {s.name: default_input_tensor_device for s in inputs}
+    devices.update(input_tensor_device or {})
+    exported_with: dict[str, Any] = {"neuropod": neuropod_version}
+    found = installed_distribution(*FRAMEWORK_DISTRIBUTIONS)
+    if found:
+        exported_with.update(framework=found[0], platform_version=found[1])
+    config = ModelConfig(
+        name=model_name,
+        platform=PLATFORM,
+        platform_version_semver=platform_version_semver,
+        input_spec=inputs,
+        output_spec=outputs,
+        input_tensor_device=devices,
+        exported_with=exported_with,
+    )
+    path = write_package(
+        neuropod_path,
+        config,
+        {MODEL_PATH: source},
+        custom_ops=custom_ops,
+        test_input_data=test_input_data,
+        test_expected_out=test_expected_out,
+        package_as_zip=package_as_zip,
+    )
+    # Loads the package once (a spec that does not fit forward fails now, not
+    # at deployment) and runs the test data; a package that fails is removed.
+    check_packaged(path, backend=PLATFORM, rtol=test_rtol, atol=test_atol)
+    return path
+
+
+def _serialize(module: Any) -> bytes:
+    import torch
+
+    if not isinstance(module, torch.jit.ScriptModule):
+        kind = type(module).__name__
+        hint = " (script or trace it first: torch.jit.script(module))" if isinstance(module, torch.nn.Module) else ""
+        raise NeuropodError(f"module must be a torch.jit.ScriptModule, not {kind}{hint}")
+    buf = io.BytesIO()
+    torch.jit.save(module, buf)
+    return buf.getvalue()
+
+
+__all__ = ["create_torchscript_neuropod"]

@@ -1,0 +1,87 @@
+"""Small PyTorch modules the tests script. They live in a file because
+torch.jit.script reads their source."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Adder(torch.nn.Module):
+    def forward(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        return {"out": x + y, "doubled": (x + y) * 2}
+
+
+class DictAdder(torch.nn.Module):
+    def forward(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"out": inputs["x"] + inputs["y"]}
+
+
+class Upper(torch.nn.Module):
+    def forward(self, inputs: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {"upper": [s.upper() for s in inputs["text"]]}
+
+
+class SingleTensor(torch.nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 3
+
+
+class Pair(NamedTuple):
+    total: Tensor
+    diff: Tensor
+
+
+class ReturnsNamedTuple(torch.nn.Module):
+    def forward(self, x: Tensor, y: Tensor) -> Pair:
+        return Pair(x + y, x - y)
+
+
+class ReturnsTupleOfDicts(torch.nn.Module):
+    def forward(self, x: Tensor) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
+        return {"twice": x * 2}, {"label": ["a" for _ in range(x.shape[0])]}
+
+
+class OptionalBias(torch.nn.Module):
+    def forward(self, x: Tensor, bias: Tensor | None = None) -> dict[str, Tensor]:
+        if bias is None:
+            return {"out": x}
+        return {"out": x + bias}
+
+
+class ReturnsInt(torch.nn.Module):
+    def forward(self, x: Tensor) -> int:
+        return x.shape[0]
+
+
+class ReturnsListOfTensors(torch.nn.Module):
+    def forward(self, x: Tensor) -> list[Tensor]:
+        return [x]
+
+
+class MissesAnOutput(torch.nn.Module):
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return {"a": x}
+
+
+class Identity(torch.nn.Module):
+    def forward(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"out_" + k[3:]: v for k, v in inputs.items()}
+
+
+class Raises(torch.nn.Module):
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        if bool(x.sum() < 0):
+            raise ValueError("negative input")
+        return {"y": x}
+
+
+class Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return {"y": self.fc(x)}

@@ -1,0 +1,326 @@
+"""The TorchScript backend end to end: package, discover, resolve, load, infer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import importlib_metadata
+import numpy as np
+import pytest
+import torch
+
+import neuropod
+from neuropod import plugins
+from neuropod.errors import BackendError, NeuropodError, NoBackendError, PackageError, SpecError
+from neuropod.packagers import create_torchscript_neuropod
+
+import models
+from conftest import FIXTURES, needs_fixtures, spec
+
+TORCH_VERSION = importlib_metadata.version("torch")
+XY_SPEC = spec(("x", "float32", ["batch", 2]), ("y", "float32", ["batch", 2]))
+ADDER_OUT = spec(("out", "float32", ["batch", 2]), ("doubled", "float32", ["batch", 2]))
+
+
+def xy(batch: int = 2) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(batch)
+    return {n: rng.standard_normal((batch, 2)).astype(np.float32) for n in ("x", "y")}
+
+
+def package(tmp_path: Path, module: torch.nn.Module, in_spec, out_spec, name: str = "m", **kwargs) -> Path:  # type: ignore[no-untyped-def]
+    return create_torchscript_neuropod(
+        tmp_path / f"{name}.neuropod", name, in_spec, out_spec, module=torch.jit.script(module), **kwargs
+    )
+
+
+# --- discovery ------------------------------------------------------------
+
+
+def test_found_through_the_entry_point_with_the_installed_version() -> None:
+    eps = {ep.name: ep.value for ep in importlib_metadata.entry_points(group="neuropod.backends")}
+    assert eps["torchscript"] == "neuropod_torchscript"
+    (backend,) = [b for b in plugins.installed_backends() if b.platform == "torchscript"]
+    assert (backend.version, backend.framework) == (TORCH_VERSION, "torch")
+    assert backend.version == torch.__version__
+
+
+def test_discovery_does_not_import_torch() -> None:
+    code = (
+        "import sys, neuropod.plugins as p\n"
+        "bs = [b for b in p.installed_backends() if b.platform == 'torchscript']\n"
+        "caps = p.backend_caps(bs[0])\n"
+        "print(caps.cuda)\n"
+        "assert 'torch' not in sys.modules, 'discovery imported torch'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert out == str(torch.version.cuda), "the CUDA version read from torch/version.py is torch's own"
+
+
+def test_device_caps_match_the_build() -> None:
+    (backend,) = [b for b in plugins.installed_backends() if b.platform == "torchscript"]
+    caps = plugins.backend_caps(backend)
+    assert caps.cpu and caps.cuda == torch.version.cuda
+
+
+# --- calling conventions --------------------------------------------------
+
+
+def test_one_argument_per_input_with_shared_symbol(tmp_path: Path) -> None:
+    inputs = xy(3)
+    total = inputs["x"] + inputs["y"]
+    path = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT, test_input_data=inputs,
+                   test_expected_out={"out": total, "doubled": total * 2})  # fmt: skip
+    config = json.loads((path / "config.json").read_text())
+    assert config["platform"] == "torchscript" and config["exported_with"]["platform_version"] == TORCH_VERSION
+    with neuropod.load_neuropod(path) as model:
+        assert model.backend.id == f"torchscript=={TORCH_VERSION}" and model.device == "cpu"
+        out = model.infer(inputs)
+        np.testing.assert_allclose(out["out"], total, rtol=1e-6)
+        np.testing.assert_allclose(out["doubled"], total * 2, rtol=1e-6)
+        assert list(model.infer(inputs, requested_outputs=["doubled"])) == ["doubled"]
+        with pytest.raises(SpecError, match=r"dim 0 is symbol 'batch' = 3 \(from tensor 'x'\), but was 1"):
+            model.infer({"x": inputs["x"], "y": np.zeros((1, 2), np.float32)})
+
+
+def test_dict_of_tensors(tmp_path: Path) -> None:
+    path = package(tmp_path, models.DictAdder(), XY_SPEC, spec(("out", "float32", ["batch", 2])))
+    inputs = xy()
+    with neuropod.load_neuropod(path) as model:
+        np.testing.assert_allclose(model.infer(inputs)["out"], inputs["x"] + inputs["y"], rtol=1e-6)
+
+
+def test_dict_of_string_lists(tmp_path: Path) -> None:
+    words = ["apple", "Banana", "carrot cake"]
+    path = package(tmp_path, models.Upper(), spec(("text", "string", [None])), spec(("upper", "string", [None])),
+                   test_input_data={"text": np.array(words)},
+                   test_expected_out={"upper": np.array([w.upper() for w in words])})  # fmt: skip
+    with neuropod.load_neuropod(path) as model:
+        for given in (np.array(words), np.array(words, dtype=object)):
+            out = model.infer({"text": given})["upper"]
+            assert out.dtype.kind == "U" and out.tolist() == [w.upper() for w in words]
+        assert model.infer({"text": np.array([], dtype=str)})["upper"].shape == (0,)
+
+
+@needs_fixtures
+def test_original_neuropod_union_dict_package() -> None:
+    """Uber's own package: forward(Dict[str, Union[Tensor, List[str]]])."""
+    with neuropod.load_neuropod(FIXTURES / "torchscript_dict_with_union_value_type_model") as model:
+        out = model.infer({"a": np.array(["x", "y"]), "b": np.array([[1], [2]], dtype=np.float32)})
+    np.testing.assert_array_equal(out["c"], np.array([[0, 1], [0, 2]], dtype=np.float32))
+
+
+@needs_fixtures
+@pytest.mark.parametrize(
+    "name", ["torchscript_addition_model", "torchscript_addition_model_single_output", "torchscript_strings_model"]
+)
+def test_original_legacy_format_packages_fail_clearly(name: str) -> None:
+    with pytest.raises(PackageError) as info:
+        neuropod.load_neuropod(FIXTURES / name)
+    message = str(info.value)
+    assert "legacy format from before torch 1.4" in message and f"torch {torch.__version__} cannot read it" in message
+    assert info.value.__cause__ is None, "no torch traceback behind it"
+
+
+def test_single_tensor_named_tuple_and_tuple_of_dicts(tmp_path: Path) -> None:
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    single = package(tmp_path, models.SingleTensor(), spec(("x", "float32", [None, 2])),
+                     spec(("y", "float32", [None, 2])), name="single")  # fmt: skip
+    with neuropod.load_neuropod(single) as m:
+        np.testing.assert_array_equal(m.infer({"x": x})["y"], x * 3)
+    named = package(tmp_path, models.ReturnsNamedTuple(), spec(("x", "float32", [3, 2]), ("y", "float32", [3, 2])),
+                    spec(("total", "float32", [3, 2]), ("diff", "float32", [3, 2])), name="named")  # fmt: skip
+    with neuropod.load_neuropod(named) as m:
+        out = m.infer({"x": x, "y": x * 2})
+        np.testing.assert_array_equal(out["total"], x * 3)
+        np.testing.assert_array_equal(out["diff"], -x)
+    tuples = package(tmp_path, models.ReturnsTupleOfDicts(), spec(("x", "float32", ["n", 2])),
+                     spec(("twice", "float32", ["n", 2]), ("label", "string", ["n"])), name="tuples")  # fmt: skip
+    with neuropod.load_neuropod(tuples) as m:
+        out = m.infer({"x": x})
+        np.testing.assert_array_equal(out["twice"], x * 2)
+        assert out["label"].tolist() == ["a", "a", "a"]
+
+
+def test_optional_argument_left_out(tmp_path: Path) -> None:
+    path = package(tmp_path, models.OptionalBias(), spec(("x", "float32", [2]), ("bias", "float32", [2])),
+                   spec(("out", "float32", [2])))  # fmt: skip
+    x, b = np.array([1, 2], np.float32), np.array([10, 20], np.float32)
+    with neuropod.load_neuropod(path) as m:
+        np.testing.assert_array_equal(m.infer({"x": x})["out"], x)
+        np.testing.assert_array_equal(m.infer({"x": x, "bias": b})["out"], x + b)
+        with pytest.raises(SpecError, match="needs input\\(s\\) 'x'"):
+            m.infer({"bias": b})
+
+
+# --- outputs the spec cannot describe ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("module", "out_spec", "error", "message"),
+    [
+        (models.ReturnsInt(), spec(("y", "int64", [])), NeuropodError, "returned a int, which its output spec cannot describe"),
+        (models.ReturnsListOfTensors(), spec(("y", "float32", [2])), NeuropodError, "returned a list of Tensor"),
+        (models.SingleTensor(), spec(("a", "float32", [2]), ("b", "float32", [2])), NeuropodError,
+         "returned a single tensor, but its output spec has 2 outputs"),
+        (models.MissesAnOutput(), spec(("a", "float32", [2]), ("b", "float32", [2])), SpecError,
+         "did not return output\\(s\\) 'b'"),
+    ],
+)  # fmt: skip
+def test_bad_return_types(tmp_path: Path, module: torch.nn.Module, out_spec, error, message) -> None:  # type: ignore[no-untyped-def]
+    path = package(tmp_path, module, spec(("x", "float32", [2])), out_spec)
+    with neuropod.load_neuropod(path) as m, pytest.raises(error, match=message):
+        m.infer({"x": np.ones(2, np.float32)})
+
+
+# --- packaging errors ------------------------------------------------------------
+
+
+def test_wrong_calling_convention_is_caught_at_packaging(tmp_path: Path) -> None:
+    cases = [
+        (spec(("x", "float32", [2]), ("z", "float32", [2])), "the input spec has 'z' that it does not take"),
+        (spec(("x", "float32", [2])), "it needs 'y' that the input spec does not describe"),
+    ]
+    for i, (in_spec, message) in enumerate(cases):
+        with pytest.raises(SpecError, match=message):
+            package(tmp_path, models.Adder(), in_spec, ADDER_OUT, name=f"p{i}")
+        assert not (tmp_path / f"p{i}.neuropod").exists(), "a package that cannot load is not kept"
+    with pytest.raises(SpecError, match="input 'text' is string, but forward\\(inputs: Dict\\[str, Tensor\\]\\)"):
+        package(tmp_path, models.DictAdder(), spec(("text", "string", [None])), ADDER_OUT, name="strs")
+    with pytest.raises(SpecError, match="string input 'text' has shape \\[None, 2\\].*must be 1-D"):
+        package(tmp_path, models.Upper(), spec(("text", "string", [None, 2])), spec(("upper", "string", [None])))
+
+
+def test_packager_argument_errors(tmp_path: Path) -> None:
+    with pytest.raises(NeuropodError, match="exactly one of module= or module_path="):
+        create_torchscript_neuropod(tmp_path / "a", "a", XY_SPEC, ADDER_OUT)
+    with pytest.raises(NeuropodError, match="must be a torch.jit.ScriptModule, not Adder \\(script or trace it first"):
+        create_torchscript_neuropod(tmp_path / "a", "a", XY_SPEC, ADDER_OUT, module=models.Adder())
+    with pytest.raises(PackageError, match="does not exist"):
+        create_torchscript_neuropod(tmp_path / "a", "a", XY_SPEC, ADDER_OUT, module_path=tmp_path / "none.pt")
+
+
+def test_module_path_zip_and_traced_module(tmp_path: Path) -> None:
+    linear = models.Linear()
+    traced = torch.jit.trace(linear, torch.zeros(1, 4), strict=False)  # strict=False: it returns a dict
+    torch.jit.save(traced, str(tmp_path / "linear.pt"))
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = linear(torch.from_numpy(x))["y"].numpy()
+    path = create_torchscript_neuropod(
+        tmp_path / "linear.zip", "linear", spec(("x", "float32", ["n", 4])), spec(("y", "float32", ["n", 3])),
+        module_path=tmp_path / "linear.pt", package_as_zip=True,
+        test_input_data={"x": x}, test_expected_out={"y": expected},
+    )
+    assert path.is_file()
+    with neuropod.load_neuropod(path) as m:
+        np.testing.assert_allclose(m.infer({"x": x})["y"], expected, rtol=1e-5, atol=1e-6)
+        assert not m._handle.module.training
+
+
+# --- dtypes, layouts, errors ---------------------------------------------------------
+
+
+def test_numeric_dtypes_round_trip(tmp_path: Path) -> None:
+    dtypes = ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
+    if hasattr(torch, "uint16"):
+        dtypes += ["uint16", "uint32", "uint64"]
+    path = package(tmp_path, models.Identity(), spec(*[(f"in_{t}", t, [None]) for t in dtypes]),
+                   spec(*[(f"out_{t}", t, [None]) for t in dtypes]))  # fmt: skip
+    rng = np.random.default_rng(0)
+    inputs = {f"in_{t}": rng.integers(0, 2 if t == "bool" else 100, 4).astype(t) for t in dtypes}
+    with neuropod.load_neuropod(path) as m:
+        out = m.infer(inputs)
+    for t in dtypes:
+        assert out[f"out_{t}"].dtype == np.dtype(t)
+        np.testing.assert_array_equal(out[f"out_{t}"], inputs[f"in_{t}"])
+
+
+def test_non_contiguous_inputs(tmp_path: Path) -> None:
+    path = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT)
+    big = np.arange(16, dtype=np.float32).reshape(4, 4)
+    x, y = big[:, ::2], big.T[:, 1::2]
+    with neuropod.load_neuropod(path) as m:
+        np.testing.assert_array_equal(m.infer({"x": x, "y": y})["out"], x + y)
+
+
+def test_exception_inside_the_model_is_wrapped(tmp_path: Path) -> None:
+    path = package(tmp_path, models.Raises(), spec(("x", "float32", [None])), spec(("y", "float32", [None])))
+    with neuropod.load_neuropod(path) as m:
+        np.testing.assert_array_equal(m.infer({"x": np.ones(2, np.float32)})["y"], np.ones(2))
+        with pytest.raises(BackendError, match="failed to run model 'm': builtins.ValueError: negative input\n") as info:
+            m.infer({"x": -np.ones(2, np.float32)})
+        assert info.value.__cause__ is not None
+
+
+def test_range_that_excludes_the_installed_torch(tmp_path: Path) -> None:
+    """~2.14 is rejected on 2.13 (and ~2.13 on 2.14), with the resolution table."""
+    other = "~2.14" if torch.__version__.startswith("2.13") else "~2.13"
+    with pytest.warns(UserWarning, match="not checked by loading it: no installed backend"):
+        path = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT, platform_version_semver=other)
+    with pytest.raises(NoBackendError) as info:
+        neuropod.load_neuropod(path)
+    text = str(info.value)
+    assert f"version {TORCH_VERSION} is not in '{other}'" in text
+    assert f"torchscript=={TORCH_VERSION}" in text and "Candidates:" in text
+
+
+def test_gpu_on_a_cpu_build(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is available here")
+    path = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT)
+    with pytest.raises(NoBackendError, match="device='cuda:0' was requested"):
+        neuropod.load_neuropod(path, device="cuda:0")
+    from neuropod_torchscript._runtime import _check_gpu
+
+    with pytest.raises(NeuropodError, match="device 'cuda:0' was asked for, but torch .* load with device='cpu'"):
+        _check_gpu("cuda:0", "m")
+
+
+def test_load_options(tmp_path: Path) -> None:
+    path = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT)
+    before = torch.get_num_threads()
+    try:
+        with neuropod.load_neuropod(path, intra_op_num_threads=1):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(NeuropodError, match="Unknown TorchScript load option.*'threads'.*intra_op_num_threads"):
+        neuropod.load_neuropod(path, threads=2)
+    with pytest.raises(NeuropodError, match="intra_op_num_threads must be an int >= 1"):
+        neuropod.load_neuropod(path, intra_op_num_threads=0)
+
+
+def test_close_reload_and_threads(tmp_path: Path) -> None:
+    path = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT)
+    model = neuropod.load_neuropod(path)
+    model.close()
+    with pytest.raises(NeuropodError, match="closed"):
+        model.infer(xy())
+    with neuropod.load_neuropod(path) as model:
+        failures: list[BaseException] = []
+
+        def work(batch: int) -> None:
+            try:
+                for _ in range(50):
+                    inputs = xy(batch)
+                    np.testing.assert_allclose(model.infer(inputs)["out"], inputs["x"] + inputs["y"], rtol=1e-6)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failures.append(e)
+
+        threads = [threading.Thread(target=work, args=(b,)) for b in range(1, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failures
+
+
+def test_outputs_do_not_track_gradients(tmp_path: Path) -> None:
+    path = package(tmp_path, models.Linear(), spec(("x", "float32", ["n", 4])), spec(("y", "float32", ["n", 3])))
+    with neuropod.load_neuropod(path) as m:
+        assert all(not p.requires_grad for p in m._handle.module.parameters())
+        assert m.infer({"x": np.ones((2, 4), np.float32)})["y"].shape == (2, 3)
