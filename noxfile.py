@@ -65,7 +65,7 @@ def _pytest(session: nox.Session, *paths: str) -> None:
     # A private package cache per run, removed afterwards: tests leave nothing behind.
     with tempfile.TemporaryDirectory(prefix="neuropod-cache-") as cache:
         session.run(
-            "python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *paths, *session.posargs,
+            "python", "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *paths, *session.posargs,
             env={"NEUROPOD_CACHE_DIR": cache},
         )
 

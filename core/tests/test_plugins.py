@@ -155,3 +155,19 @@ def test_packager_for_a_missing_plugin() -> None:
 def test_install_hints() -> None:
     assert plugins.install_hint("torchscript") == "pip install neuropod-torchscript"
     assert "no known Neuropod plugin runs platform 'caffe'" in plugins.install_hint("caffe")
+
+
+def test_installed_distribution_reads_dist_info_names(site: Path) -> None:
+    from neuropod.backend import installed_distribution
+
+    install_dist(site, "Fancy.Framework_GPU", "2.13.0+cu121", "", {})
+    install_dist(site, "fancy-framework", "2.12.0", "", {})
+    # Names compare normalized (PEP 503), and the first name that is installed wins.
+    assert installed_distribution("fancy-framework-gpu", "fancy_framework") == ("fancy-framework-gpu", "2.13.0+cu121")
+    assert installed_distribution("nope", "FANCY_framework") == ("FANCY_framework", "2.12.0")
+    assert installed_distribution("not-installed-anywhere") is None
+    # A distribution without a .dist-info folder name to read (an egg) falls back to metadata.
+    egg = site / "eggy_framework.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: eggy-framework\nVersion: 0.7\n")
+    assert installed_distribution("eggy-framework") == ("eggy-framework", "0.7")

@@ -41,7 +41,8 @@ import subprocess, sys, torch
 from torch.utils import cpp_extension
 src, lib, model = sys.argv[1:4]
 abi = int(torch.compiled_with_cxx11_abi())
-cmd = ["g++", "-shared", "-fPIC", "-O1", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", src, "-o", lib]
+# C++20: torch 2.14's headers need it (2.13's build with it too).
+cmd = ["g++", "-shared", "-fPIC", "-O1", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", src, "-o", lib]
 cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
 cmd += [f"-L{p}" for p in cpp_extension.library_paths()] + ["-ltorch", "-ltorch_cpu", "-lc10"]
 cmd += [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]

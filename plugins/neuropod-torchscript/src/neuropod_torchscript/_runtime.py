@@ -15,11 +15,12 @@ output spec has exactly one entry), a named tuple, or a tuple of dicts.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,17 @@ def _check_gpu(device: str, where: str) -> torch.device:
     return dev
 
 
+@contextlib.contextmanager
+def quiet_jit_deprecation() -> Iterator[None]:
+    """Hide torch's notice that torch.jit is deprecated (a DeprecationWarning in
+    2.13, a FutureWarning from 2.14) around calls neuropod makes on the user's
+    behalf: it is for model authors, not for people running packaged models."""
+    with warnings.catch_warnings():
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", message=r"`torch\.jit\.", category=category)
+        yield
+
+
 class _Signature:
     """How to call ``forward``: by argument name, or with one dict."""
 
@@ -209,10 +221,7 @@ class TorchScriptModel:
         dev = _check_gpu(device, where)
         load_custom_ops(package.custom_op_paths, where)
         try:
-            with warnings.catch_warnings():
-                # torch 2.10+ marks torch.jit as deprecated on every load; the
-                # notice is for model authors, not for people running models.
-                warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+            with quiet_jit_deprecation():
                 module = torch.jit.load(str(path), map_location=dev)  # type: ignore[no-untyped-call]
         except Exception as e:
             raise BackendError(f"{where}: torch {torch.__version__} could not load {MODEL_FILE}: {e}") from e

@@ -106,8 +106,11 @@ def _serialize(module: Any) -> bytes:
         kind = type(module).__name__
         hint = " (script or trace it first: torch.jit.script(module))" if isinstance(module, torch.nn.Module) else ""
         raise NeuropodError(f"module must be a torch.jit.ScriptModule, not {kind}{hint}")
+    from neuropod_torchscript._runtime import quiet_jit_deprecation
+
     buf = io.BytesIO()
-    torch.jit.save(module, buf)
+    with quiet_jit_deprecation():
+        torch.jit.save(module, buf)
     return buf.getvalue()
 
 
