@@ -4,6 +4,7 @@
     nox -s tests_core              core tests on Python 3.10 to 3.13
     nox -s tests_onnx              the ONNX plugin on onnxruntime 1.31.1, 1.24.4 and 1.20.1
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
+    nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s build                   wheels for the core and every plugin into dist/
@@ -100,6 +101,20 @@ def tests_torchscript(session: nox.Session, torch: str) -> None:
     _pytest(session, "plugins/neuropod-torchscript/tests")
 
 
+# TensorFlow releases the TensorFlow plugin is tested against, as
+# tensorflow-cpu; the newest is the default and the one CI runs.
+TENSORFLOW_VERSIONS = [nox.param("2.21.0", tags=["ci"]), "2.18.1", "2.16.2"]
+TENSORFLOW_DEFAULT = "2.21.0"
+
+
+@nox.session(python=DEFAULT_PYTHON)
+@nox.parametrize("tensorflow", TENSORFLOW_VERSIONS)
+def tests_tensorflow(session: nox.Session, tensorflow: str) -> None:
+    """The TensorFlow plugin against one tensorflow-cpu release (needs g++ for the custom-op test)."""
+    session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-tensorflow'}[test]", f"tensorflow-cpu=={tensorflow}")
+    _pytest(session, "plugins/neuropod-tensorflow/tests")
+
+
 def _install_onnx(session: nox.Session, onnxruntime: str) -> None:
     # onnxruntime-extensions ships the custom-op library the tests register;
     # its newest releases follow onnxruntime, so older runtimes get an older one.
@@ -127,6 +142,7 @@ def bench(session: nox.Session) -> None:
     session.install(
         f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx",
         f"{ROOT / 'plugins/neuropod-torchscript'}", f"torch=={TORCH_DEFAULT}",
+        f"{ROOT / 'plugins/neuropod-tensorflow'}", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}",
     )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
         session.run("python", str(script), *session.posargs)

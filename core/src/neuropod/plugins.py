@@ -39,6 +39,14 @@ KNOWN_PLATFORMS = {
     "keras": "neuropod-tensorflow",
     "tensorrt": "neuropod-tensorrt",
 }
+#: What to install when a platform's plugin is there but its framework is not.
+KNOWN_FRAMEWORKS = {
+    "onnx": "onnxruntime (or onnxruntime-gpu)",
+    "torchscript": "torch",
+    "tensorflow": "neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)",
+    "keras": "neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)",
+    "tensorrt": "neuropod-tensorrt[tensorrt] (TensorRT needs an NVIDIA GPU)",
+}
 
 
 class PluginWarning(UserWarning):
@@ -254,6 +262,9 @@ def backend_caps(backend: Backend) -> DeviceCaps:
 def install_hint(platform: str) -> str:
     """What to install to run a platform."""
     dist = KNOWN_PLATFORMS.get(platform)
+    plugin = _state.infos.get(platform)  # plugins are named for the platform they run
+    if plugin is not None and platform in KNOWN_FRAMEWORKS:
+        return f"{plugin.distribution} is installed, but its framework is not: pip install {KNOWN_FRAMEWORKS[platform]}"
     if dist:
         return f"pip install {dist}"
     return (

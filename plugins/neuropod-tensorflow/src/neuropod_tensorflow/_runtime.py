@@ -1,0 +1,348 @@
+"""TensorFlow sessions and SavedModel signatures behind a loaded model.
+
+Two kinds of package, as the original Neuropod wrote them and as we do:
+
+* a frozen ``GraphDef`` at ``0/data/model.pb`` with ``node_name_mapping`` in
+  ``0/config.json`` (spec name -> tensor name; ``:0`` optional), run with a
+  ``tf.compat.v1.Session``; one callable is made per combination of inputs
+  and requested outputs (``Session.make_callable``), which costs less per
+  call than ``Session.run`` with a feed dict;
+* a SavedModel at ``0/data/savedmodel``, run through its ``serving_default``
+  signature, whose input and output keys are the spec's names.
+
+TensorFlow prints log lines from C++ as it starts (some before its own log
+settings are read). Unless the user set ``TF_CPP_MIN_LOG_LEVEL`` (asking
+for them), ``TF_CPP_MIN_LOG_LEVEL=2`` is set for this process and stderr is
+captured while TensorFlow is imported and a model is loaded; what it
+printed is shown only if that fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
+from neuropod.package import Package
+from neuropod.spec import TensorSpec, to_string_array
+
+FROZEN_GRAPH = "model.pb"
+SAVED_MODEL = "savedmodel"
+SIGNATURE = "serving_default"
+
+LOAD_OPTIONS = {
+    "intra_op_num_threads": "threads inside one operator (per session for frozen graphs; process-wide for SavedModels)",
+    "inter_op_num_threads": "threads across operators (as above)",
+}
+
+_lock = threading.RLock()
+_loaded_ops: dict[str, Path] = {}
+
+
+# --- quiet TensorFlow ----------------------------------------------------------------
+
+
+# Whether the user asked for TensorFlow's logs, decided before we set our default.
+_user_wants_logs = "TF_CPP_MIN_LOG_LEVEL" in os.environ
+
+
+@contextlib.contextmanager
+def quiet_stderr(what: str) -> Iterator[None]:
+    """Capture file descriptor 2 while TensorFlow starts; replay it only on failure.
+
+    TensorFlow writes to the C-level stderr, so ``sys.stderr`` redirection
+    does not reach it. Other threads' stderr output in this window is kept
+    and written out afterwards.
+    """
+    if _user_wants_logs:
+        yield
+        return
+    with _lock, tempfile.TemporaryFile(mode="w+b") as sink:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode("utf-8", "replace")
+            keep = text if failed else _not_tensorflow(text)
+            if keep.strip():
+                sys.stderr.write(keep if not failed else f"[TensorFlow's output while {what}]\n{keep}")
+                sys.stderr.flush()
+
+
+def _not_tensorflow(text: str) -> str:
+    """Lines that are not TensorFlow's C++ log lines (kept: they belong to someone else)."""
+    prefixes = ("I0000", "W0000", "E0000", "WARNING: All log messages before absl::InitializeLog()")
+    lines = text.splitlines(keepends=True)
+    return "".join(line for line in lines if not line.startswith(prefixes) and " cpu_feature_guard.cc" not in line)
+
+
+def import_tensorflow() -> Any:
+    """Import TensorFlow quietly (see the module docstring), once."""
+    if "tensorflow" in sys.modules:
+        return sys.modules["tensorflow"]
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with quiet_stderr("importing tensorflow"):
+        import tensorflow as tf
+    # Memory growth must be set before a GPU is first used: TensorFlow would
+    # otherwise take all of every visible GPU's memory for itself.
+    for gpu in tf.config.list_physical_devices("GPU"):
+        with contextlib.suppress(RuntimeError, ValueError):
+            tf.config.experimental.set_memory_growth(gpu, True)
+    return tf
+
+
+# --- shared pieces -----------------------------------------------------------------
+
+
+def load_custom_ops(tf: Any, paths: Sequence[Path], where: str) -> None:
+    """``tf.load_op_library`` each library once per process per file content."""
+    for path in paths:
+        if not path.is_file():
+            raise PackageError(f"{where}: custom op library {path} is listed in config.json but missing")
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        with _lock:
+            if digest in _loaded_ops:
+                continue
+            try:
+                tf.load_op_library(str(path))
+            except Exception as e:
+                raise PackageError(
+                    f"{where}: custom op library {path.name} failed to load in tensorflow {tf.__version__}: {e}"
+                ) from e
+            _loaded_ops[digest] = path
+
+
+def _threads(options: Mapping[str, Any]) -> dict[str, int]:
+    unknown = sorted(set(options) - set(LOAD_OPTIONS))
+    if unknown:
+        known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
+        raise NeuropodError(f"Unknown TensorFlow load option(s) {', '.join(map(repr, unknown))}. Known: {known}")
+    out = {}
+    for key, value in options.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise NeuropodError(f"Load option {key} must be an int >= 0 (0: TensorFlow's default), not {value!r}")
+        out[key] = value
+    return out
+
+
+def _to_numpy(value: Any, spec: TensorSpec | None) -> np.ndarray:
+    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if arr.dtype.kind in "OS" or (spec is not None and spec.dtype == "string"):
+        return to_string_array(arr)  # TensorFlow returns bytes; the spec says str
+    return arr
+
+
+def load(package: Package, device: str, options: Mapping[str, Any]) -> FrozenGraphModel | SavedModelModel:
+    """Load whichever kind of TensorFlow model the package holds."""
+    where = f"Model {package.name!r} ({package.source})"
+    threads = _threads(options)
+    tf = import_tensorflow()
+    if device != "cpu" and not tf.config.list_physical_devices("GPU"):
+        raise NeuropodError(
+            f"{where}: device {device!r} was asked for, but tensorflow {tf.__version__} sees no GPU "
+            f"({'a CPU-only build' if not tf.test.is_built_with_cuda() else 'no usable GPU or CUDA libraries'}); "
+            "load with device='cpu'"
+        )
+    with quiet_stderr(f"loading model {package.name!r}"):
+        load_custom_ops(tf, package.custom_op_paths, where)
+        if (package.data_dir / SAVED_MODEL).is_dir():
+            return SavedModelModel(tf, package, device, threads, where)
+        if (package.data_dir / FROZEN_GRAPH).is_file():
+            return FrozenGraphModel(tf, package, device, threads, where)
+    raise PackageError(f"{where}: found neither 0/data/{FROZEN_GRAPH} nor 0/data/{SAVED_MODEL}/")
+
+
+# --- frozen graphs -----------------------------------------------------------------
+
+
+def _tensor_name(name: str) -> str:
+    return name if ":" in name else f"{name}:0"
+
+
+class FrozenGraphModel:
+    """A frozen GraphDef in its own graph and session."""
+
+    def __init__(self, tf: Any, package: Package, device: str, threads: Mapping[str, int], where: str):
+        self.name = package.name
+        self.where = where
+        config = package.config
+        mapping = package.backend_config.get("node_name_mapping")
+        if not isinstance(mapping, dict):
+            raise PackageError(f"{where}: 0/config.json has no node_name_mapping (spec name -> graph tensor name)")
+        graph_def = tf.compat.v1.GraphDef()
+        try:
+            graph_def.ParseFromString((package.data_dir / FROZEN_GRAPH).read_bytes())
+            self.graph = tf.Graph()
+            with self.graph.as_default():
+                tf.import_graph_def(graph_def, name="")
+        except Exception as e:
+            raise BackendError(f"{where}: tensorflow {tf.__version__} could not import 0/data/{FROZEN_GRAPH}: {e}") from e
+        self._tensors: dict[str, Any] = {}
+        for kind, specs in (("input", config.input_spec), ("output", config.output_spec)):
+            for spec in specs:
+                node = mapping.get(spec.name)
+                if not isinstance(node, str):
+                    raise PackageError(f"{where}: node_name_mapping has no entry for {kind} {spec.name!r}")
+                self._tensors[spec.name] = self._find(tf, _tensor_name(node), spec.name, kind)
+        session_config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+        session_config.intra_op_parallelism_threads = threads.get("intra_op_num_threads", 0)
+        session_config.inter_op_parallelism_threads = threads.get("inter_op_num_threads", 0)
+        if device == "cpu":
+            session_config.device_count["GPU"] = 0
+        else:
+            session_config.gpu_options.visible_device_list = device.split(":", 1)[1]
+            session_config.gpu_options.allow_growth = True
+        self.session = tf.compat.v1.Session(graph=self.graph, config=session_config)
+        init_ops = package.backend_config.get("init_op_names") or []
+        if init_ops:
+            try:
+                self.session.run(list(init_ops))
+            except Exception as e:
+                raise BackendError(f"{where}: running init ops {list(init_ops)} failed: {e}") from e
+        self._specs = {s.name: s for s in config.output_spec}
+        self._all_outputs = tuple(s.name for s in config.output_spec)
+        self._callables: dict[tuple[tuple[str, ...], tuple[str, ...]], Callable[..., Any]] = {}
+
+    def _find(self, tf: Any, tensor: str, spec_name: str, kind: str) -> Any:
+        try:
+            return self.graph.get_tensor_by_name(tensor)
+        except (KeyError, ValueError):
+            ops = self.graph.get_operations()
+            if kind == "input":
+                have = [op.name for op in ops if op.type == "Placeholder"]
+                what = "placeholders"
+            else:
+                have = [op.name for op in ops if op.type not in ("Const", "Placeholder", "NoOp")][-20:]
+                what = "last ops"
+            raise SpecError(
+                f"{self.where}: {kind} {spec_name!r} maps to {tensor!r}, which is not in the graph; "
+                f"the graph's {what}: {', '.join(have) or 'none'}"
+            ) from None
+
+    def run(self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+        names = tuple(inputs)
+        outputs = self._all_outputs if requested is None else tuple(requested)
+        key = (names, outputs)
+        fn = self._callables.get(key)
+        if fn is None:
+            fn = self._make_callable(names, outputs)
+        results = fn(*inputs.values())
+        specs = self._specs
+        out = {}
+        for name, value in zip(outputs, results):
+            spec = specs[name]
+            out[name] = _to_numpy(value, spec) if spec.dtype == "string" else value
+        return out
+
+    def _make_callable(self, names: tuple[str, ...], outputs: tuple[str, ...]) -> Callable[..., Any]:
+        with _lock:
+            fn = self.session.make_callable(
+                [self._tensors[n] for n in outputs], feed_list=[self._tensors[n] for n in names]
+            )
+            self._callables[(names, outputs)] = fn
+            return fn  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        session = self.__dict__.pop("session", None)
+        if session is not None:
+            session.close()
+        self._callables.clear()
+
+
+# --- SavedModels ---------------------------------------------------------------------
+
+
+class SavedModelModel:
+    """A SavedModel's ``serving_default`` signature, called eagerly."""
+
+    def __init__(self, tf: Any, package: Package, device: str, threads: Mapping[str, int], where: str):
+        self.name = package.name
+        self.tf = tf
+        self._device = "/CPU:0" if device == "cpu" else f"/GPU:{device.split(':', 1)[1]}"
+        _process_threads(tf, threads, where)
+        path = package.data_dir / SAVED_MODEL
+        try:
+            with tf.device(self._device):
+                self.loaded = tf.saved_model.load(str(path))
+        except Exception as e:
+            raise BackendError(f"{where}: tensorflow {tf.__version__} could not load 0/data/{SAVED_MODEL}: {e}") from e
+        signatures = dict(getattr(self.loaded, "signatures", {}) or {})
+        if SIGNATURE not in signatures:
+            raise SpecError(
+                f"{where}: the SavedModel has no {SIGNATURE!r} signature (it has: "
+                f"{', '.join(map(repr, signatures)) or 'none'}); save it with "
+                f"signatures={{'{SIGNATURE}': fn}}"
+            )
+        self.signature = signatures[SIGNATURE]
+        _, kwargs = self.signature.structured_input_signature
+        outputs = self.signature.structured_outputs
+        config = package.config
+        self._check_keys(where, "input", [s.name for s in config.input_spec], sorted(kwargs), True)
+        self._check_keys(where, "output", [s.name for s in config.output_spec], sorted(outputs), False)
+        self._input_dtypes = {name: spec.dtype for name, spec in kwargs.items()}
+        self._specs = {s.name: s for s in config.output_spec}
+        self._all_outputs = tuple(self._specs)
+
+    @staticmethod
+    def _check_keys(where: str, kind: str, spec_names: list[str], keys: list[str], exact: bool) -> None:
+        missing = [n for n in spec_names if n not in keys]
+        extra = [k for k in keys if k not in spec_names] if exact else []
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"the spec names {', '.join(map(repr, missing))}, which the signature lacks")
+            if extra:
+                parts.append(f"the signature takes {', '.join(map(repr, extra))}, which the spec lacks")
+            raise SpecError(
+                f"{where}: the {SIGNATURE!r} signature's {kind} keys do not match the {kind} spec "
+                f"({'; '.join(parts)}). Signature keys: {', '.join(map(repr, keys))}"
+            )
+
+    def run(self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+        if len(inputs) != len(self._input_dtypes):
+            missing = [n for n in self._input_dtypes if n not in inputs]
+            raise SpecError(f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: its signature has no defaults")
+        with self.tf.device(self._device):
+            result = self.signature(**inputs)
+        specs = self._specs
+        # The signature may return more than the spec describes; return what the spec names.
+        names = self._all_outputs if requested is None else requested
+        return {name: _to_numpy(result[name].numpy(), specs[name]) for name in names}
+
+    def close(self) -> None:
+        self.__dict__.pop("signature", None)
+        self.__dict__.pop("loaded", None)
+
+
+def _process_threads(tf: Any, threads: Mapping[str, int], where: str) -> None:
+    for key, getter, setter in (
+        ("intra_op_num_threads", tf.config.threading.get_intra_op_parallelism_threads,
+         tf.config.threading.set_intra_op_parallelism_threads),
+        ("inter_op_num_threads", tf.config.threading.get_inter_op_parallelism_threads,
+         tf.config.threading.set_inter_op_parallelism_threads),
+    ):  # fmt: skip
+        if key in threads and getter() != threads[key]:
+            try:
+                setter(threads[key])
+            except RuntimeError as e:
+                raise NeuropodError(
+                    f"{where}: cannot set {key}={threads[key]} for a SavedModel: TensorFlow allows it only before "
+                    f"its runtime starts, process-wide ({e})"
+                ) from e

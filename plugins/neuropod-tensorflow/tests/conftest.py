@@ -1,0 +1,23 @@
+"""Shared fixtures: a private package cache per test, and spec helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parents[3].parent / "shared" / "fixtures" / "uber-neuropod-0.3"
+needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"Neuropod 0.3 fixtures not found at {FIXTURES}")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(cache))
+    return cache
+
+
+def spec(*entries: tuple[str, str, Sequence[Any]]) -> list[dict[str, Any]]:
+    return [{"name": n, "dtype": t, "shape": list(s)} for n, t, s in entries]

@@ -1,0 +1,56 @@
+"""Small TensorFlow models the tests build: frozen graphs, SavedModels, Keras."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tensorflow as tf
+
+
+def adder_graph_def() -> tf.compat.v1.GraphDef:
+    """A frozen graph: out = x + y, doubled = out * 2 (float32 [None, 2]); joined = a + " " + b (strings)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2], name="in/x")
+        y = tf.compat.v1.placeholder(tf.float32, [None, 2], name="in/y")
+        total = tf.add(x, y, name="out/total")
+        tf.multiply(total, 2.0, name="out/doubled")
+        a = tf.compat.v1.placeholder(tf.string, [None], name="in/a")
+        b = tf.compat.v1.placeholder(tf.string, [None], name="in/b")
+        tf.strings.join([a, b], separator=" ", name="out/joined")
+    return graph.as_graph_def()
+
+
+ADDER_MAPPING = {
+    "x": "in/x",
+    "y": "in/y:0",
+    "out": "out/total",
+    "doubled": "out/doubled:0",
+}
+STRINGS_MAPPING = {"a": "in/a", "b": "in/b", "joined": "out/joined"}
+
+
+class Scaler(tf.Module):
+    """A SavedModel-able module: y = x * scale + shift, with a serving_default signature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = tf.Variable(3.0)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x"), tf.TensorSpec([None], tf.float32, name="shift")])
+    def serving_default(self, x: tf.Tensor, shift: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"y": x * self.scale + shift, "label": tf.strings.as_string(x)}
+
+
+def save_without_serving_default(path: Path) -> Path:
+    module = tf.Module()
+    module.f = tf.function(lambda x: {"y": x}, input_signature=[tf.TensorSpec([None], tf.float32)])
+    tf.saved_model.save(module, str(path), signatures={"other": module.f.get_concrete_function()})
+    return path
+
+
+def keras_model() -> tf.keras.Model:
+    inputs = tf.keras.Input(shape=(4,), name="features")
+    hidden = tf.keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    outputs = tf.keras.layers.Dense(2, name="scores")(hidden)
+    return tf.keras.Model(inputs, outputs)

@@ -1,0 +1,265 @@
+"""The TensorFlow backend end to end: frozen graphs, SavedModels, Keras, the original packages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import importlib_metadata
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import neuropod
+from neuropod import plugins
+from neuropod.errors import NeuropodError, NoBackendError, PackageError, SpecError
+from neuropod.packagers import create_keras_neuropod, create_tensorflow_neuropod
+
+import models
+from conftest import FIXTURES, needs_fixtures, spec
+
+
+def _installed_tf() -> tuple[str, str]:
+    for dist in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly", "tf-nightly-cpu"):
+        try:
+            return dist, importlib_metadata.version(dist)
+        except importlib_metadata.PackageNotFoundError:
+            continue
+    raise RuntimeError("no TensorFlow distribution is installed")
+
+
+TF_DIST, TF_VERSION = _installed_tf()
+XY = spec(("x", "float32", ["batch", 2]), ("y", "float32", ["batch", 2]))
+OUT = spec(("out", "float32", ["batch", 2]), ("doubled", "float32", ["batch", 2]))
+
+
+def xy(batch: int = 2) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(batch)
+    return {n: rng.standard_normal((batch, 2)).astype(np.float32) for n in ("x", "y")}
+
+
+def frozen_adder(tmp_path: Path, **kwargs) -> Path:  # type: ignore[no-untyped-def]
+    return create_tensorflow_neuropod(
+        tmp_path / "adder.neuropod", "adder", XY, OUT, node_name_mapping=models.ADDER_MAPPING,
+        graph_def=models.adder_graph_def(), **kwargs,
+    )
+
+
+# --- discovery --------------------------------------------------------------
+
+
+def test_found_with_the_distribution_that_provides_tensorflow() -> None:
+    (backend,) = [b for b in plugins.installed_backends() if b.platform == "tensorflow"]
+    assert (backend.framework, backend.version) == (TF_DIST, TF_VERSION)
+    assert backend.version.split("+")[0] == tf.__version__.split("+")[0]
+
+
+def test_discovery_does_not_import_tensorflow() -> None:
+    code = (
+        "import sys, neuropod.plugins as p\n"
+        "b = [b for b in p.installed_backends() if b.platform == 'tensorflow'][0]\n"
+        "print(p.backend_caps(b).gpu)\n"
+        "assert 'tensorflow' not in sys.modules, 'discovery imported tensorflow'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert out == str(tf.test.is_built_with_cuda()), "build_info.py read as text agrees with TensorFlow itself"
+
+
+# --- frozen graphs ----------------------------------------------------------------
+
+
+def test_frozen_graph_with_shared_symbol_and_requested_outputs(tmp_path: Path) -> None:
+    inputs = xy(3)
+    total = inputs["x"] + inputs["y"]
+    path = frozen_adder(tmp_path, test_input_data=inputs, test_expected_out={"out": total, "doubled": total * 2})
+    backend_config = json.loads((path / "0" / "config.json").read_text())
+    assert backend_config["node_name_mapping"] == models.ADDER_MAPPING
+    config = json.loads((path / "config.json").read_text())
+    assert config["exported_with"]["platform_version"] == TF_VERSION
+    with neuropod.load_neuropod(path) as model:
+        out = model.infer(inputs)
+        np.testing.assert_allclose(out["out"], total, rtol=1e-6)
+        np.testing.assert_allclose(out["doubled"], total * 2, rtol=1e-6)
+        assert list(model.infer(inputs, requested_outputs=["doubled"])) == ["doubled"]
+        with pytest.raises(SpecError, match=r"symbol 'batch' = 3 \(from tensor 'x'\), but was 1"):
+            model.infer({"x": inputs["x"], "y": np.zeros((1, 2), np.float32)})
+
+
+def test_frozen_graph_strings(tmp_path: Path) -> None:
+    path = create_tensorflow_neuropod(
+        tmp_path / "s", "strings", spec(("a", "string", ["n"]), ("b", "string", ["n"])),
+        spec(("joined", "string", ["n"])), node_name_mapping=models.STRINGS_MAPPING,
+        graph_def=models.adder_graph_def(),
+    )
+    with neuropod.load_neuropod(path) as model:
+        out = model.infer({"a": np.array(["apple", "banana"]), "b": np.array(["sauce", "pudding"], dtype=object)})
+    assert out["joined"].dtype.kind == "U" and out["joined"].tolist() == ["apple sauce", "banana pudding"]
+
+
+def test_frozen_graph_from_a_file_and_as_zip(tmp_path: Path) -> None:
+    pb = tmp_path / "graph.pb"
+    pb.write_bytes(models.adder_graph_def().SerializeToString())
+    path = create_tensorflow_neuropod(
+        tmp_path / "adder.zip", "adder", XY, OUT, node_name_mapping=models.ADDER_MAPPING, frozen_graph_path=pb,
+        package_as_zip=True,
+    )
+    inputs = xy()
+    with neuropod.load_neuropod(path, intra_op_num_threads=1, inter_op_num_threads=1) as model:
+        np.testing.assert_allclose(model.infer(inputs)["out"], inputs["x"] + inputs["y"], rtol=1e-6)
+
+
+def test_node_missing_from_the_graph(tmp_path: Path) -> None:
+    for kind, mapping, message in [
+        ("input", {**models.ADDER_MAPPING, "x": "in/typo"}, "input 'x' maps to 'in/typo:0'.*placeholders: in/x, in/y, in/a, in/b"),
+        ("output", {**models.ADDER_MAPPING, "out": "out/nope"}, "output 'out' maps to 'out/nope:0'.*out/total"),
+    ]:  # fmt: skip
+        with pytest.raises(SpecError, match=message):
+            create_tensorflow_neuropod(
+                tmp_path / kind, "adder", XY, OUT, node_name_mapping=mapping, graph_def=models.adder_graph_def()
+            )
+        assert not (tmp_path / kind).exists(), "a package that cannot load is not kept"
+    with pytest.raises(PackageError, match="node_name_mapping has no entry for output 'doubled'"):
+        create_tensorflow_neuropod(
+            tmp_path / "partial", "adder", XY, OUT, node_name_mapping={"x": "in/x", "y": "in/y", "out": "out/total"},
+            graph_def=models.adder_graph_def(),
+        )
+
+
+# --- SavedModels and Keras ---------------------------------------------------------------
+
+
+def test_saved_model_through_serving_default(tmp_path: Path) -> None:
+    x, shift = np.array([1, 2, 3], np.float32), np.array([0.5, 0.5, 0.5], np.float32)
+    path = create_tensorflow_neuropod(
+        tmp_path / "scaler", "scaler", spec(("x", "float32", ["n"]), ("shift", "float32", ["n"])),
+        spec(("y", "float32", ["n"]), ("label", "string", ["n"])), trackable_obj=models.Scaler(),
+        test_input_data={"x": x, "shift": shift}, test_expected_out={"y": x * 3 + shift},
+    )
+    assert (path / "0" / "data" / "savedmodel" / "saved_model.pb").is_file()
+    with neuropod.load_neuropod(path) as model:
+        out = model.infer({"x": x, "shift": shift})
+        np.testing.assert_allclose(out["y"], x * 3 + shift)
+        assert out["label"].dtype.kind == "U" and [float(v) for v in out["label"]] == [1.0, 2.0, 3.0]
+        assert list(model.infer({"x": x, "shift": shift}, requested_outputs=["y"])) == ["y"]
+        with pytest.raises(SpecError, match="needs input\\(s\\) 'shift'"):
+            model.infer({"x": x})
+
+
+def test_saved_model_dir_and_signature_problems(tmp_path: Path) -> None:
+    saved = tmp_path / "saved"
+    tf.saved_model.save(models.Scaler(), str(saved))
+    in_spec = spec(("x", "float32", ["n"]), ("shift", "float32", ["n"]))
+    path = create_tensorflow_neuropod(tmp_path / "ok", "scaler", in_spec, spec(("y", "float32", ["n"])), saved_model_dir=saved)
+    with neuropod.load_neuropod(path) as model:
+        np.testing.assert_allclose(model.infer({"x": np.ones(2, np.float32), "shift": np.zeros(2, np.float32)})["y"], [3, 3])
+    with pytest.raises(SpecError, match="input keys do not match.*'bias', which the signature lacks.*'shift', which the spec lacks"):
+        create_tensorflow_neuropod(tmp_path / "keys", "scaler", spec(("x", "float32", ["n"]), ("bias", "float32", ["n"])),
+                                   spec(("y", "float32", ["n"])), saved_model_dir=saved)  # fmt: skip
+    with pytest.raises(SpecError, match="output keys do not match.*'z', which the signature lacks"):
+        create_tensorflow_neuropod(tmp_path / "out", "scaler", in_spec, spec(("z", "float32", ["n"])), saved_model_dir=saved)
+    other = models.save_without_serving_default(tmp_path / "other")
+    with pytest.raises(SpecError, match="has no 'serving_default' signature \\(it has: 'other'\\)"):
+        create_tensorflow_neuropod(tmp_path / "nosig", "m", spec(("x", "float32", [None])),
+                                   spec(("y", "float32", [None])), saved_model_dir=other)  # fmt: skip
+    assert not any((tmp_path / n).exists() for n in ("keys", "out", "nosig"))
+
+
+def test_keras_model_with_inferred_spec(tmp_path: Path) -> None:
+    keras = models.keras_model()
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    expected = keras(x, training=False).numpy()
+    path = create_keras_neuropod(tmp_path / "keras", "keras", keras, test_input_data={"features": x},
+                                 test_expected_out={"scores": expected})  # fmt: skip
+    config = json.loads((path / "config.json").read_text())
+    assert config["input_spec"] == [{"name": "features", "dtype": "float32", "shape": ["batch_size", 4]}]
+    assert config["output_spec"] == [{"name": "scores", "dtype": "float32", "shape": ["batch_size", 2]}]
+    with neuropod.load_neuropod(path) as model:
+        np.testing.assert_allclose(model.infer({"features": x})["scores"], expected, rtol=1e-5, atol=1e-6)
+
+
+# --- the original Neuropod packages ----------------------------------------------------
+
+
+@needs_fixtures
+def test_original_addition_and_strings_packages() -> None:
+    with neuropod.load_neuropod(FIXTURES / "tf_addition_model") as m:
+        out = m.infer({"x": np.array([[1, 2], [3, 4]], np.float32), "y": np.array([[7, 8], [9, 10]], np.float32)})
+        np.testing.assert_array_equal(out["out"], [[8, 10], [12, 14]])
+    with neuropod.load_neuropod(FIXTURES / "tf_strings_model") as m:
+        out = m.infer({"x": np.array(["apple", "banana", "carrot"]), "y": np.array(["sauce", "pudding", "cake"])})
+        assert out["out"].tolist() == ["apple sauce", "banana pudding", "carrot cake"]
+
+
+@needs_fixtures
+def test_original_object_detection_package() -> None:
+    image = np.random.default_rng(0).integers(0, 255, (1200, 1920, 3), dtype=np.uint8)
+    with neuropod.load_neuropod(FIXTURES / "dummy_object_detection") as m:
+        out = m.infer({"image": image})
+        with pytest.raises(SpecError, match="dim 0 should be 1200, but was 600"):
+            m.infer({"image": image[:600]})
+    boxes, probs = out["boxes"], out["object_class_probability"]
+    assert boxes.dtype == np.float32 and boxes.ndim == 2 and boxes.shape[1] == 4
+    assert probs.shape[0] == boxes.shape[0], "one num_detections across both outputs"
+    assert probs.shape == (28, 67)
+
+
+@needs_fixtures
+def test_original_many_small_inputs_package() -> None:
+    inputs = {f"small_input{i}": np.full((10, 5), i, np.float32) for i in range(100)}
+    with neuropod.load_neuropod(FIXTURES / "dummy_small_input_model") as m:
+        out = m.infer(inputs)
+        config = json.loads((FIXTURES / "dummy_small_input_model" / "config.json").read_text())
+        assert set(out) == {o["name"] for o in config["output_spec"]}
+        assert all(v.dtype == np.float32 for v in out.values())
+
+
+# --- resolution, options, errors --------------------------------------------------------
+
+
+def test_range_that_excludes_the_installed_tensorflow(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="not checked by loading it"):
+        path = frozen_adder(tmp_path, platform_version_semver="<2.0")
+    with pytest.raises(NoBackendError) as info:
+        neuropod.load_neuropod(path)
+    assert f"version {TF_VERSION} is not in '<2.0'" in str(info.value)
+
+
+def test_gpu_on_a_machine_without_one(tmp_path: Path) -> None:
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU is available here")
+    path = frozen_adder(tmp_path)
+    with pytest.raises(NoBackendError, match="device='cuda:0' was requested"):
+        neuropod.load_neuropod(path, device="cuda:0")
+
+
+def test_load_options_and_argument_errors(tmp_path: Path) -> None:
+    path = frozen_adder(tmp_path)
+    with pytest.raises(NeuropodError, match="Unknown TensorFlow load option.*'threads'"):
+        neuropod.load_neuropod(path, threads=1)
+    with pytest.raises(NeuropodError, match="exactly one of frozen_graph_path="):
+        create_tensorflow_neuropod(tmp_path / "x", "x", XY, OUT)
+    with pytest.raises(NeuropodError, match="A frozen graph needs node_name_mapping"):
+        create_tensorflow_neuropod(tmp_path / "x", "x", XY, OUT, graph_def=models.adder_graph_def())
+    with pytest.raises(NeuropodError, match="node_name_mapping is for frozen graphs"):
+        create_tensorflow_neuropod(tmp_path / "x", "x", XY, OUT, node_name_mapping={"x": "a"}, saved_model_dir=tmp_path)
+    with pytest.raises(PackageError, match="is not a SavedModel"):
+        create_tensorflow_neuropod(tmp_path / "x", "x", XY, OUT, saved_model_dir=tmp_path)
+
+
+def test_tensorflow_stays_quiet(tmp_path: Path) -> None:
+    """Loading and running print nothing on stderr unless the user asks for TensorFlow's logs."""
+    path = frozen_adder(tmp_path)
+    code = (
+        "import sys, numpy as np, neuropod\n"
+        f"m = neuropod.load_neuropod({str(path)!r})\n"
+        "m.infer({'x': np.ones((1, 2), np.float32), 'y': np.ones((1, 2), np.float32)})\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert quiet.stderr.strip() == ""
+    loud = subprocess.run([sys.executable, "-c", code], env={**env, "TF_CPP_MIN_LOG_LEVEL": "0"},
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert loud.stderr.strip() != "", "asked for, TensorFlow's log lines come through"
