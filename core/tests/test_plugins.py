@@ -171,3 +171,23 @@ def test_installed_distribution_reads_dist_info_names(site: Path) -> None:
     egg.mkdir()
     (egg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: eggy-framework\nVersion: 0.7\n")
     assert installed_distribution("eggy-framework") == ("eggy-framework", "0.7")
+
+
+def test_install_hint_when_the_plugin_is_there_but_its_framework_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEUROPOD_PLUGINS", "")  # only the plugin registered below
+    plugins.reset()
+
+    class NoFramework:
+        @hookimpl
+        def supported_versions(self):  # type: ignore[no-untyped-def]
+            return []  # as a real plugin does when its framework is not installed
+
+    try:
+        assert plugins.register(NoFramework(), "tensorflow", "neuropod-tensorflow 0.4.0")
+        assert plugins.install_hint("tensorflow") == (
+            "neuropod-tensorflow 0.4.0 is installed, but its framework is not: "
+            "pip install neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)"
+        )
+        assert plugins.install_hint("onnx") == "pip install neuropod-onnx"
+    finally:
+        plugins.reset()

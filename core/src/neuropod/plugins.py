@@ -263,7 +263,8 @@ def install_hint(platform: str) -> str:
     """What to install to run a platform."""
     dist = KNOWN_PLATFORMS.get(platform)
     plugin = _state.infos.get(platform)  # plugins are named for the platform they run
-    if plugin is not None and platform in KNOWN_FRAMEWORKS:
+    idle = plugin is not None and not any(b.plugin == platform for b in installed_backends())
+    if plugin is not None and idle and platform in KNOWN_FRAMEWORKS:
         return f"{plugin.distribution} is installed, but its framework is not: pip install {KNOWN_FRAMEWORKS[platform]}"
     if dist:
         return f"pip install {dist}"

@@ -145,8 +145,9 @@ class SpecValidator:
         """Validate the inputs of one call.
 
         :returns: the inputs as C-contiguous numpy arrays (the same objects
-            when they already were), and the symbol sizes they set, for
-            :meth:`check_outputs`.
+            when they already were; the caller's own dict when nothing had
+            to change, so backends must not modify it), and the symbol sizes
+            they set, for :meth:`check_outputs`.
         :raises SpecError: for an unknown name or a tensor that does not fit.
         """
         if not isinstance(tensors, Mapping):
@@ -154,8 +155,8 @@ class SpecValidator:
                 f"Inputs of model {self.model_name!r} must be a dict of name -> numpy array, not {_kind(tensors)}"
             )
         bindings: Bindings = {}
-        out: dict[str, np.ndarray] = {}
         specs = self._inputs
+        copied: list[str] = []
         for name, arr in tensors.items():
             compiled = specs.get(name)
             if compiled is None:
@@ -164,7 +165,14 @@ class SpecValidator:
                     + ", ".join(str(c[5]) for c in specs.values())
                 )
             _check(arr, compiled, bindings, "input", self.model_name)
-            out[name] = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+            if not arr.flags.c_contiguous:
+                copied.append(name)
+        # The common case passes the caller's dict through: no new dict per call.
+        if not copied and type(tensors) is dict:
+            return tensors, bindings
+        out = dict(tensors)
+        for name in copied:
+            out[name] = np.ascontiguousarray(out[name])
         return out, bindings
 
     def check_outputs(

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import importlib_metadata
@@ -233,6 +234,35 @@ def test_gpu_on_a_machine_without_one(tmp_path: Path) -> None:
     path = frozen_adder(tmp_path)
     with pytest.raises(NoBackendError, match="device='cuda:0' was requested"):
         neuropod.load_neuropod(path, device="cuda:0")
+
+
+def test_caller_thread_and_pool_give_the_same_results(tmp_path: Path) -> None:
+    path = frozen_adder(tmp_path)
+    inputs = xy(4)
+    with neuropod.load_neuropod(path) as caller, neuropod.load_neuropod(path, inter_op_thread_pool="pool") as pool:
+        for outputs in (None, ["doubled"]):
+            a, b = caller.infer(inputs, outputs), pool.infer(inputs, outputs)
+            assert a.keys() == b.keys()
+            for k in a:
+                np.testing.assert_array_equal(a[k], b[k])
+        failures: list[BaseException] = []
+
+        def work(batch: int) -> None:  # several threads on one caller-thread session
+            try:
+                for _ in range(50):
+                    data = xy(batch)
+                    np.testing.assert_allclose(caller.infer(data)["out"], data["x"] + data["y"], rtol=1e-6)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failures.append(e)
+
+        threads = [threading.Thread(target=work, args=(b,)) for b in range(1, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failures
+    with pytest.raises(NeuropodError, match="inter_op_thread_pool must be 'caller' or 'pool', not 'both'"):
+        neuropod.load_neuropod(path, inter_op_thread_pool="both")
 
 
 def test_load_options_and_argument_errors(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ SIGNATURE = "serving_default"
 LOAD_OPTIONS = {
     "intra_op_num_threads": "threads inside one operator (per session for frozen graphs; process-wide for SavedModels)",
     "inter_op_num_threads": "threads across operators (as above)",
+    "inter_op_thread_pool": "frozen graphs: 'caller' (default: run ops on the calling thread) or 'pool' (TensorFlow's pool)",
 }
 
 _lock = threading.RLock()
@@ -129,13 +130,17 @@ def load_custom_ops(tf: Any, paths: Sequence[Path], where: str) -> None:
             _loaded_ops[digest] = path
 
 
-def _threads(options: Mapping[str, Any]) -> dict[str, int]:
+def _threads(options: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(options) - set(LOAD_OPTIONS))
     if unknown:
         known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
         raise NeuropodError(f"Unknown TensorFlow load option(s) {', '.join(map(repr, unknown))}. Known: {known}")
-    out = {}
+    out: dict[str, Any] = {"inter_op_thread_pool": options.get("inter_op_thread_pool", "caller")}
+    if out["inter_op_thread_pool"] not in ("caller", "pool"):
+        raise NeuropodError(f"inter_op_thread_pool must be 'caller' or 'pool', not {out['inter_op_thread_pool']!r}")
     for key, value in options.items():
+        if key == "inter_op_thread_pool":
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise NeuropodError(f"Load option {key} must be an int >= 0 (0: TensorFlow's default), not {value!r}")
         out[key] = value
@@ -179,9 +184,10 @@ def _tensor_name(name: str) -> str:
 class FrozenGraphModel:
     """A frozen GraphDef in its own graph and session."""
 
-    def __init__(self, tf: Any, package: Package, device: str, threads: Mapping[str, int], where: str):
+    def __init__(self, tf: Any, package: Package, device: str, threads: Mapping[str, Any], where: str):
         self.name = package.name
         self.where = where
+        self._caller_thread = threads["inter_op_thread_pool"] == "caller"
         config = package.config
         mapping = package.backend_config.get("node_name_mapping")
         if not isinstance(mapping, dict):
@@ -218,6 +224,7 @@ class FrozenGraphModel:
                 raise BackendError(f"{where}: running init ops {list(init_ops)} failed: {e}") from e
         self._specs = {s.name: s for s in config.output_spec}
         self._all_outputs = tuple(s.name for s in config.output_spec)
+        self._string_outputs = frozenset(s.name for s in config.output_spec if s.dtype == "string")
         self._callables: dict[tuple[tuple[str, ...], tuple[str, ...]], Callable[..., Any]] = {}
 
     def _find(self, tf: Any, tensor: str, spec_name: str, kind: str) -> Any:
@@ -243,21 +250,58 @@ class FrozenGraphModel:
         fn = self._callables.get(key)
         if fn is None:
             fn = self._make_callable(names, outputs)
-        results = fn(*inputs.values())
+            # The first run of a graph is when TensorFlow optimizes it, and
+            # some releases log about that to stderr (2.18: "MLIR V1
+            # optimization pass is not enabled"); hold that back too.
+            with quiet_stderr(f"first running model {self.name!r}"):
+                results = fn(*inputs.values())
+        else:
+            results = fn(*inputs.values())
+        if not self._string_outputs:
+            return dict(zip(outputs, results))
         specs = self._specs
-        out = {}
-        for name, value in zip(outputs, results):
-            spec = specs[name]
-            out[name] = _to_numpy(value, spec) if spec.dtype == "string" else value
-        return out
+        return {
+            name: _to_numpy(value, specs[name]) if name in self._string_outputs else value
+            for name, value in zip(outputs, results)
+        }
 
     def _make_callable(self, names: tuple[str, ...], outputs: tuple[str, ...]) -> Callable[..., Any]:
+        fetches = [self._tensors[n] for n in outputs]
+        feeds = [self._tensors[n] for n in names]
         with _lock:
-            fn = self.session.make_callable(
-                [self._tensors[n] for n in outputs], feed_list=[self._tensors[n] for n in names]
-            )
+            fn = self._caller_thread_callable(feeds, fetches) if self._caller_thread else None
+            if fn is None:
+                fn = self.session.make_callable(fetches, feed_list=feeds)
             self._callables[(names, outputs)] = fn
-            return fn  # type: ignore[no-any-return]
+            return fn
+
+    def _caller_thread_callable(self, feeds: list[Any], fetches: list[Any]) -> Callable[..., Any] | None:
+        """A callable that runs the graph on the calling thread (``inter_op_thread_pool=-1``).
+
+        Handing a run to TensorFlow's inter-op pool and waiting for it costs
+        tens of microseconds, more than a small graph's whole run (on the
+        original Neuropod's addition model: about 150 us through the pool,
+        4 us on the calling thread). Operators still use the intra-op pool
+        for their own parallelism; what is lost is running independent
+        branches at once, so graphs with wide parallel branches or blocking
+        queue ops should load with ``inter_op_thread_pool="pool"``.
+        Session.make_callable cannot take RunOptions without paying for them
+        on every call, so this uses the session's options-based constructor
+        (private in TensorFlow's Python API) and falls back to
+        make_callable if it is missing.
+        """
+        make = getattr(self.session, "_make_callable_from_options", None)
+        try:
+            from tensorflow.core.protobuf import config_pb2
+        except ImportError:
+            return None
+        if make is None:
+            return None
+        options = config_pb2.CallableOptions()
+        options.feed.extend(t.name for t in feeds)
+        options.fetch.extend(t.name for t in fetches)
+        options.run_options.inter_op_thread_pool = -1
+        return make(options)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         session = self.__dict__.pop("session", None)
@@ -272,7 +316,7 @@ class FrozenGraphModel:
 class SavedModelModel:
     """A SavedModel's ``serving_default`` signature, called eagerly."""
 
-    def __init__(self, tf: Any, package: Package, device: str, threads: Mapping[str, int], where: str):
+    def __init__(self, tf: Any, package: Package, device: str, threads: Mapping[str, Any], where: str):
         self.name = package.name
         self.tf = tf
         self._device = "/CPU:0" if device == "cpu" else f"/GPU:{device.split(':', 1)[1]}"
@@ -299,6 +343,7 @@ class SavedModelModel:
         self._input_dtypes = {name: spec.dtype for name, spec in kwargs.items()}
         self._specs = {s.name: s for s in config.output_spec}
         self._all_outputs = tuple(self._specs)
+        self._first_call = True
 
     @staticmethod
     def _check_keys(where: str, kind: str, spec_names: list[str], keys: list[str], exact: bool) -> None:
@@ -319,8 +364,13 @@ class SavedModelModel:
         if len(inputs) != len(self._input_dtypes):
             missing = [n for n in self._input_dtypes if n not in inputs]
             raise SpecError(f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: its signature has no defaults")
-        with self.tf.device(self._device):
-            result = self.signature(**inputs)
+        if self._first_call:  # see FrozenGraphModel.run
+            with quiet_stderr(f"first running model {self.name!r}"), self.tf.device(self._device):
+                result = self.signature(**inputs)
+            self._first_call = False
+        else:
+            with self.tf.device(self._device):
+                result = self.signature(**inputs)
         specs = self._specs
         # The signature may return more than the spec describes; return what the spec names.
         names = self._all_outputs if requested is None else requested
