@@ -5,6 +5,7 @@
     nox -s tests_onnx              the ONNX plugin on onnxruntime 1.31.1, 1.24.4 and 1.20.1
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
+    nox -s tests_tensorrt          the TensorRT plugin (GPU tests skip without a GPU and TensorRT)
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s build                   wheels for the core and every plugin into dist/
@@ -113,6 +114,13 @@ def tests_tensorflow(session: nox.Session, tensorflow: str) -> None:
     """The TensorFlow plugin against one tensorflow-cpu release (needs g++ for the custom-op test)."""
     session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-tensorflow'}[test]", f"tensorflow-cpu=={tensorflow}")
     _pytest(session, "plugins/neuropod-tensorflow/tests")
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def tests_tensorrt(session: nox.Session) -> None:
+    """The TensorRT plugin without TensorRT: planning and packaging tests run, GPU tests skip with the reason."""
+    session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-tensorrt'}[test]")
+    _pytest(session, "plugins/neuropod-tensorrt/tests")
 
 
 def _install_onnx(session: nox.Session, onnxruntime: str) -> None:

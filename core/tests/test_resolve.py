@@ -62,7 +62,7 @@ def test_nothing_fits_lists_all_and_says_what_to_install() -> None:
     with pytest.raises(NoBackendError) as info:
         r.raise_if_unresolved()
     text = str(info.value)
-    assert "No installed backend can run it" in text
+    assert "No backend can run it on cpu box." in text
     assert "Install a onnx version in '>=2' (>=2.0.0)" in text
     assert text.count("is not in") == 3
     r = resolve(config(platform="tensorflow"), ALL, CAPS, CPU_HOST)
@@ -164,3 +164,32 @@ def test_local_labels_and_prereleases_in_installed_versions() -> None:
 def test_invalid_device() -> None:
     with pytest.raises(NeuropodError, match="'tpu'"):
         resolve(config(), ALL, CAPS, CPU_HOST, device="tpu")
+
+
+def test_a_host_file_can_list_the_backends_of_the_machine_it_describes(tmp_path: Path) -> None:
+    import json
+
+    from _toy_backend import write_toy
+
+    from neuropod.model import plan
+
+    host = json.loads((HOSTS / "two-a100.json").read_text())
+    host["backends"] = [
+        {"platform": "toy", "version": "3.1.0", "framework": "toyframework-gpu", "cpu": False, "cuda": "12.1"},
+        {"platform": "toy", "version": "2.0.0", "framework": "toyframework", "cuda": None},
+    ]
+    host_file = tmp_path / "planned.json"
+    host_file.write_text(json.dumps(host))
+    package = write_toy(tmp_path / "m", input_tensor_device={"x": "GPU", "y": "GPU"})
+    r = plan(package, host=host_file)  # no toy plugin is installed here: the host file's backends are used
+    assert r.chosen is not None and r.chosen.backend.version == "3.1.0" and r.device == "cuda:0"
+    assert r.chosen.backend.location == "described in planned.json"
+    assert load_host(host_file).to_dict()["backends"][0]["cuda"] == "12.1"
+    host["backends"] = [{"platform": "toy"}]
+    host_file.write_text(json.dumps(host))
+    with pytest.raises(NeuropodError, match=r"backends\[0\]\.version is missing"):
+        load_host(host_file)
+    host["backends"] = [{"platform": "toy", "version": "1", "gpu": True}]
+    host_file.write_text(json.dumps(host))
+    with pytest.raises(NeuropodError, match="gpu"):
+        load_host(host_file)

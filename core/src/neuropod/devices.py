@@ -38,6 +38,18 @@ Each GPU:
 - ``index``: the CUDA index, defaults to the position in the list.
 - ``uuid``: defaults to ``"GPU-described-<index>"``.
 
+A host file may also list the backends installed on the machine it
+describes, so a deployment can be planned from a machine without that
+software; without ``backends``, planning uses this environment's backends::
+
+    "backends": [
+      {"platform": "tensorrt", "version": "10.3.0", "framework": "tensorrt-cu12-bindings",
+       "cpu": false, "cuda": "12", "compute_capabilities": []}
+    ]
+
+(``platform`` and ``version`` are required; ``cpu`` defaults to true, ``cuda``
+to null, meaning no GPU support.)
+
 Unknown keys are rejected so a typo cannot silently drop a field. Every
 problem raises :class:`~neuropod.errors.NeuropodError` naming the file and the
 field.
@@ -55,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuropod.backend import Backend, DeviceCaps
 from neuropod.errors import NeuropodError
 
 _LOCAL_NAME = "this machine"
@@ -67,7 +80,8 @@ _CC_RE = re.compile(r"([0-9]{1,2})\.([0-9])", re.ASCII)
 _CUDA_RE = re.compile(r"[0-9]{1,3}\.[0-9]{1,2}", re.ASCII)
 _DEVICE_RE = re.compile(r"(cpu)|(?:cuda|gpu)(?::([0-9]{1,4}))?", re.IGNORECASE | re.ASCII)
 _DEVICE_FORMS = '"cpu", "cuda", "cuda:N", "gpu", "gpu:N"'
-_HOST_KEYS = ("name", "driver_version", "cuda_driver_version", "gpus")
+_HOST_KEYS = ("name", "driver_version", "cuda_driver_version", "gpus", "backends")
+_BACKEND_KEYS = ("platform", "version", "framework", "cpu", "cuda", "compute_capabilities")
 _GPU_KEYS = ("index", "name", "uuid", "compute_capability", "memory_total", "memory_free")
 _NOTE_LIMIT = 160
 
@@ -103,6 +117,9 @@ class Host:
     cuda_driver_version: str | None = None
     source: str = "nvml"
     note: str | None = None
+    #: Backends installed on a described machine, as (Backend, DeviceCaps);
+    #: empty means "plan with this environment's backends".
+    backends: tuple[tuple[Backend, DeviceCaps], ...] = ()
 
     @property
     def has_gpu(self) -> bool:
@@ -128,7 +145,7 @@ class Host:
         """This host in the host-file format; ``load_host`` reads it back."""
         # source and note say how this description was obtained, not what the
         # machine has, so they are not part of the file format.
-        return {
+        data: dict[str, Any] = {
             "name": self.name,
             "driver_version": self.driver_version,
             "cuda_driver_version": self.cuda_driver_version,
@@ -139,6 +156,13 @@ class Host:
                 for g in self.gpus
             ],
         }
+        if self.backends:
+            data["backends"] = [
+                {"platform": b.platform, "version": b.version, "framework": b.framework, "cpu": c.cpu,
+                 "cuda": c.cuda, "compute_capabilities": list(c.compute_capabilities)}
+                for b, c in self.backends
+            ]
+        return data
 
     def describe(self) -> str:
         """One line per device, for CLI output."""
@@ -228,7 +252,40 @@ def load_host(path: str | os.PathLike[str]) -> Host:
         if gpu.index in seen:
             raise _bad(file, f"gpus[{position}].index is {gpu.index}, used by an earlier GPU")
         seen.add(gpu.index)
-    return Host(name, gpus, driver, cuda, source=file)
+    raw_backends = data.get("backends")
+    if raw_backends is None:
+        raw_backends = []
+    if not isinstance(raw_backends, list):
+        raise _field(file, "backends", raw_backends, "a list of backend objects")
+    backends = tuple(_load_backend(file, position, raw) for position, raw in enumerate(raw_backends))
+    return Host(name, gpus, driver, cuda, source=file, backends=backends)
+
+
+def _load_backend(file: str, position: int, raw: object) -> tuple[Backend, DeviceCaps]:
+    """One entry of a host file's ``backends``: software installed on the described machine."""
+    where = f"backends[{position}]"
+    if not isinstance(raw, dict):
+        raise _field(file, where, raw, "an object")
+    _check_keys(file, where, raw, _BACKEND_KEYS)
+    for key in ("platform", "version"):
+        if key not in raw:
+            raise _bad(file, f"{where}.{key} is missing")
+    platform = _string(file, f"{where}.platform", raw["platform"])
+    version = _string(file, f"{where}.version", raw["version"])
+    framework = _string(file, f"{where}.framework", raw.get("framework", platform))
+    cpu = raw.get("cpu", True)
+    if not isinstance(cpu, bool):
+        raise _field(file, f"{where}.cpu", cpu, "true or false")
+    cuda_version = raw.get("cuda")
+    if cuda_version is not None and not (isinstance(cuda_version, str) and re.fullmatch(r"[0-9]{1,3}(\.[0-9]{1,3}){0,2}", cuda_version)):
+        raise _field(file, f"{where}.cuda", cuda_version, 'null or a string like "12.4"')
+    ccs = raw.get("compute_capabilities") or []
+    if not isinstance(ccs, list):
+        raise _field(file, f"{where}.compute_capabilities", ccs, 'a list like ["8.0", "9.0"]')
+    caps = tuple(_compute_capability(file, f"{where}.compute_capabilities[{i}]", cc) for i, cc in enumerate(ccs))
+    backend = Backend(platform, version, framework, plugin=platform, plugin_distribution="(described)",
+                      location=f"described in {Path(file).name}")  # fmt: skip
+    return backend, DeviceCaps(cpu=cpu, cuda=cuda_version, compute_capabilities=caps)
 
 
 def _read_gpu(nvml: Any, index: int) -> GPU:

@@ -153,12 +153,18 @@ def plan(
     """Resolve a package against the installed backends without loading it.
 
     :param host: the machine to plan for: a :class:`Host`, a host file, or
-        None for this machine.
+        None for this machine. A host file that lists ``backends`` is planned
+        with those; otherwise with this environment's installed backends.
     """
     pkg = package if isinstance(package, Package) else read_package(package)
-    backends = plugins.installed_backends()
-    caps = {b: plugins.backend_caps(b) for b in backends}
-    return resolve(pkg.config, backends, caps, _host(host), device=device, backend=backend)
+    target = _host(host)
+    if target.backends:  # a described machine with its own software
+        caps = dict(target.backends)
+        backends = list(caps)
+    else:
+        backends = plugins.installed_backends()
+        caps = {b: plugins.backend_caps(b) for b in backends}
+    return resolve(pkg.config, backends, caps, target, device=device, backend=backend)
 
 
 def load_neuropod(

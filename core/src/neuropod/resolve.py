@@ -74,7 +74,7 @@ class Resolution:
         head = f"Model {cfg.name!r} needs platform {cfg.platform!r}, versions {describe_range(cfg.platform_version_semver)}"
         if self.chosen is not None:
             return f"{head}.\nChosen: {self.chosen.backend.id} on {self.chosen.device}."
-        return f"{head}.\nNo installed backend can run it. {self.advice()}"
+        return f"{head}.\nNo backend can run it on {self.host.name}. {self.advice()}"
 
     def advice(self) -> str:
         cfg = self.config
@@ -129,7 +129,15 @@ def _cc_ok(gpu: GPU, caps: DeviceCaps, config: ModelConfig) -> str | None:
     """Why this GPU cannot run the model with this backend, or None."""
     req = config.device_requirements or {}
     need_cc = req.get("compute_capability")
-    if need_cc is not None and str(need_cc) != gpu.compute_capability and not req.get("hardware_compatible"):
+    min_cc = req.get("min_compute_capability")
+    if req.get("hardware_compatible"):
+        # A hardware-compatible engine runs on any GPU from a generation on.
+        if min_cc is not None and gpu.cc_tuple < _cc_tuple(str(min_cc)):
+            return (
+                f"{gpu.device} is compute capability {gpu.compute_capability}; the model was built hardware-compatible "
+                f"for {min_cc} and newer"
+            )
+    elif need_cc is not None and str(need_cc) != gpu.compute_capability:
         return f"{gpu.device} is compute capability {gpu.compute_capability}, the model was built for {need_cc}"
     if caps.compute_capabilities and gpu.compute_capability not in caps.compute_capabilities:
         return (
@@ -140,6 +148,14 @@ def _cc_ok(gpu: GPU, caps: DeviceCaps, config: ModelConfig) -> str | None:
     if isinstance(need_mem, int) and gpu.memory_free < need_mem:
         return f"{gpu.device} has {_gib(gpu.memory_free)} free, the model needs {_gib(need_mem)}"
     return None
+
+
+def _cc_tuple(cc: str) -> tuple[int, int]:
+    major, _, minor = cc.partition(".")
+    try:
+        return int(major), int(minor or 0)
+    except ValueError:
+        return (0, 0)
 
 
 def _gib(n: int) -> str:
