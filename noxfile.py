@@ -133,14 +133,14 @@ def _install_onnx(session: nox.Session, onnxruntime: str) -> None:
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff over the whole repository."""
-    session.install("ruff")
+    session.install("ruff==0.17.6")  # pinned: a new rule must not break CI overnight
     session.run("ruff", "check", ".")
 
 
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def types(session: nox.Session) -> None:
     """mypy (strict) over the core and the plugins."""
-    session.install("mypy", f"{CORE}", *[str(p) for p in PLUGINS], f"torch=={TORCH_DEFAULT}")
+    session.install("mypy==2.4.1", f"{CORE}", *[str(p) for p in PLUGINS], f"torch=={TORCH_DEFAULT}")
     session.run("mypy", "core/src/neuropod", *[str(next((p / "src").iterdir())) for p in PLUGINS])
 
 

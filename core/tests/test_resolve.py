@@ -169,9 +169,9 @@ def test_invalid_device() -> None:
 def test_a_host_file_can_list_the_backends_of_the_machine_it_describes(tmp_path: Path) -> None:
     import json
 
-    from _toy_backend import write_toy
-
     from neuropod.model import plan
+
+    from _toy_backend import write_toy
 
     host = json.loads((HOSTS / "two-a100.json").read_text())
     host["backends"] = [
