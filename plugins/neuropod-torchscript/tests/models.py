@@ -85,3 +85,10 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: Tensor) -> dict[str, Tensor]:
         return {"y": self.fc(x)}
+
+
+class StringIdentity(torch.nn.Module):
+    """Copies every string input ``in_<s>`` to the output ``out_<s>`` (for the conformance suite)."""
+
+    def forward(self, inputs: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {"out_" + k[3:]: v for k, v in inputs.items()}
