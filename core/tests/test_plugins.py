@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import importlib_metadata
 import pytest
 
 from neuropod import hookimpl, hookspecs, plugins
@@ -191,3 +193,61 @@ def test_install_hint_when_the_plugin_is_there_but_its_framework_is_not(monkeypa
         assert plugins.install_hint("onnx") == "pip install neuropod-onnx"
     finally:
         plugins.reset()
+
+
+def test_plugin_for_another_core_is_skipped_before_import(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEUROPOD_PLUGINS", "good,future")
+    install_dist(site, "good-framework", "3.1.4", "", {})
+    install_dist(site, "neuropod-good", "1.0", "[neuropod.backends]\ngood = np_test_good\n", {"np_test_good": GOOD})
+    install_dist(
+        site, "neuropod-future", "2.0", "[neuropod.backends]\nfuture = np_test_future\n",
+        {"np_test_future": "raise AssertionError('a plugin for another core must not be imported')\n"},
+    )
+    for dist, requires in (("neuropod_good-1.0", "neuropod<0.5,>=0.4"), ("neuropod_future-2.0", "neuropod>=0.9")):
+        meta = site / f"{dist}.dist-info" / "METADATA"
+        meta.write_text(meta.read_text() + f"Requires-Dist: numpy\nRequires-Dist: {requires}\n\nneuropod>=0.1 in the text\n")
+    with pytest.warns(plugins.PluginWarning, match=r"neuropod-future 2.0: requires neuropod>=0.9, but this is neuropod 0.4.0"):
+        assert [b.platform for b in plugins.installed_backends()] == ["good"]
+    (failure,) = plugins.plugin_failures()
+    assert (failure.name, failure.distribution, failure.core_range) == ("future", "neuropod-future 2.0", ">=0.9")
+    assert "np_test_future" not in sys.modules
+    health = {h.name: h for h in plugins.plugin_health()}
+    assert (health["good"].distribution, health["good"].version, health["good"].core_range) == ("neuropod-good", "1.0", "<0.5,>=0.4")
+    assert health["good"].core_ok and health["good"].state == "loaded"
+    assert not health["future"].core_ok and health["future"].state.startswith("skipped: requires neuropod>=0.9")
+
+    from neuropod.cli import main
+
+    out = io.StringIO()
+    assert main(["backends"], out) == 0
+    lines = [" ".join(line.split()) for line in out.getvalue().splitlines()]
+    assert "good neuropod-good 1.0 <0.5,>=0.4 yes loaded" in lines
+    assert any(line.startswith("future neuropod-future 2.0 >=0.9 NO skipped: requires neuropod>=0.9") for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("requires", "expected"),
+    [
+        ("Requires-Dist: neuropod>=0.4,<0.5", ">=0.4,<0.5"),
+        ("Requires-Dist: neuropod (>=0.4, <0.5)", ">=0.4,<0.5"),
+        ("Requires-Dist: neuropod[gpu]~=0.4.0; python_version >= '3.10'", "~=0.4.0"),
+        ("Requires-Dist: neuropod>=0.9; extra == 'old'", ""),  # an extra's requirement does not count
+        ("Requires-Dist: neuropod-onnx>=0.9", ""),
+        ("Requires-Dist: neuropod", ""),
+    ],
+)
+def test_core_range_from_requires_dist(tmp_path: Path, requires: str, expected: str) -> None:
+    info = tmp_path / "neuropod_x-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: neuropod-x\nVersion: 1.0\n{requires}\n")
+    found = plugins.core_range(importlib_metadata.PathDistribution(info))
+    assert found == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "ok"),
+    [(">=0.4,<0.5", True), ("<0.5,>=0.4", True), (">=0.9", False), ("<0.4", False), ("~=0.4.0", True),
+     ("==0.4.*", True), ("!=0.4.0", False), ("", True), (None, True), (">=0.4.0rc1", True)],
+)  # fmt: skip
+def test_core_satisfies(spec: str | None, ok: bool) -> None:
+    assert plugins.core_satisfies(spec, "0.4.0") is ok

@@ -78,6 +78,7 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
             ],
             "host": host.to_dict(),
             "failed_plugins": [{"name": f.name, "distribution": f.distribution, "error": f.error} for f in failures],
+            "plugins": [h.to_dict() for h in plugins.plugin_health()],
         }
         print(json.dumps(data, indent=2), file=out)
         return 0
@@ -93,6 +94,7 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
     idle = sorted(infos - {b.plugin for b in backends})
     if idle:
         print(f"Plugins with no framework installed: {', '.join(idle)}", file=out)
+    _print_plugin_health(out)
     print(f"Host: {host.name}", file=out)
     print(host.describe(), file=out)
     if failures:
@@ -100,6 +102,20 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
         for f in failures:
             print(f"  {f}", file=out)
     return 0
+
+
+def _print_plugin_health(out: TextIO) -> None:
+    from neuropod import plugins
+
+    health = plugins.plugin_health()
+    if not health:
+        return
+    print("Plugins:", file=out)
+    rows = [("plugin", "distribution", "version", "requires neuropod", f"ok for {__version__}", "state")]
+    for h in health:
+        needs = h.core_range if h.core_range else ("(any)" if h.core_range == "" else "(unknown)")
+        rows.append((h.name, h.distribution, h.version, needs, "yes" if h.core_ok else "NO", h.state.split("\n")[0]))
+    _print_table(rows, out)
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -39,11 +40,15 @@ class NeuropodModel:
         self.device: str = chosen.device or "cpu"
         self._handle = handle
         self._validator = SpecValidator(package.name, package.config.input_spec, package.config.output_spec)
+        self._bind_infer()
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    def _bind_infer(self) -> None:
+        # Bound once: the per-call path does not loop over plugins.
         infer_impl = plugins.bound_hook("infer", self.backend)
         self._infer = infer_impl.function  # type: ignore[attr-defined]
         self._infer_args = infer_impl.argnames  # type: ignore[attr-defined]
-        self._closed = False
-        self._close_lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -154,8 +159,12 @@ def plan(
 
     :param host: the machine to plan for: a :class:`Host`, a host file, or
         None for this machine. A host file that lists ``backends`` is planned
-        with those; otherwise with this environment's installed backends.
+        with those; otherwise with this environment's installed backends and
+        those of the backend environments (:mod:`neuropod.envs`); an
+        in-process backend wins over an environment's when both fit.
     """
+    from neuropod.envs import environment_backends
+
     pkg = package if isinstance(package, Package) else read_package(package)
     target = _host(host)
     if target.backends:  # a described machine with its own software
@@ -164,6 +173,9 @@ def plan(
     else:
         backends = plugins.installed_backends()
         caps = {b: plugins.backend_caps(b) for b in backends}
+        for b, c in environment_backends():
+            backends.append(b)
+            caps[b] = c
     return resolve(pkg.config, backends, caps, target, device=device, backend=backend)
 
 
@@ -173,6 +185,10 @@ def load_neuropod(
     device: str | None = None,
     backend: str | None = None,
     verify: bool = True,
+    use_ope: bool = False,
+    workers: int = 1,
+    restart: bool = False,
+    timeout: float | None = None,
     **load_options: Any,
 ) -> NeuropodModel:
     """Load a package with the best backend installed here.
@@ -182,6 +198,13 @@ def load_neuropod(
         GPU when the model asks for one and one fits, else the CPU.
     :param backend: pin a backend, e.g. ``"onnx"`` or ``"onnx==1.31.1"``.
     :param verify: check the files against the package's manifest.
+    :param use_ope: run the model in worker process(es) (out-of-process
+        execution; see :mod:`neuropod.ope`). Models whose backend lives in a
+        backend environment always do.
+    :param workers: with OPE, how many worker processes share the calls.
+    :param restart: with OPE, start a new worker on the next call after one died.
+    :param timeout: with OPE, seconds to wait for a worker's answer before
+        killing it (None: wait as long as it runs).
     :param load_options: passed to the backend's ``load_model`` hook
         (for example thread counts); backends reject options they do not know.
     :raises PackageError: the package is missing, malformed or changed.
@@ -191,6 +214,8 @@ def load_neuropod(
     package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)
     resolution = plan(package, device=device, backend=backend)
     chosen = resolution.raise_if_unresolved()
+    if use_ope or chosen.backend.location != "in-process":
+        return _load_in_workers(package, resolution, load_options, workers=workers, restart=restart, timeout=timeout)
     load = plugins.bound_hook("load_model", chosen.backend)
     try:
         handle = load(package=package, backend=chosen.backend, device=chosen.device, options=dict(load_options))
@@ -204,6 +229,30 @@ def load_neuropod(
     if handle is None:
         raise BackendError(f"Plugin {chosen.backend.plugin!r} did not load model {package.name!r}")
     return NeuropodModel(package, resolution, handle)
+
+
+def _load_in_workers(
+    package: Package, resolution: Resolution, options: Mapping[str, Any], *, workers: int, restart: bool,
+    timeout: float | None,
+) -> NeuropodModel:  # fmt: skip
+    from neuropod.ope import start_pool
+    from neuropod.ope._model import WorkerModel, options_for_worker
+
+    chosen = resolution.raise_if_unresolved()
+    backend = chosen.backend
+    python = sys.executable
+    if backend.location.startswith("env:"):
+        from neuropod.envs import get_environment
+
+        python = str(get_environment(backend.location[4:]).python)
+    gpu_uuid = None
+    if chosen.device and chosen.device.startswith("cuda"):
+        gpu_uuid = resolution.host.gpu(chosen.device).uuid
+    pool = start_pool(
+        package.name, python, str(package.root), backend.id, chosen.device or "cpu", options_for_worker(options),
+        workers=workers, restart=restart, timeout=timeout, gpu_uuid=gpu_uuid,
+    )  # fmt: skip
+    return WorkerModel(package, resolution, pool)
 
 
 @dataclass(frozen=True)

@@ -10,21 +10,26 @@ Environment variables, by entry-point name (e.g. ``onnx``):
 
 * ``NEUROPOD_PLUGINS=onnx,torchscript`` loads only those plugins.
 * ``NEUROPOD_DISABLE_PLUGINS=tensorflow`` loads all but those.
+
+A plugin whose distribution requires a ``neuropod`` range that this core's
+version is not in (its ``Requires-Dist``) is skipped before it is imported,
+with that reason, instead of failing at call time.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import importlib_metadata
 import pluggy
 
-from neuropod import hookspecs
+from neuropod import __version__, hookspecs
 from neuropod.backend import _DIST_INFO, Backend, DeviceCaps
 from neuropod.errors import NoBackendError, PluginNotInstalledError
 
@@ -60,6 +65,8 @@ class PluginFailure:
     name: str
     distribution: str
     error: str
+    #: The ``neuropod`` range the plugin's distribution requires, when known.
+    core_range: str | None = None
 
     def __str__(self) -> str:
         return f"plugin {self.name!r} from {self.distribution}: {self.error}"
@@ -72,6 +79,9 @@ class PluginInfo:
     name: str
     distribution: str
     module: str
+    #: The ``neuropod`` range the plugin's distribution requires ("" if it names
+    #: none), or None when unknown (registered in code).
+    core_range: str | None = None
 
 
 class _State:
@@ -107,8 +117,67 @@ def _dist_label(ep: Any) -> str:
     return f"{dist.name} {dist.version}"
 
 
-def _fail(name: str, distribution: str, error: str) -> None:
-    failure = PluginFailure(name, distribution, error)
+# A Requires-Dist header for the core: "neuropod", maybe extras, then a
+# specifier (maybe in parentheses), maybe a marker. "neuropod-onnx" does not match.
+_REQUIRES_CORE = re.compile(
+    r"Requires-Dist:\s*neuropod\s*(?:\[[^\]]*\])?\s*\(?(?P<spec>(?:[<>=!~][^;()]*)?)\)?\s*(?:;(?P<marker>.*))?",
+    re.IGNORECASE,
+)
+_SIMPLE_CLAUSE = re.compile(r"(?P<op>>=|<=|==|!=|>|<)(?P<version>\d+(?:\.\d+)*)")
+_COMPARE: dict[str, Callable[[tuple[int, ...], tuple[int, ...]], bool]] = {
+    ">=": lambda a, b: a >= b,
+    "<=": lambda a, b: a <= b,
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    ">": lambda a, b: a > b,
+    "<": lambda a, b: a < b,
+}
+
+
+def core_range(dist: Any) -> str | None:
+    """The ``neuropod`` range a distribution requires (``">=0.4,<0.5"``), ``""``
+    when it names none, or None when its metadata cannot be read.
+
+    Reads the ``Requires-Dist`` lines of its METADATA directly: parsing the
+    whole file with the email package would cost a third of listing backends.
+    Requirements under an extra do not count.
+    """
+    try:
+        text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+    except Exception:  # noqa: BLE001 - unreadable metadata is "unknown", not an error
+        return None
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the headers end at the first blank line; the description follows
+        m = _REQUIRES_CORE.fullmatch(line.strip())
+        if m and "extra" not in (m["marker"] or ""):
+            return m["spec"].replace(" ", "")
+    return ""
+
+
+def core_satisfies(spec: str | None, version: str = __version__) -> bool:
+    """Whether ``version`` of the core is in a plugin's required range (an empty or unknown range admits it)."""
+    if not spec:
+        return True
+    clauses = spec.split(",")
+    matches = [_SIMPLE_CLAUSE.fullmatch(c) for c in clauses]
+    if re.fullmatch(r"\d+(\.\d+)*", version) and all(matches):
+        # The usual ">=0.4,<0.5" without importing packaging.specifiers (15 ms).
+        def release(v: str) -> tuple[int, ...]:
+            parts = [int(p) for p in v.split(".")]
+            return tuple(parts + [0] * (4 - len(parts)))
+
+        return all(_COMPARE[m["op"]](release(version), release(m["version"])) for m in matches if m)
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    try:
+        return SpecifierSet(spec).contains(version, prereleases=True)
+    except InvalidSpecifier:
+        return True  # pip would not have installed it; let the import decide
+
+
+def _fail(name: str, distribution: str, error: str, core: str | None = None) -> None:
+    failure = PluginFailure(name, distribution, error, core)
     _state.failures.append(failure)
     warnings.warn(f"Neuropod skipped {failure}", PluginWarning, stacklevel=3)
 
@@ -134,15 +203,26 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
     for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
         if (allow is not None and ep.name not in allow) or ep.name in block:
             continue
+        label = _dist_label(ep)
         if pm.has_plugin(ep.name):
-            _fail(ep.name, _dist_label(ep), "another plugin already uses this entry-point name")
+            _fail(ep.name, label, "another plugin already uses this entry-point name")
+            continue
+        core = core_range(ep.dist) if ep.dist is not None else None
+        if not core_satisfies(core):
+            dist_name = label.rsplit(" ", 1)[0]
+            _fail(
+                ep.name, label,
+                f"requires neuropod{core}, but this is neuropod {__version__}: install a release of {dist_name} "
+                f"made for neuropod {__version__}, or a neuropod in {core}",
+                core,
+            )  # fmt: skip
             continue
         try:
             module = ep.load()
         except Exception as e:  # noqa: BLE001 - a plugin's import can fail in any way
-            _fail(ep.name, _dist_label(ep), f"import failed: {type(e).__name__}: {e}")
+            _fail(ep.name, label, f"import failed: {type(e).__name__}: {e}", core)
             continue
-        register(module, ep.name, _dist_label(ep), pm=pm)
+        register(module, ep.name, label, pm=pm, core_range=core)
 
 
 def register(
@@ -151,8 +231,11 @@ def register(
     distribution: str = "(registered in code)",
     *,
     pm: pluggy.PluginManager | None = None,
+    core_range: str | None = None,
 ) -> bool:
     """Register a plugin object by hand (tests, embedded backends).
+
+    :param core_range: the ``neuropod`` range its distribution requires, if known.
 
     :returns: whether it was registered; a plugin with an unknown hook or a
         bad signature is skipped with a :class:`PluginWarning`.
@@ -161,14 +244,15 @@ def register(
     try:
         pm.register(plugin, name=name)
     except (pluggy.PluginValidationError, ValueError) as e:
-        _fail(name, distribution, str(e))
+        _fail(name, distribution, str(e), core_range)
         return False
     unknown = [c.name for c in (pm.get_hookcallers(plugin) or []) if not c.has_spec()]
     if unknown:
         pm.unregister(plugin)
-        _fail(name, distribution, f"implements hooks that do not exist: {', '.join(unknown)}")
+        _fail(name, distribution, f"implements hooks that do not exist: {', '.join(unknown)}", core_range)
         return False
-    _state.infos[name] = PluginInfo(name, distribution, getattr(plugin, "__name__", type(plugin).__name__))
+    module = getattr(plugin, "__name__", type(plugin).__name__)
+    _state.infos[name] = PluginInfo(name, distribution, module, core_range)
     _state.backends = None
     return True
 
@@ -293,6 +377,48 @@ def packager_names() -> Sequence[str]:
     return sorted(ep.name for ep in importlib_metadata.entry_points(group=PACKAGER_GROUP))
 
 
+@dataclass(frozen=True)
+class PluginHealth:
+    """One plugin as ``neuropod backends`` shows it."""
+
+    name: str
+    distribution: str
+    version: str
+    #: The ``neuropod`` range its distribution requires ("" none, None unknown).
+    core_range: str | None
+    #: Whether this core's version is in that range.
+    core_ok: bool
+    #: ``"loaded"``, ``"loaded, no framework installed"`` or ``"skipped: <why>"``.
+    state: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "distribution": self.distribution, "version": self.version,
+            "requires_neuropod": self.core_range, "core_satisfies": self.core_ok, "state": self.state,
+        }  # fmt: skip
+
+
+def plugin_health() -> list[PluginHealth]:
+    """Every plugin that loaded or was skipped: distribution, version, core range and state."""
+    running = {b.plugin for b in installed_backends()}
+    found: dict[str, PluginHealth] = {}
+    for info in plugin_infos():
+        dist, _, version = info.distribution.rpartition(" ")
+        state = "loaded" if info.name in running else "loaded, no framework installed"
+        found[info.name] = PluginHealth(
+            info.name, dist or info.distribution, version, info.core_range, core_satisfies(info.core_range), state
+        )
+    for f in plugin_failures():
+        if f.name in found and found[f.name].state.startswith("loaded"):
+            found[f.name] = replace(found[f.name], state=f"failed: {f.error}")
+            continue
+        dist, _, version = f.distribution.rpartition(" ")
+        found[f.name] = PluginHealth(
+            f.name, dist or f.distribution, version, f.core_range, core_satisfies(f.core_range), f"skipped: {f.error}"
+        )
+    return sorted(found.values(), key=lambda h: h.name)
+
+
 def plugin_distributions() -> Mapping[str, str]:
     """Entry-point name to ``"<distribution> <version>"`` for every loaded plugin."""
     return {i.name: i.distribution for i in plugin_infos()}
@@ -303,15 +429,19 @@ __all__ = [
     "KNOWN_PLATFORMS",
     "PACKAGER_GROUP",
     "PluginFailure",
+    "PluginHealth",
     "PluginInfo",
     "PluginWarning",
     "backend_caps",
     "bound_hook",
+    "core_range",
+    "core_satisfies",
     "get_plugin_manager",
     "install_hint",
     "installed_backends",
     "packager",
     "plugin_failures",
+    "plugin_health",
     "plugin_infos",
     "register",
     "reset",
