@@ -8,6 +8,7 @@
     neuropod test PKG                 run the package's bundled test data
     neuropod infer PKG --input x=x.npy [--output-dir DIR]
     neuropod demo                     package a small model, explain, run it
+    neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME
 
 Every :class:`~neuropod.errors.NeuropodError` ends the command with its
 message on stderr and exit status 2; no traceback.
@@ -53,6 +54,7 @@ def _fmt_array(arr: Any, limit: int = 6) -> str:
 def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
     from neuropod import plugins
     from neuropod.devices import load_host, local_host
+    from neuropod.envs import list_environments
 
     backends = plugins.installed_backends()
     caps = {b: plugins.backend_caps(b) for b in backends}
@@ -79,6 +81,8 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
             "host": host.to_dict(),
             "failed_plugins": [{"name": f.name, "distribution": f.distribution, "error": f.error} for f in failures],
             "plugins": [h.to_dict() for h in plugins.plugin_health()],
+            # Backends of the backend environments (neuropod.envs), apart from this environment's own.
+            "environments": [e.to_dict() for e in list_environments()],
         }
         print(json.dumps(data, indent=2), file=out)
         return 0
@@ -95,6 +99,7 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
     if idle:
         print(f"Plugins with no framework installed: {', '.join(idle)}", file=out)
     _print_plugin_health(out)
+    _print_environments(out)
     print(f"Host: {host.name}", file=out)
     print(host.describe(), file=out)
     if failures:
@@ -276,6 +281,68 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _env_backends_text(env: Any) -> str:
+    return ", ".join(f"{b.id} ({c.describe()})" for b, c in env.backends) or "none"
+
+
+def _print_environments(out: TextIO) -> None:
+    """The "Backend environments" section of ``neuropod backends``."""
+    from neuropod.envs import list_environments
+
+    envs = list_environments()
+    if not envs:
+        return
+    print("Backend environments (models they run are loaded in worker processes):", file=out)
+    rows = [("backend", "framework", "plugin", "devices", "where")]
+    for e in envs:
+        if not e.ok:
+            rows.append(("-", "", "", "", f"env:{e.name}  UNUSABLE: {e.problem}"))
+        rows += [(b.id, b.framework, b.plugin_distribution, c.describe(), b.location) for b, c in e.backends if e.ok]
+    _print_table(rows, out)
+
+
+def cmd_env_create(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.envs import create_environment
+
+    t0 = time.perf_counter()
+    env = create_environment(
+        args.spec, name=args.name, python=args.python, find_links=args.find_links, replace=args.replace, out=out
+    )
+    print(f"Backend environment {env.name!r} ({env.spec}, Python {env.python_version}) "
+          f"created in {time.perf_counter() - t0:.0f} s", file=out)
+    print(f"  path:     {env.path}", file=out)
+    print(f"  backends: {_env_backends_text(env)}", file=out)
+    return 0
+
+
+def cmd_env_list(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.envs import envs_dir, list_environments
+
+    envs = list_environments()
+    if args.json:
+        print(json.dumps({"home": str(envs_dir()), "environments": [e.to_dict() for e in envs]}, indent=2), file=out)
+        return 0
+    if not envs:
+        print(f"No backend environments in {envs_dir()} "
+              "(create one with: neuropod env create onnx==1.20.1)", file=out)
+        return 0
+    print(f"Backend environments in {envs_dir()}:", file=out)
+    rows = [("name", "spec", "backends", "python", "path")]
+    rows += [(e.name, e.spec or "?", _env_backends_text(e) if e.ok else f"UNUSABLE: {e.problem}",
+              e.python_version or "?", str(e.path)) for e in envs]
+    _print_table(rows, out)
+    return 0
+
+
+def cmd_env_remove(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.envs import get_environment, remove_environment
+
+    env = get_environment(args.name)
+    remove_environment(args.name)
+    print(f"Removed backend environment {env.name!r} ({env.path})", file=out)
+    return 0
+
+
 # --- entry point ----------------------------------------------------------
 
 
@@ -326,6 +393,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("platform", nargs="?", help="which plugin's demo (default: onnx)")
     s.add_argument("--dir", help="keep the demo package in this directory")
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("env", help="backend environments: other framework versions, each in its own Python environment")
+    env_sub = s.add_subparsers(dest="env_command", required=True, metavar="ENV_COMMAND")
+    e = env_sub.add_parser("create", help="create an environment with the core, a plugin and a pinned framework")
+    e.add_argument("spec", metavar="SPEC", help="PLATFORM==VERSION, e.g. onnx==1.20.1 or onnx==1.20.*")
+    e.add_argument("--name", help="its name (default: PLATFORM-VERSION)")
+    e.add_argument("--python", help="the interpreter to base it on (default: this one)")
+    e.add_argument("--find-links", action="append", default=[], metavar="DIR",
+                   help="also look for wheels here (e.g. dist/ from `nox -s build`); repeatable")
+    e.add_argument("--replace", action="store_true", help="replace an environment of the same name")
+    e.set_defaults(func=cmd_env_create)
+    e = env_sub.add_parser("list", help="the environments, what each offers, and where it is")
+    e.add_argument("--json", action="store_true", help="machine-readable output")
+    e.set_defaults(func=cmd_env_list)
+    e = env_sub.add_parser("remove", help="delete an environment")
+    e.add_argument("name", metavar="NAME")
+    e.set_defaults(func=cmd_env_remove)
     return p
 
 

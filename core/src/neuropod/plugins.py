@@ -326,7 +326,17 @@ def _impl(hook_name: str, plugin: str) -> Callable[..., Any]:
 
 
 def bound_hook(hook_name: str, backend: Backend) -> Callable[..., Any]:
-    """The implementation of a hook in the plugin that offers ``backend``."""
+    """The implementation of a hook in the plugin that offers ``backend``.
+
+    :raises NoBackendError: ``backend`` lives elsewhere (a backend
+        environment, a described host): its plugin in this process would run
+        this environment's framework, not that one's.
+    """
+    if backend.location != "in-process":
+        raise NoBackendError(
+            f"Backend {backend.id} lives in {backend.location}, not in this process; "
+            "it runs in a worker process started from there (load_neuropod does that)"
+        )
     return _impl(hook_name, backend.plugin)
 
 

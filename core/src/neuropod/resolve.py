@@ -85,8 +85,8 @@ class Resolution:
             return f"Nothing matches backend={self.requested_backend!r}; drop the pin or install that version."
         if not any(_in_range(c.backend, cfg.platform_version_semver) for c in same):
             return (
-                f"Install a {cfg.platform} version in {describe_range(cfg.platform_version_semver)} "
-                "(or, later, a backend environment that has one)."
+                f"Install a {cfg.platform} version in {describe_range(cfg.platform_version_semver)}, "
+                f"or create a backend environment with one: neuropod env create {cfg.platform}==VERSION."
             )
         return "A backend of the right version exists but no device fits; see the table."
 

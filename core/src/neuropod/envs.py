@@ -1,0 +1,606 @@
+"""Backend environments: other framework versions, each in its own Python environment.
+
+One Python process can import only one onnxruntime (or torch, or TensorFlow).
+A machine offers several versions of a framework by keeping each in its own
+virtual environment under ``<NEUROPOD_HOME>/envs/<name>``, with the neuropod
+core, the platform's plugin and the pinned framework installed. Resolution
+treats the backends of every environment as candidates beside the in-process
+ones (their ``Backend.location`` is ``"env:<name>"``); a model that only an
+environment can run is loaded in a worker process started from that
+environment's interpreter.
+
+::
+
+    neuropod env create onnx==1.20.1          # -> <home>/envs/onnx-1.20.1
+    neuropod env create onnx==1.24.* --name ort124
+    neuropod env list [--json]
+    neuropod env remove onnx-1.20.1
+
+Where: ``$NEUROPOD_HOME``, else ``$XDG_DATA_HOME/neuropod``, else
+``~/.local/share/neuropod`` (see :func:`neuropod_home`).
+
+Creation (:func:`create_environment`):
+
+1. ``python -m venv`` (the running interpreter unless ``python=`` names
+   another) into a hidden temporary directory ``<home>/envs/.tmp-<name>-*``;
+2. ``<env python> -m pip install`` of the matching core, the plugin and the
+   framework, pip's output streamed as it runs. "Matching" means: a core or
+   plugin that was installed here from a local directory or wheel (pip's
+   ``direct_url.json``; editable installs included) is installed from that same
+   path, not editable; otherwise ``neuropod==<this version>`` and
+   ``<plugin>==<its version>``, found through the user's pip configuration
+   and ``--find-links`` (e.g. ``dist/`` from ``nox -s build``). The core is
+   always pinned, so pip can never pick PyPI's unrelated ``neuropod`` 0.2;
+3. ``<env python> -m neuropod backends --json``: the environment's own plugins
+   say, through their hooks, which backends and devices it offers; that is
+   recorded in ``<env>/neuropod-env.json`` with the spec, the creation time and
+   the Python version;
+4. the directory is renamed into place (atomic on one file system), and the
+   scripts in its ``bin/`` that name the temporary path are rewritten.
+
+Any failure removes the temporary directory and raises a
+:class:`~neuropod.errors.NeuropodError` with the tail of pip's output. An
+existing environment of the same name is an error unless ``replace=True``
+(``--replace``), which swaps the new one in only once it is complete.
+
+Hidden entries (``.tmp-*`` being created, ``.trash-*`` being removed) are not
+environments. A directory without a readable ``neuropod-env.json`` or whose
+interpreter is gone is listed with a ``problem`` and offers no backends.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import unquote, urlparse
+
+from neuropod import __version__
+from neuropod.backend import Backend, DeviceCaps
+from neuropod.errors import NeuropodError
+
+ENV_FILE = "neuropod-env.json"
+FORMAT_VERSION = 1
+LOCATION_PREFIX = "env:"
+
+#: The framework distribution pinned for each platform by ``neuropod env create``.
+#: (The plugin that runs each platform is :data:`neuropod.plugins.KNOWN_PLATFORMS`.)
+FRAMEWORK_DISTRIBUTIONS = {
+    "onnx": "onnxruntime",
+    "torchscript": "torch",
+    "tensorflow": "tensorflow-cpu",
+    "keras": "tensorflow-cpu",
+    "tensorrt": "tensorrt",
+}
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
+# PLATFORM==VERSION with VERSION a release (1.20.1, 1.20), optionally a
+# wildcard (1.20.*), or a full PEP 440 version (2.13.0+cpu, 1.0rc1).
+_SPEC_RE = re.compile(
+    r"(?P<platform>[a-z][a-z0-9_]*)\s*==\s*(?P<version>[0-9]+(?:\.[0-9]+)*(?:\.\*|[A-Za-z0-9.+!_-]*))"
+)
+_TAIL_LINES = 40
+
+
+def neuropod_home() -> Path:
+    """Where neuropod keeps its backend environments:
+    ``$NEUROPOD_HOME``, else ``$XDG_DATA_HOME/neuropod``, else ``~/.local/share/neuropod``."""
+    home = os.environ.get("NEUROPOD_HOME")
+    if home:
+        return Path(home).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "neuropod"
+    return Path.home() / ".local" / "share" / "neuropod"
+
+
+def envs_dir() -> Path:
+    return neuropod_home() / "envs"
+
+
+def _env_python(path: Path) -> Path:
+    return path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """One backend environment and what it was found to offer when created."""
+
+    #: e.g. ``"onnx-1.20.1"``.
+    name: str
+    #: ``<home>/envs/<name>``.
+    path: Path
+    #: Its interpreter.
+    python: Path
+    #: What was asked for, e.g. ``"onnx==1.20.1"``.
+    spec: str
+    #: The backends its plugins reported at creation, with their device caps;
+    #: each backend's ``location`` is ``"env:<name>"``.
+    backends: tuple[tuple[Backend, DeviceCaps], ...] = ()
+    #: ISO 8601 creation time (UTC).
+    created: str = ""
+    #: The environment's Python version, e.g. ``"3.11.9"``.
+    python_version: str = ""
+    #: The neuropod core version installed in it.
+    neuropod_version: str = ""
+    #: Why this environment cannot be used (empty when it can).
+    problem: str = ""
+
+    @property
+    def location(self) -> str:
+        """The ``Backend.location`` of its backends."""
+        return LOCATION_PREFIX + self.name
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "python": str(self.python),
+            "spec": self.spec,
+            "created": self.created,
+            "python_version": self.python_version,
+            "neuropod": self.neuropod_version,
+            "backends": [_backend_dict(b, c) for b, c in self.backends],
+            "problem": self.problem,
+        }
+
+
+# --- reading ----------------------------------------------------------------
+
+
+def _backend_dict(b: Backend, c: DeviceCaps) -> dict[str, Any]:
+    return {
+        "platform": b.platform,
+        "version": b.version,
+        "framework": b.framework,
+        "plugin": b.plugin,
+        "plugin_distribution": b.plugin_distribution,
+        "location": b.location,
+        "cpu": c.cpu,
+        "cuda": c.cuda,
+        "compute_capabilities": list(c.compute_capabilities),
+    }
+
+
+def _backend_from_dict(raw: Any, location: str) -> tuple[Backend, DeviceCaps]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"a backend entry is {raw!r}, not an object")
+    for key in ("platform", "version", "framework"):
+        if not isinstance(raw.get(key), str) or not raw[key]:
+            raise ValueError(f"a backend entry has no {key!r}: {raw!r}")
+    backend = Backend(
+        platform=raw["platform"],
+        version=raw["version"],
+        framework=raw["framework"],
+        plugin=str(raw.get("plugin") or raw["platform"]),
+        plugin_distribution=str(raw.get("plugin_distribution") or ""),
+        location=location,
+    )
+    cuda = raw.get("cuda")
+    caps = DeviceCaps(
+        cpu=bool(raw.get("cpu", True)),
+        cuda=str(cuda) if cuda is not None else None,
+        compute_capabilities=tuple(str(x) for x in raw.get("compute_capabilities") or ()),
+    )
+    return backend, caps
+
+
+def _read(path: Path) -> Environment:
+    """The environment in one directory; a problem is recorded, never raised."""
+    name = path.name
+    python = _env_python(path)
+    env_file = path / ENV_FILE
+    try:
+        data = json.loads(env_file.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("the top level is not an object")
+        backends = tuple(_backend_from_dict(raw, LOCATION_PREFIX + name) for raw in data.get("backends") or [])
+    except FileNotFoundError:
+        return Environment(
+            name, path, python, "",
+            problem=f"incomplete: it has no {ENV_FILE} (was its creation interrupted?); "
+            f"remove it with: neuropod env remove {name}",
+        )
+    except (OSError, ValueError, TypeError) as e:
+        return Environment(
+            name, path, python, "",
+            problem=f"unreadable {env_file}: {e}; remove it with: neuropod env remove {name}",
+        )
+    env = Environment(
+        name=name,
+        path=path,
+        python=python,
+        spec=str(data.get("spec", "")),
+        backends=backends,
+        created=str(data.get("created", "")),
+        python_version=str(data.get("python_version", "")),
+        neuropod_version=str(data.get("neuropod", "")),
+    )
+    if not python.exists():  # also a dangling link: the base interpreter is gone
+        problem = (
+            f"its interpreter {python} is missing (was the Python it was made from removed?); "
+            f"recreate it with: neuropod env create {env.spec or 'PLATFORM==VERSION'} --replace"
+        )
+        env = dataclasses.replace(env, problem=problem)
+    return env
+
+
+def _entries() -> Iterator[Path]:
+    root = envs_dir()
+    try:
+        children = sorted(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for child in children:
+        if not child.name.startswith(".") and child.is_dir():
+            yield child
+
+
+def list_environments() -> list[Environment]:
+    """Every backend environment, by name; broken ones carry a ``problem``."""
+    return [_read(p) for p in _entries()]
+
+
+def get_environment(name: str) -> Environment:
+    """The environment called ``name``.
+
+    :raises NeuropodError: there is none; the message lists those there are.
+    """
+    _check_name(name)
+    path = envs_dir() / name
+    if not path.is_dir():
+        names = [p.name for p in _entries()]
+        have = f"the environments are: {', '.join(names)}" if names else "there are none"
+        raise NeuropodError(
+            f"No backend environment {name!r} in {envs_dir()}; {have}. "
+            "Create one with: neuropod env create PLATFORM==VERSION"
+        )
+    return _read(path)
+
+
+def environment_backends() -> list[tuple[Backend, DeviceCaps]]:
+    """The backends of every usable environment, for resolution."""
+    return [pair for env in list_environments() if env.ok for pair in env.backends]
+
+
+def environment_of(backend: Backend) -> Environment | None:
+    """The environment a backend lives in, or None for an in-process backend."""
+    if not backend.location.startswith(LOCATION_PREFIX):
+        return None
+    return get_environment(backend.location[len(LOCATION_PREFIX):])
+
+
+# --- creating ---------------------------------------------------------------
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``"onnx==1.20.1"`` -> ``("onnx", "1.20.1")``.
+
+    :raises NeuropodError: the spec is not ``PLATFORM==VERSION`` or the
+        platform is not one neuropod can create environments for.
+    """
+    from neuropod.plugins import KNOWN_PLATFORMS
+
+    m = _SPEC_RE.fullmatch(spec.strip())
+    known = ", ".join(sorted(FRAMEWORK_DISTRIBUTIONS))
+    if not m:
+        raise NeuropodError(
+            f"Environment spec {spec!r} is not PLATFORM==VERSION: write e.g. 'onnx==1.20.1' or 'onnx==1.20.*' "
+            f"(platforms: {known})"
+        )
+    platform, version = m["platform"], m["version"]
+    if platform not in FRAMEWORK_DISTRIBUTIONS or platform not in KNOWN_PLATFORMS:
+        raise NeuropodError(f"Environment spec {spec!r}: unknown platform {platform!r}; the platforms are: {known}")
+    from packaging.specifiers import InvalidSpecifier, Specifier
+
+    try:
+        Specifier(f"=={version}")
+    except InvalidSpecifier:
+        raise NeuropodError(
+            f"Environment spec {spec!r}: {version!r} is not a version pip accepts; write e.g. '{platform}==1.2.3'"
+        ) from None
+    return platform, version
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_RE.fullmatch(name):
+        raise NeuropodError(
+            f"{name!r} is not a valid environment name: use letters, digits, '.', '_', '+' and '-', "
+            "starting with a letter or digit"
+        )
+
+
+def _local_source(dist_name: str) -> str | None:
+    """The local directory or wheel ``dist_name`` was installed from, if it was (pip's direct_url.json)."""
+    import importlib_metadata
+
+    try:
+        dist = importlib_metadata.distribution(dist_name)
+    except importlib_metadata.PackageNotFoundError:
+        return None
+    return _direct_path(dist.read_text("direct_url.json"))
+
+
+def _direct_path(text: str | None) -> str | None:
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not ("dir_info" in data or "archive_info" in data):
+        return None  # a VCS checkout or nothing useful
+    url = urlparse(str(data.get("url", "")))
+    if url.scheme != "file":
+        return None
+    path = unquote(url.path)
+    if os.name == "nt" and re.match(r"/[A-Za-z]:", path):
+        path = path[1:]
+    return path if os.path.exists(path) else None
+
+
+def _plugin_distribution(platform: str) -> tuple[str, str | None]:
+    """(distribution name, installed version or None) of the plugin that runs ``platform``."""
+    import importlib_metadata
+
+    from neuropod.plugins import ENTRY_POINT_GROUP, KNOWN_PLATFORMS
+
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == platform and ep.dist is not None:
+            return ep.dist.name, ep.dist.version
+    return KNOWN_PLATFORMS[platform], None
+
+
+def install_requirements(platform: str, version: str) -> list[str]:
+    """What ``pip install`` gets for an environment: the core, the plugin, the framework."""
+    reqs = [_local_source("neuropod") or f"neuropod=={__version__}"]
+    plugin, plugin_version = _plugin_distribution(platform)
+    # Plugins are released with the core, so an absent plugin is pinned to the core's version.
+    reqs.append(_local_source(plugin) or f"{plugin}=={plugin_version or __version__}")
+    reqs.append(f"{FRAMEWORK_DISTRIBUTIONS[platform]}=={version}")
+    return reqs
+
+
+def _child_env() -> dict[str, str]:
+    """The environment for processes run with an environment's interpreter: nothing of ours leaks in."""
+    env = {
+        k: v for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "NEUROPOD_PLUGINS", "NEUROPOD_DISABLE_PLUGINS", "VIRTUAL_ENV")
+    }
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env["PYTHONIOENCODING"] = "utf-8"
+    return env
+
+
+def _stream(cmd: Sequence[str], out: TextIO, what: str) -> None:
+    """Run ``cmd``, copying its output to ``out`` as it comes; a failure raises with the tail."""
+    tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+    try:
+        proc = subprocess.Popen(
+            list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=_child_env(), text=True, encoding="utf-8", errors="replace", bufsize=1,
+        )
+    except OSError as e:
+        raise NeuropodError(f"{what} could not start {cmd[0]}: {e}") from e
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            out.write("    " + line)
+            out.flush()
+        code = proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if code != 0:
+        text = "\n".join(tail)
+        raise NeuropodError(f"{what} failed (exit status {code}); the end of its output:\n{text}")
+
+
+def _ask(python: Path, *args: str, what: str) -> str:
+    proc = subprocess.run(
+        [str(python), *args], capture_output=True, text=True, encoding="utf-8", errors="replace",
+        env=_child_env(), stdin=subprocess.DEVNULL, timeout=300,
+    )
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-_TAIL_LINES:])
+        raise NeuropodError(f"{what} failed (exit status {proc.returncode}):\n{tail}")
+    return proc.stdout
+
+
+def _resolve_python(python: str | None) -> str:
+    if python is None:
+        return sys.executable
+    found = shutil.which(python) or (python if os.path.isfile(python) else None)
+    if found is None:
+        raise NeuropodError(f"--python {python!r}: no such interpreter (give a path or a command on PATH, e.g. python3.12)")
+    return found
+
+
+def _rewrite_scripts(path: Path, old: Path) -> None:
+    """Point ``bin/`` scripts (shebangs, activate) that name the temporary path at the final one."""
+    old_b, new_b = str(old).encode(), str(path).encode()
+    bindir = _env_python(path).parent
+    for script in bindir.iterdir():
+        if script.is_symlink() or not script.is_file():
+            continue
+        try:
+            if script.stat().st_size > 1 << 20:
+                continue
+            data = script.read_bytes()
+            if old_b in data:
+                script.write_bytes(data.replace(old_b, new_b))
+        except OSError:
+            continue
+
+
+def _remove_tree(path: Path) -> None:
+    """Rename out of sight, then delete (a half-deleted environment is never listed)."""
+    if not path.exists():
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".trash-{path.name}-", dir=path.parent))
+    try:
+        path.rename(trash / "env")
+    except OSError:
+        shutil.rmtree(trash, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def create_environment(
+    spec: str,
+    *,
+    name: str | None = None,
+    python: str | None = None,
+    find_links: Sequence[str] = (),
+    replace: bool = False,
+    out: TextIO = sys.stderr,
+) -> Environment:
+    """Create a backend environment for ``spec`` (``"onnx==1.20.1"``).
+
+    :param name: the environment's name; by default ``<platform>-<installed version>``.
+    :param python: the interpreter to base it on (a path or a command such as
+        ``python3.12``); by default the running one.
+    :param find_links: directories or URLs with wheels for pip (``--find-links``),
+        e.g. ``dist/`` from ``nox -s build``; with the user's pip configuration
+        these make creation work offline.
+    :param replace: replace an existing environment of the same name (once
+        the new one is complete); otherwise that is an error.
+    :param out: where pip's progress goes.
+    :raises NeuropodError: a bad spec, an existing name, pip or the
+        environment's plugins failed; nothing is left behind.
+    """
+    platform, version = parse_spec(spec)
+    spec = f"{platform}=={version}"
+    if name is not None:
+        _check_name(name)
+    elif "*" not in version:
+        name = f"{platform}-{version}"
+    if name is not None and not replace and (envs_dir() / name).exists():
+        raise NeuropodError(
+            f"A backend environment {name!r} already exists in {envs_dir()}: remove it with "
+            f"`neuropod env remove {name}`, pass --replace, or choose another --name"
+        )
+    base_python = _resolve_python(python)
+    root = envs_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name or platform}-", dir=root))
+    try:
+        env_python = _env_python(tmp)
+        print(f"Creating backend environment for {spec} with {base_python} in {tmp}", file=out, flush=True)
+        _stream([base_python, "-m", "venv", "--prompt", f"neuropod:{name or spec}", str(tmp)], out, f"Creating a virtual environment with {base_python}")
+        reqs = install_requirements(platform, version)
+        links = [arg for d in find_links for arg in ("--find-links", str(d))]
+        print(f"Installing {' '.join(reqs)}", file=out, flush=True)
+        _stream(
+            [str(env_python), "-m", "pip", "install", *links, *reqs], out,
+            f"pip install of {spec} into the new environment",
+        )
+        python_version = _ask(
+            env_python, "-c", "import platform; print(platform.python_version())", what="Asking its Python version"
+        ).strip()
+        report = _ask(
+            env_python, "-m", "neuropod", "backends", "--json",
+            what=f"Listing the backends of the new environment ({env_python} -m neuropod backends --json)",
+        )
+        try:
+            listed = json.loads(report)
+            raw_backends = [b for b in listed["backends"] if isinstance(b, dict)]
+        except (ValueError, KeyError, TypeError) as e:
+            raise NeuropodError(f"`neuropod backends --json` in the new environment printed no backend list: {e}") from e
+        offered = [b for b in raw_backends if b.get("platform") == platform]
+        if not offered:
+            failed = "; ".join(str(f) for f in listed.get("failed_plugins") or []) or "none failed"
+            raise NeuropodError(
+                f"The new environment for {spec} offers no {platform!r} backend (plugins that failed: {failed})"
+            )
+        if name is None:
+            name = f"{platform}-{offered[0]['version']}"
+            _check_name(name)
+        record = {
+            "format": FORMAT_VERSION,
+            "name": name,
+            "spec": spec,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python_version": python_version,
+            "base_python": base_python,
+            "neuropod": listed.get("neuropod", ""),
+            "requirements": reqs,
+            "backends": [{k: v for k, v in b.items() if k != "location"} for b in raw_backends],
+            "failed_plugins": listed.get("failed_plugins") or [],
+        }
+        (tmp / ENV_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        final = root / name
+        _move_into_place(tmp, final, replace)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _rewrite_scripts(final, tmp)
+    env = _read(final)
+    print(f"Created backend environment {env.name!r} at {env.path}: "
+          + ", ".join(b.id for b, _ in env.backends), file=out, flush=True)
+    return env
+
+
+def _move_into_place(tmp: Path, final: Path, replace: bool) -> None:
+    if final.exists():
+        if not replace:
+            raise NeuropodError(
+                f"A backend environment {final.name!r} already exists in {final.parent}: remove it with "
+                f"`neuropod env remove {final.name}`, pass --replace, or choose another --name"
+            )
+        old = Path(tempfile.mkdtemp(prefix=f".trash-{final.name}-", dir=final.parent)) / "env"
+        final.rename(old)
+        try:
+            tmp.rename(final)
+        except OSError:
+            old.rename(final)
+            raise
+        shutil.rmtree(old.parent, ignore_errors=True)
+        return
+    try:
+        tmp.rename(final)
+    except OSError as e:  # another process made it meanwhile
+        raise NeuropodError(f"Could not move the new environment to {final}: {e}") from e
+
+
+def remove_environment(name: str) -> None:
+    """Delete the environment called ``name``.
+
+    :raises NeuropodError: there is none (the message lists those there are).
+    """
+    env = get_environment(name)
+    _remove_tree(env.path)
+
+
+__all__ = [
+    "ENV_FILE",
+    "FRAMEWORK_DISTRIBUTIONS",
+    "Environment",
+    "create_environment",
+    "environment_backends",
+    "environment_of",
+    "get_environment",
+    "install_requirements",
+    "list_environments",
+    "neuropod_home",
+    "parse_spec",
+    "remove_environment",
+]
