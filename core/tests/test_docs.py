@@ -62,3 +62,15 @@ def test_example_blocks_compile() -> None:
         for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
             if not block.lstrip().startswith("def "):  # the bare signature is not a full function
                 compile(block, str(page), "exec")
+
+
+def test_tutorial_files_are_the_example_project() -> None:
+    """Every file the tutorial has you create is, byte for byte, the example's."""
+    tutorial = (ROOT / "docs" / "plugin-tutorial.md").read_text()
+    example = ROOT / "examples" / "neuropod-numpy-backend"
+    found = re.findall(r"Create `([^`]+)`:\n\n(````|```)\w*\n(.*?)\2\n", tutorial, re.S)
+    blocks = {rel: body for rel, _fence, body in found}
+    shipped = {str(p.relative_to(example)) for p in example.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert set(blocks) == shipped
+    for rel, body in blocks.items():
+        assert body == (example / rel).read_text(), f"the tutorial's {rel} differs from {example / rel}"
