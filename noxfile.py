@@ -3,6 +3,7 @@
     nox -t ci                      what CI runs (README's test command)
     nox -s tests_core              core tests on Python 3.10 to 3.13
     nox -s tests_onnx              the ONNX plugin on onnxruntime 1.31.1, 1.24.4 and 1.20.1
+    nox -s tests_envs              two real backend environments (onnxruntime 1.20.1, 1.24.4) beside 1.31.1
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
     nox -s tests_tensorrt          the TensorRT plugin (GPU tests skip without a GPU and TensorRT)
@@ -63,12 +64,14 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
 
-def _pytest(session: nox.Session, *paths: str) -> None:
-    # A private package cache per run, removed afterwards: tests leave nothing behind.
-    with tempfile.TemporaryDirectory(prefix="neuropod-cache-") as cache:
+def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
+    # A private package cache and NEUROPOD_HOME (backend environments) per run,
+    # removed afterwards: tests leave nothing behind and see none of the user's.
+    with tempfile.TemporaryDirectory(prefix="neuropod-cache-") as cache, \
+            tempfile.TemporaryDirectory(prefix="neuropod-home-") as home:  # fmt: skip
         session.run(
             "python", "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *paths, *session.posargs,
-            env={"NEUROPOD_CACHE_DIR": cache},
+            env={"NEUROPOD_CACHE_DIR": cache, "NEUROPOD_HOME": home, **(env or {})},
         )
 
 
@@ -85,6 +88,14 @@ def tests_onnx(session: nox.Session, onnxruntime: str) -> None:
     """The ONNX plugin against one onnxruntime release (all three run in CI: they are small)."""
     _install_onnx(session, onnxruntime)
     _pytest(session, "plugins/neuropod-onnx/tests")
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def tests_envs(session: nox.Session) -> None:
+    """Two real backend environments (onnxruntime 1.20.1 and 1.24.4) beside this session's 1.31.1:
+    creation, listing, resolution between them, and both models running at once (downloads ~30 MB)."""
+    session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]", f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
+    _pytest(session, "plugins/neuropod-onnx/tests/test_environments.py", env={"NEUROPOD_TEST_ENVS": "1"})
 
 
 # torch releases the TorchScript plugin is tested against. 2.13.0 (a CPU

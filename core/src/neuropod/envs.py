@@ -397,17 +397,18 @@ def _stream(cmd: Sequence[str], out: TextIO, what: str) -> None:
         )
     except OSError as e:
         raise NeuropodError(f"{what} could not start {cmd[0]}: {e}") from e
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            tail.append(line.rstrip("\n"))
-            out.write("    " + line)
-            out.flush()
-        code = proc.wait()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+    with proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                tail.append(line.rstrip("\n"))
+                out.write("    " + line)
+                out.flush()
+            code = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
     if code != 0:
         text = "\n".join(tail)
         raise NeuropodError(f"{what} failed (exit status {code}); the end of its output:\n{text}")
