@@ -194,3 +194,92 @@ def _check_plugin_needs_our_core(session: nox.Session, dist: Path) -> None:
     if "No matching distribution found for neuropod" not in str(out):
         session.error(f"installing the plugin alone did not fail on the missing core:\n{out}")
     session.log("ok: the plugin alone fails with 'No matching distribution found for neuropod<0.5,>=0.4'")
+
+
+# --- third-party backends: the example outside plugin, and installable wheels --
+
+EXAMPLE = ROOT / "examples" / "neuropod-numpy-backend"
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def tests_example(session: nox.Session) -> None:
+    """The outside backend in examples/ (numpy-expr), conformance suite included."""
+    session.install(f"{CORE}", f"{EXAMPLE}[test]")
+    with session.chdir(EXAMPLE):
+        _pytest(session, "tests")
+
+
+_WHEEL_SMOKE = """
+import sys, tempfile
+from pathlib import Path
+import numpy as np
+import neuropod
+from neuropod.packagers import create_onnx_neuropod
+from neuropod_onnx.demo import INPUT_SPEC, OUTPUT_SPEC, demo_model_bytes
+
+assert "site-packages" in neuropod.__file__, neuropod.__file__  # the wheel, not a source tree
+assert neuropod.__version__ == "0.4.0", neuropod.__version__
+x = np.array([[1, 2], [3, 4]], np.float32)
+y = np.array([[10, 20], [30, 40]], np.float32)
+with tempfile.TemporaryDirectory() as tmp:
+    path = create_onnx_neuropod(
+        Path(tmp) / "adder.neuropod", "adder", INPUT_SPEC, OUTPUT_SPEC, onnx_model=demo_model_bytes(),
+        test_input_data={"x": x, "y": y}, test_expected_out={"out": (x + y) * 2},
+    )
+    with neuropod.load_neuropod(path) as model:
+        out = model.infer({"x": x, "y": y})
+np.testing.assert_array_equal(out["out"], (x + y) * 2)
+print("smoke test passed:", model.backend.id, out["out"].tolist())
+"""
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # about 30 s
+def wheels(session: nox.Session) -> None:
+    """Wheels for the core and every plugin into dist/, checked, and installed
+    alone into a fresh venv (our packages from dist/ only, third-party
+    dependencies from the index) for a smoke test: package, load, infer,
+    ``neuropod backends``."""
+    import zipfile
+    from email.parser import Parser
+
+    session.install("build", "twine")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for project in [CORE, *PLUGINS]:
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(dist), str(project), silent=True)
+    session.run("twine", "check", "--strict", *sorted(str(p) for p in dist.glob("*.whl")))
+
+    # Metadata: name, version, license, readme, classifiers, and every plugin's core range.
+    third_party: set[str] = set()
+    for whl in sorted(dist.glob("*.whl")):
+        with zipfile.ZipFile(whl) as zf:
+            meta_name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            meta = Parser().parsestr(zf.read(meta_name).decode())
+        name, requires = meta["Name"], meta.get_all("Requires-Dist") or []
+        problems = [f for f in ("Version", "License-Expression", "Description-Content-Type") if not meta.get(f)]
+        problems += [] if meta.get_all("Classifier") else ["Classifier"]
+        if name != "neuropod" and "neuropod<0.5,>=0.4" not in requires:
+            problems.append(f"Requires-Dist has no 'neuropod<0.5,>=0.4' ({requires})")
+        if problems:
+            session.error(f"{whl.name}: metadata lacks {', '.join(problems)}")
+        if name in ("neuropod", "neuropod-onnx"):
+            third_party.update(r for r in requires if not r.startswith("neuropod") and "extra ==" not in r)
+        session.log(f"ok: {whl.name}: {name} {meta['Version']}, requires {[r for r in requires if 'extra' not in r]}")
+
+    venv = Path(tempfile.mkdtemp(prefix="neuropod-wheels-")) / "venv"
+    session.run("python", "-m", "venv", str(venv))
+    bindir = venv / ("Scripts" if os.name == "nt" else "bin")
+    py = str(bindir / "python")
+    pip = [py, "-m", "pip", "install", "--quiet"]
+    # Ours only from dist/ (never PyPI's unrelated neuropod 0.2), then their
+    # third-party requirements from the index, then pip check ties them up.
+    session.run(*pip, "--no-index", "--no-deps", "--find-links", str(dist), "neuropod==0.4.0", "neuropod-onnx==0.4.0",
+                external=True)  # fmt: skip
+    session.run(*pip, *sorted(third_party), f"onnxruntime=={ONNXRUNTIME_DEFAULT}", external=True)
+    session.run(py, "-m", "pip", "check", external=True)
+    with session.chdir(tempfile.gettempdir()):  # away from the source tree
+        session.run(py, "-c", _WHEEL_SMOKE, external=True, env={"NEUROPOD_CACHE_DIR": str(venv.parent / "cache")})
+        out = session.run(str(bindir / "neuropod"), "backends", external=True, silent=True)
+    if f"onnx=={ONNXRUNTIME_DEFAULT}" not in str(out) or "neuropod-onnx 0.4.0" not in str(out):
+        session.error(f"neuropod backends does not list the ONNX backend from the wheels:\n{out}")
+    session.log(f"ok: neuropod backends lists onnx=={ONNXRUNTIME_DEFAULT} from neuropod-onnx 0.4.0")
