@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ def fake_env(name: str, versions: list[str], platform: str = "toy", *, python: b
         "created": "2026-01-01T00:00:00+00:00",
         "python_version": "3.11.7",
         "neuropod": "0.4.0",
+        "neuropod_fingerprint": envs.core_fingerprint(Path(envs.__file__).parent),
         "backends": [
             {"platform": platform, "version": v, "framework": "toyframework", "plugin": platform,
              "plugin_distribution": "toy-plugin 1.0", "cpu": True, "cuda": None, "compute_capabilities": []}
@@ -242,3 +244,19 @@ def test_requirements_pin_the_core_and_the_framework() -> None:
     # Our core comes from where this one was installed from, or is pinned: never a bare `neuropod`.
     assert reqs[0] == "neuropod==0.4.0" or os.path.exists(reqs[0])
     assert reqs[1] == "neuropod-tensorflow==0.4.0" or os.path.exists(reqs[1])
+
+
+def test_environment_with_another_core_is_unusable(home: Path, tmp_path: Path) -> None:
+    path = fake_env("toy-1.5.0", ["1.5.0"])
+    assert envs.get_environment("toy-1.5.0").ok
+    record = json.loads((path / envs.ENV_FILE).read_text())
+    # Another core: the same files but one changed, as after editing an editable install.
+    other = tmp_path / "other-core"
+    shutil.copytree(Path(envs.__file__).parent, other, ignore=shutil.ignore_patterns("__pycache__"))
+    assert envs.core_fingerprint(other) == record["neuropod_fingerprint"]
+    (other / "envs.py").write_text((other / "envs.py").read_text() + "\n# changed\n")
+    record["neuropod_fingerprint"] = envs.core_fingerprint(other)
+    (path / envs.ENV_FILE).write_text(json.dumps(record))
+    env = envs.get_environment("toy-1.5.0")
+    assert "is not the one running here" in env.problem and "neuropod env create toy==1.5.0 --replace" in env.problem
+    assert envs.environment_backends() == []

@@ -53,6 +53,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import functools
+import hashlib
 import json
 import os
 import re
@@ -111,6 +113,28 @@ def envs_dir() -> Path:
 
 def _env_python(path: Path) -> Path:
     return path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def core_fingerprint(package_dir: str | os.PathLike[str]) -> str:
+    """A hash of a neuropod core's Python sources (paths and contents).
+
+    The parent process and a worker started from an environment must run the
+    same core (the worker protocol is not versioned across releases, and an
+    editable install changes without a version bump), so an environment
+    records its core's fingerprint and is unusable once it differs from the
+    running core's.
+    """
+    digest = hashlib.sha256()
+    root = Path(package_dir)
+    for file in sorted(root.rglob("*.py")):
+        digest.update(file.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(file.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _running_fingerprint() -> str:
+    return core_fingerprint(Path(__file__).parent)
 
 
 @dataclass(frozen=True)
@@ -231,7 +255,14 @@ def _read(path: Path) -> Environment:
         python_version=str(data.get("python_version", "")),
         neuropod_version=str(data.get("neuropod", "")),
     )
-    if not python.exists():  # also a dangling link: the base interpreter is gone
+    fingerprint = data.get("neuropod_fingerprint")
+    if fingerprint and fingerprint != _running_fingerprint():
+        env = dataclasses.replace(env, problem=(
+            f"its neuropod core ({env.neuropod_version or '?'}, sources {fingerprint}) is not the one running here "
+            f"({__version__}, sources {_running_fingerprint()}), and a worker must run the same core as its caller; "
+            f"recreate it with: neuropod env create {env.spec or 'PLATFORM==VERSION'} --replace"
+        ))  # fmt: skip
+    elif not python.exists():  # also a dangling link: the base interpreter is gone
         problem = (
             f"its interpreter {python} is missing (was the Python it was made from removed?); "
             f"recreate it with: neuropod env create {env.spec or 'PLATFORM==VERSION'} --replace"
@@ -514,9 +545,17 @@ def create_environment(
             [str(env_python), "-m", "pip", "install", *links, *reqs], out,
             f"pip install of {spec} into the new environment",
         )
-        python_version = _ask(
-            env_python, "-c", "import platform; print(platform.python_version())", what="Asking its Python version"
-        ).strip()
+        python_version, core_dir = _ask(
+            env_python, "-c", "import os, platform, neuropod; print(platform.python_version()); "
+            "print(os.path.dirname(neuropod.__file__))", what="Asking the new environment's Python and core",
+        ).strip().splitlines()[-2:]  # fmt: skip
+        fingerprint = core_fingerprint(core_dir)
+        if fingerprint != _running_fingerprint():
+            raise NeuropodError(
+                f"The neuropod core installed in the new environment ({core_dir}) differs from the one running here "
+                f"({Path(__file__).parent}); install this core from a wheel or directory pip can reach "
+                "(e.g. --find-links dist/ after `nox -s build`)"
+            )
         report = _ask(
             env_python, "-m", "neuropod", "backends", "--json",
             what=f"Listing the backends of the new environment ({env_python} -m neuropod backends --json)",
@@ -543,6 +582,7 @@ def create_environment(
             "python_version": python_version,
             "base_python": base_python,
             "neuropod": listed.get("neuropod", ""),
+            "neuropod_fingerprint": fingerprint,
             "requirements": reqs,
             "backends": [{k: v for k, v in b.items() if k != "location"} for b in raw_backends],
             "failed_plugins": listed.get("failed_plugins") or [],
@@ -595,6 +635,7 @@ __all__ = [
     "ENV_FILE",
     "FRAMEWORK_DISTRIBUTIONS",
     "Environment",
+    "core_fingerprint",
     "create_environment",
     "environment_backends",
     "environment_of",
