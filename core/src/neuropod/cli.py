@@ -296,7 +296,7 @@ def _print_environments(out: TextIO) -> None:
     rows = [("backend", "framework", "plugin", "devices", "where")]
     for e in envs:
         if not e.ok:
-            rows.append(("-", "", "", "", f"env:{e.name}  UNUSABLE: {e.problem}"))
+            rows.append(("-", "", "", "", f"env:{e.name} UNUSABLE: see neuropod env list"))
         rows += [(b.id, b.framework, b.plugin_distribution, c.describe(), b.location) for b, c in e.backends if e.ok]
     _print_table(rows, out)
 
@@ -328,9 +328,12 @@ def cmd_env_list(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     print(f"Backend environments in {envs_dir()}:", file=out)
     rows = [("name", "spec", "backends", "python", "path")]
-    rows += [(e.name, e.spec or "?", _env_backends_text(e) if e.ok else f"UNUSABLE: {e.problem}",
+    rows += [(e.name, e.spec or "?", _env_backends_text(e) if e.ok else "UNUSABLE (below)",
               e.python_version or "?", str(e.path)) for e in envs]
     _print_table(rows, out)
+    for e in envs:
+        if not e.ok:
+            print(f"{e.name}: {e.problem}", file=out)
     return 0
 
 

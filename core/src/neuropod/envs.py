@@ -255,8 +255,8 @@ def _read(path: Path) -> Environment:
         python_version=str(data.get("python_version", "")),
         neuropod_version=str(data.get("neuropod", "")),
     )
-    fingerprint = data.get("neuropod_fingerprint")
-    if fingerprint and fingerprint != _running_fingerprint():
+    fingerprint = data.get("neuropod_fingerprint") or "unrecorded"
+    if fingerprint != _running_fingerprint():
         env = dataclasses.replace(env, problem=(
             f"its neuropod core ({env.neuropod_version or '?'}, sources {fingerprint}) is not the one running here "
             f"({__version__}, sources {_running_fingerprint()}), and a worker must run the same core as its caller; "
