@@ -1,7 +1,7 @@
-"""The worker process: ``python -m neuropod.ope.worker FD PARENT_PID``.
+"""The worker process: ``python -m neuropod.ope.worker READ_FD WRITE_FD SOCKET_FD PARENT_PID``.
 
 It loads one model with this environment's plugin and answers requests on
-the channel at file descriptor FD until the channel closes (the client closed
+the channel (two pipes and a socket for descriptors) until it closes (the client closed
 the model, or died), then exits. Inputs are numpy views over shared-memory
 blocks the client filled; outputs are copied once into blocks the client
 maps, and reused across calls while the client has no array over them.
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from neuropod.ope._channel import Block, Channel, ChannelClosed, dtype_of
+from neuropod.ope._channel import PROTOCOL, Block, Channel, ChannelClosed, dtype_of
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -42,14 +42,20 @@ class Worker:
         # Keyed by the block object: input ids (the client's) and output ids (ours) may coincide.
         self.views: dict[tuple[Block, str, tuple[int, ...]], np.ndarray] = {}
         self.next_block = 1
+        self.last_inputs: dict[str, np.ndarray] = {}
         self.model: Any = None
         self.infer: Any = None
 
-    def load(self, package_path: str, backend_id: str, device: str, options: dict[str, Any]) -> tuple[Any, ...]:
-        from neuropod import plugins
-        from neuropod.errors import NoBackendError
+    def load(self, protocol: int, package_path: str, backend_id: str, device: str, options: dict[str, Any]) -> tuple[Any, ...]:
+        from neuropod import __version__, plugins
+        from neuropod.errors import NoBackendError, WorkerError
         from neuropod.package import read_package
 
+        if protocol != PROTOCOL:
+            raise WorkerError(
+                f"This worker ({sys.executable}, neuropod {__version__}) speaks protocol {PROTOCOL}, the client "
+                f"{protocol}: recreate the environment with the same neuropod (neuropod env create ... --replace)"
+            )
         package = read_package(package_path, verify=False)  # the client verified it
         found = [b for b in plugins.installed_backends() if b.id == backend_id]
         if not found:
@@ -75,7 +81,11 @@ class Worker:
         _, inputs, requested, new_blocks, reusable = message
         for (block_id, size), fd in zip(new_blocks, fds):
             self.in_blocks[block_id] = Block.attach(block_id, fd, size)
-        arrays = {name: self._view(self.in_blocks[bid], dt, tuple(shape)) for name, bid, dt, shape in inputs}
+        if inputs is None:  # the client refilled last call's blocks: same views
+            arrays = self.last_inputs
+        else:
+            arrays = {name: self._view(self.in_blocks[bid], dt, tuple(shape)) for name, bid, dt, shape in inputs}
+            self.last_inputs = arrays
         outputs = self.infer(self.model, arrays, list(requested) if requested is not None else None)
         free = [self.out_blocks[b] for b in reusable if b in self.out_blocks]
         reply, created, out_fds = [], [], []
@@ -134,10 +144,10 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    fd, parent_pid = int(args[0]), int(args[1])
+    read_fd, write_fd, sock_fd, parent_pid = (int(a) for a in args[:4])
     _die_with_parent(parent_pid)
     faulthandler.enable()  # a crash in native code leaves its Python stack in the stderr the client reports
-    channel = Channel(socket.socket(fileno=fd))
+    channel = Channel(read_fd, write_fd, socket.socket(fileno=sock_fd))
     Worker(channel).serve()
 
 
