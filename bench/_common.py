@@ -47,3 +47,33 @@ def compare(name: str, raw: Callable[[], Any], ours: Callable[[], Any], calls: i
 
 def verdict(label: str, ok: bool, figure: str) -> None:
     print(f"target {label}: {'met' if ok else 'NOT met'} ({figure})")
+
+
+def compare_per_call(name: str, raw: Callable[[], Any], ours: Callable[[], Any], calls: int) -> dict[str, float]:
+    """Like :func:`compare`, for latency: every call timed on its own, the two sides alternating call by call.
+
+    Returns the median of each side and the median of the per-pair
+    differences, which is robust to the machine's slower moments hitting one
+    side's block of calls more than the other's.
+    """
+    for _ in range(min(calls, 200)):
+        raw()
+        ours()
+    raws, nps, diffs = [], [], []
+    clock = time.perf_counter
+    for i in range(calls):
+        if i % 2:
+            t0 = clock(); ours(); t1 = clock(); raw(); t2 = clock()  # noqa: E702
+            n, r = t1 - t0, t2 - t1
+        else:
+            t0 = clock(); raw(); t1 = clock(); ours(); t2 = clock()  # noqa: E702
+            r, n = t1 - t0, t2 - t1
+        raws.append(r)
+        nps.append(n)
+        diffs.append(n - r)
+    raw_med, np_med, overhead = statistics.median(raws), statistics.median(nps), statistics.median(diffs)
+    print(
+        f"{name:<44} raw {raw_med * 1e6:9.2f} us   neuropod {np_med * 1e6:9.2f} us   "
+        f"added {overhead * 1e6:7.2f} us/call (median of {calls} alternating pairs)"
+    )
+    return {"raw": raw_med, "neuropod": np_med, "ratio": np_med / raw_med, "overhead": overhead}

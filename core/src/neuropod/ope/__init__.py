@@ -176,7 +176,7 @@ class _Worker:
             return False
         # One pass that checks and copies: a mismatch half-way only wastes copies the slow path redoes.
         for (name, dtype, shape, view), (given, arr) in zip(layout, inputs.items()):
-            if given != name or arr.dtype is not dtype or arr.shape != shape:
+            if given != name or arr.dtype is not dtype or arr.shape != shape or view is None:
                 return False
             view[...] = arr
         return True

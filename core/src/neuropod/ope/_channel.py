@@ -31,7 +31,7 @@ MAX_FDS = 253  # the kernel's SCM_MAX_FD
 PROTOCOL = 1  # bumped whenever messages change: a worker from another core refuses to serve
 _LENGTH = struct.Struct("<I")
 #: How long a reader polls before it sleeps (NEUROPOD_OPE_SPIN_US overrides; 0 never polls).
-SPIN_SECONDS = float(os.environ.get("NEUROPOD_OPE_SPIN_US", "200")) * 1e-6
+SPIN_SECONDS = float(os.environ.get("NEUROPOD_OPE_SPIN_US", "1000")) * 1e-6
 
 
 class ChannelClosed(Exception):
@@ -96,9 +96,13 @@ class Channel:
     def _spin(self, n: int) -> bytes | None:
         """Poll the pipe for a short while before sleeping in select.
 
-        Waking a sleeping process costs tens of microseconds on small VMs,
-        more than a small model's whole call; an answer that comes within
-        the spin window is picked up without that cost.
+        Waking a process that sleeps in select costs tens to over a hundred
+        microseconds on small VMs (about 150 us on this project's 2-core
+        development VM), more than a small model's whole call. A request or
+        answer that comes within the window (1 ms by default; set
+        NEUROPOD_OPE_SPIN_US, 0 to never poll) is picked up without that
+        cost, at the price of up to that much CPU time after each call on
+        each side.
         """
         deadline = time.perf_counter() + self.spin
         fd = self.read_fd
