@@ -10,6 +10,8 @@
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s build                   wheels for the core and every plugin into dist/
+    nox -s wheels                  the same wheels, installed alone into a fresh venv and smoke-tested
+    nox -s tests_example           the outside backend in examples/ against the conformance suite
 
 Plugins are discovered from ``plugins/``; each is installed next to the core
 from source, never from PyPI (PyPI's old ``neuropod`` 0.2 is another project).

@@ -380,6 +380,49 @@ def _read_legacy_pickle(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np
 # --- writing --------------------------------------------------------------
 
 
+def packager_config(
+    model_name: str,
+    platform: str,
+    input_spec: Any,
+    output_spec: Any,
+    *,
+    platform_version_semver: str = "*",
+    framework_distributions: Iterable[str] = (),
+    input_tensor_device: Mapping[str, str] | None = None,
+    default_input_tensor_device: str = "GPU",
+    device_requirements: Mapping[str, Any] | None = None,
+    exported_with: Mapping[str, Any] | None = None,
+) -> ModelConfig:
+    """The ``config.json`` every ``create_*_neuropod`` writes, from its usual arguments.
+
+    Records the neuropod version and the first of ``framework_distributions``
+    that is installed (its name and exact version) as ``exported_with``;
+    inputs not in ``input_tensor_device`` get ``default_input_tensor_device``,
+    as in the original Neuropod's packagers.
+    """
+    from neuropod import __version__
+    from neuropod.backend import installed_distribution
+
+    inputs = parse_spec(input_spec, "input_spec")
+    devices = {s.name: default_input_tensor_device for s in inputs}
+    devices.update(input_tensor_device or {})
+    made: dict[str, Any] = {"neuropod": __version__}
+    found = installed_distribution(*framework_distributions) if framework_distributions else None
+    if found:
+        made.update(framework=found[0], platform_version=found[1])
+    made.update(exported_with or {})
+    return ModelConfig(
+        name=model_name,
+        platform=platform,
+        platform_version_semver=platform_version_semver,
+        input_spec=inputs,
+        output_spec=parse_spec(output_spec, "output_spec"),
+        input_tensor_device=devices,
+        exported_with=made,
+        device_requirements=device_requirements,
+    )
+
+
 def write_package(
     neuropod_path: str | os.PathLike[str],
     config: ModelConfig,
@@ -590,6 +633,7 @@ def _package_root(extracted: Path, source: Path) -> Path:
 
 __all__ = [
     "ModelConfig",
+    "packager_config",
     "Package",
     "cache_dir",
     "extract_zip",

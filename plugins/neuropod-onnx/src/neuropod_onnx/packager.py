@@ -7,12 +7,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuropod import __version__ as neuropod_version
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.model import check_packaged
-from neuropod.package import ModelConfig, write_package
-from neuropod.spec import parse_spec
-from neuropod_onnx import PLATFORM, _installed
+from neuropod.package import ModelConfig, packager_config, write_package
+from neuropod_onnx import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
 MODEL_PATH = "0/data/model.onnx"
 
@@ -67,23 +65,11 @@ def create_onnx_neuropod(
         source = onnx_model.SerializeToString()
     else:
         raise NeuropodError(f"onnx_model must be an onnx.ModelProto or bytes, not {type(onnx_model).__name__}")
-    inputs = parse_spec(input_spec, "input_spec")
-    outputs = parse_spec(output_spec, "output_spec")
-    devices = {s.name: default_input_tensor_device for s in inputs}
-    devices.update(input_tensor_device or {})
-    installed = _installed()
-    exported_with: dict[str, Any] = {"neuropod": neuropod_version}
-    if installed:
-        exported_with.update(framework=installed[0][0], platform_version=installed[0][1])
-    config = ModelConfig(
-        name=model_name,
-        platform=PLATFORM,
-        platform_version_semver=platform_version_semver,
-        input_spec=inputs,
-        output_spec=outputs,
-        input_tensor_device=devices,
-        exported_with=exported_with,
-    )
+    config = packager_config(
+        model_name, PLATFORM, input_spec, output_spec, platform_version_semver=platform_version_semver,
+        framework_distributions=FRAMEWORK_DISTRIBUTIONS, input_tensor_device=input_tensor_device,
+        default_input_tensor_device=default_input_tensor_device,
+    )  # fmt: skip
     _check_graph(source, config, custom_ops)
     path = write_package(
         neuropod_path,

@@ -8,11 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuropod import __version__ as neuropod_version
-from neuropod.backend import installed_distribution
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.model import check_packaged
-from neuropod.package import FileSource, ModelConfig, write_package
+from neuropod.package import FileSource, packager_config, write_package
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_tensorflow import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
@@ -210,21 +208,11 @@ def _write(
     rtol: float,
     atol: float,
 ) -> Path:
-    devices = {s.name: default_input_tensor_device for s in inputs}
-    devices.update(input_tensor_device or {})
-    exported_with: dict[str, Any] = {"neuropod": neuropod_version}
-    found = installed_distribution(*FRAMEWORK_DISTRIBUTIONS)
-    if found:
-        exported_with.update(framework=found[0], platform_version=found[1])
-    config = ModelConfig(
-        name=model_name,
-        platform=PLATFORM,
-        platform_version_semver=platform_version_semver,
-        input_spec=inputs,
-        output_spec=outputs,
-        input_tensor_device=devices,
-        exported_with=exported_with,
-    )
+    config = packager_config(
+        model_name, PLATFORM, inputs, outputs, platform_version_semver=platform_version_semver,
+        framework_distributions=FRAMEWORK_DISTRIBUTIONS, input_tensor_device=input_tensor_device,
+        default_input_tensor_device=default_input_tensor_device,
+    )  # fmt: skip
     path = write_package(
         neuropod_path, config, files, backend_config=backend_config, custom_ops=custom_ops,
         test_input_data=test_input_data, test_expected_out=test_expected_out, package_as_zip=package_as_zip,

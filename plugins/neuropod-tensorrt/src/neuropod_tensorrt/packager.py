@@ -7,11 +7,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuropod import __version__ as neuropod_version
 from neuropod.backend import installed_distribution
 from neuropod.errors import BackendError, NeuropodError, PackageError
 from neuropod.model import check_packaged
-from neuropod.package import ModelConfig, write_package
+from neuropod.package import packager_config, write_package
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_tensorrt import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 from neuropod_tensorrt._engine import ENGINE_PATH, EngineInfo, check_io
@@ -92,21 +91,14 @@ def create_tensorrt_neuropod(
         # An engine for another TensorRT than the installed one cannot be opened here, only packaged.
         if not (installed and tensorrt_version and tensorrt_version != installed[1]):
             _check_engine_if_possible(engine, inputs, outputs, info, [Path(p) for p in custom_ops], model_name)
-    config = ModelConfig(
-        name=model_name,
-        platform=PLATFORM,
+    config = packager_config(
+        model_name, PLATFORM, inputs, outputs,
         platform_version_semver=platform_version_semver or info.default_range(),
-        input_spec=inputs,
-        output_spec=outputs,
-        input_tensor_device={s.name: "GPU" for s in inputs},
-        exported_with={
-            "neuropod": neuropod_version,
-            "framework": installed[0] if installed else "tensorrt",
-            "platform_version": info.tensorrt_version,
-            "hardware_compatibility": info.hardware_compatibility,
-        },
+        framework_distributions=FRAMEWORK_DISTRIBUTIONS,
+        # The engine's TensorRT, which need not be the one installed here.
+        exported_with={"platform_version": info.tensorrt_version, "hardware_compatibility": info.hardware_compatibility},
         device_requirements=info.device_requirements(),
-    )
+    )  # fmt: skip
     written = write_package(
         neuropod_path, config, {ENGINE_PATH: engine}, custom_ops=custom_ops,
         test_input_data=test_input_data, test_expected_out=test_expected_out, package_as_zip=package_as_zip,

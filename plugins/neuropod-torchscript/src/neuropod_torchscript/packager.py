@@ -8,12 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuropod import __version__ as neuropod_version
-from neuropod.backend import installed_distribution
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.model import check_packaged
-from neuropod.package import ModelConfig, write_package
-from neuropod.spec import parse_spec
+from neuropod.package import packager_config, write_package
 from neuropod_torchscript import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
 MODEL_PATH = "0/data/model.pt"
@@ -67,23 +64,11 @@ def create_torchscript_neuropod(
             raise PackageError(f"module_path {source} does not exist")
     else:
         source = _serialize(module)
-    inputs = parse_spec(input_spec, "input_spec")
-    outputs = parse_spec(output_spec, "output_spec")
-    devices = {s.name: default_input_tensor_device for s in inputs}
-    devices.update(input_tensor_device or {})
-    exported_with: dict[str, Any] = {"neuropod": neuropod_version}
-    found = installed_distribution(*FRAMEWORK_DISTRIBUTIONS)
-    if found:
-        exported_with.update(framework=found[0], platform_version=found[1])
-    config = ModelConfig(
-        name=model_name,
-        platform=PLATFORM,
-        platform_version_semver=platform_version_semver,
-        input_spec=inputs,
-        output_spec=outputs,
-        input_tensor_device=devices,
-        exported_with=exported_with,
-    )
+    config = packager_config(
+        model_name, PLATFORM, input_spec, output_spec, platform_version_semver=platform_version_semver,
+        framework_distributions=FRAMEWORK_DISTRIBUTIONS, input_tensor_device=input_tensor_device,
+        default_input_tensor_device=default_input_tensor_device,
+    )  # fmt: skip
     path = write_package(
         neuropod_path,
         config,
