@@ -6,10 +6,14 @@ They hold no framework objects, so building them never imports a framework.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -117,4 +121,38 @@ def installed_distribution(*names: str) -> tuple[str, str] | None:
     return None
 
 
-__all__ = ["Backend", "DeviceCaps", "installed_distribution"]
+_libraries_lock = threading.Lock()
+_loaded_libraries: dict[tuple[str, str], str] = {}
+
+
+def load_libraries_once(
+    paths: Iterable[Path], load: Callable[[str], object], framework: str, where: str
+) -> None:
+    """Load custom-op libraries into a framework once per process per file content.
+
+    For backends' ``load_model``: the same library shipped in several
+    packages (or one package extracted twice) is loaded once, since
+    frameworks refuse to register an op a second time.
+
+    :param load: the framework's loader, e.g. ``torch.ops.load_library``.
+    :param framework: names the framework in errors and keys the record
+        (``"torch 2.13.0"``).
+    :raises PackageError: a listed library is missing or fails to load.
+    """
+    from neuropod.errors import PackageError
+
+    for path in paths:
+        if not path.is_file():
+            raise PackageError(f"{where}: custom op library {path} is listed in config.json but missing")
+        key = (framework.split()[0], hashlib.sha256(path.read_bytes()).hexdigest())
+        with _libraries_lock:
+            if key in _loaded_libraries:
+                continue
+            try:
+                load(str(path))
+            except Exception as e:
+                raise PackageError(f"{where}: custom op library {path.name} failed to load in {framework}: {e}") from e
+            _loaded_libraries[key] = str(path)
+
+
+__all__ = ["Backend", "DeviceCaps", "installed_distribution", "load_libraries_once"]

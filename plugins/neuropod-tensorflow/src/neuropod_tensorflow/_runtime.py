@@ -20,7 +20,6 @@ printed is shown only if that fails.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from neuropod.backend import load_libraries_once
 from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.package import Package
 from neuropod.spec import TensorSpec, to_string_array
@@ -46,7 +46,6 @@ LOAD_OPTIONS = {
 }
 
 _lock = threading.RLock()
-_loaded_ops: dict[str, Path] = {}
 
 
 # --- quiet TensorFlow ----------------------------------------------------------------
@@ -114,20 +113,7 @@ def import_tensorflow() -> Any:
 
 def load_custom_ops(tf: Any, paths: Sequence[Path], where: str) -> None:
     """``tf.load_op_library`` each library once per process per file content."""
-    for path in paths:
-        if not path.is_file():
-            raise PackageError(f"{where}: custom op library {path} is listed in config.json but missing")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        with _lock:
-            if digest in _loaded_ops:
-                continue
-            try:
-                tf.load_op_library(str(path))
-            except Exception as e:
-                raise PackageError(
-                    f"{where}: custom op library {path.name} failed to load in tensorflow {tf.__version__}: {e}"
-                ) from e
-            _loaded_ops[digest] = path
+    load_libraries_once(paths, tf.load_op_library, f"tensorflow {tf.__version__}", where)
 
 
 def _threads(options: Mapping[str, Any]) -> dict[str, Any]:

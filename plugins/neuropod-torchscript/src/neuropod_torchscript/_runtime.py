@@ -16,8 +16,6 @@ output spec has exactly one entry), a named tuple, or a tuple of dicts.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import threading
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -27,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from neuropod.backend import load_libraries_once
 from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.package import Package
 from neuropod.spec import TensorSpec
@@ -43,30 +42,9 @@ LOAD_OPTIONS = {
 # few microseconds a call, more than everything else neuropod adds.
 _InferenceGuard: Callable[[bool], Any] | None = getattr(torch._C, "_InferenceMode", None)
 
-_ops_lock = threading.Lock()
-_loaded_ops: dict[str, Path] = {}
-
-
 def load_custom_ops(paths: Sequence[Path], where: str) -> None:
-    """Load custom-op libraries once per process per file content.
-
-    The same library shipped in several packages (or extracted twice) is
-    loaded once; PyTorch would reject registering its ops a second time.
-    """
-    for path in paths:
-        if not path.is_file():
-            raise PackageError(f"{where}: custom op library {path} is listed in config.json but missing")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        with _ops_lock:
-            if digest in _loaded_ops:
-                continue
-            try:
-                torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
-            except Exception as e:
-                raise PackageError(
-                    f"{where}: custom op library {path.name} failed to load in torch {torch.__version__}: {e}"
-                ) from e
-            _loaded_ops[digest] = path
+    """``torch.ops.load_library`` each library once per process per file content."""
+    load_libraries_once(paths, torch.ops.load_library, f"torch {torch.__version__}", where)
 
 
 def _set_threads(options: Mapping[str, Any]) -> None:
