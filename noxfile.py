@@ -153,7 +153,8 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def types(session: nox.Session) -> None:
     """mypy (strict) over the core and the plugins."""
-    session.install("mypy==2.4.1", f"{CORE}", *[str(p) for p in PLUGINS], f"torch=={TORCH_DEFAULT}")
+    # pytest too: neuropod.testing is a pytest plugin, typed against pytest.
+    session.install("mypy==2.4.1", f"{CORE}[test]", *[str(p) for p in PLUGINS], f"torch=={TORCH_DEFAULT}")
     session.run("mypy", "core/src/neuropod", *[str(next((p / "src").iterdir())) for p in PLUGINS])
 
 
