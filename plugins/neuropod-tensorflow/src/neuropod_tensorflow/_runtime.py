@@ -235,11 +235,11 @@ class FrozenGraphModel:
         key = (names, outputs)
         fn = self._callables.get(key)
         if fn is None:
-            fn = self._make_callable(names, outputs)
-            # The first run of a graph is when TensorFlow optimizes it, and
-            # some releases log about that to stderr (2.18: "MLIR V1
-            # optimization pass is not enabled"); hold that back too.
+            # Making a callable and its first run are when TensorFlow optimizes
+            # the graph, and some releases log about that to stderr (2.18:
+            # "MLIR V1 optimization pass is not enabled"); hold that back too.
             with quiet_stderr(f"first running model {self.name!r}"):
+                fn = self._make_callable(names, outputs)
                 results = fn(*inputs.values())
         else:
             results = fn(*inputs.values())
