@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,21 @@ class DeviceCaps:
             parts.append(f"cuda {self.cuda}{cc}")
         text = " + ".join(parts) or "no device"
         return f"{text} ({self.note})" if self.note else text
+
+
+def backend_record(backend: Backend, caps: DeviceCaps) -> dict[str, Any]:
+    """A backend and what it runs on as one JSON object: ``neuropod backends --json`` and environments' records."""
+    return {
+        "platform": backend.platform,
+        "version": backend.version,
+        "framework": backend.framework,
+        "plugin": backend.plugin,
+        "plugin_distribution": backend.plugin_distribution,
+        "location": backend.location,
+        "cpu": caps.cpu,
+        "cuda": caps.cuda,
+        "compute_capabilities": list(caps.compute_capabilities),
+    }
 
 
 _DIST_INFO = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info")
@@ -155,4 +171,4 @@ def load_libraries_once(
             _loaded_libraries[key] = str(path)
 
 
-__all__ = ["Backend", "DeviceCaps", "installed_distribution", "load_libraries_once"]
+__all__ = ["Backend", "DeviceCaps", "backend_record", "installed_distribution", "load_libraries_once"]

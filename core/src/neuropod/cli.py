@@ -53,6 +53,7 @@ def _fmt_array(arr: Any, limit: int = 6) -> str:
 
 def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
     from neuropod import plugins
+    from neuropod.backend import backend_record
     from neuropod.devices import load_host, local_host
     from neuropod.envs import list_environments
 
@@ -64,20 +65,7 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
         data = {
             "neuropod": __version__,
             "python": sys.executable,
-            "backends": [
-                {
-                    "platform": b.platform,
-                    "version": b.version,
-                    "framework": b.framework,
-                    "plugin": b.plugin,
-                    "plugin_distribution": b.plugin_distribution,
-                    "location": b.location,
-                    "cpu": caps[b].cpu,
-                    "cuda": caps[b].cuda,
-                    "compute_capabilities": list(caps[b].compute_capabilities),
-                }
-                for b in backends
-            ],
+            "backends": [backend_record(b, caps[b]) for b in backends],
             "host": host.to_dict(),
             "failed_plugins": [{"name": f.name, "distribution": f.distribution, "error": f.error} for f in failures],
             "plugins": [h.to_dict() for h in plugins.plugin_health()],

@@ -69,7 +69,7 @@ from typing import Any, TextIO
 from urllib.parse import unquote, urlparse
 
 from neuropod import __version__
-from neuropod.backend import Backend, DeviceCaps
+from neuropod.backend import Backend, DeviceCaps, backend_record
 from neuropod.errors import NeuropodError
 
 ENV_FILE = "neuropod-env.json"
@@ -179,26 +179,12 @@ class Environment:
             "created": self.created,
             "python_version": self.python_version,
             "neuropod": self.neuropod_version,
-            "backends": [_backend_dict(b, c) for b, c in self.backends],
+            "backends": [backend_record(b, c) for b, c in self.backends],
             "problem": self.problem,
         }
 
 
 # --- reading ----------------------------------------------------------------
-
-
-def _backend_dict(b: Backend, c: DeviceCaps) -> dict[str, Any]:
-    return {
-        "platform": b.platform,
-        "version": b.version,
-        "framework": b.framework,
-        "plugin": b.plugin,
-        "plugin_distribution": b.plugin_distribution,
-        "location": b.location,
-        "cpu": c.cpu,
-        "cuda": c.cuda,
-        "compute_capabilities": list(c.compute_capabilities),
-    }
 
 
 def _backend_from_dict(raw: Any, location: str) -> tuple[Backend, DeviceCaps]:

@@ -294,15 +294,17 @@ def compare_outputs(
 
 
 def run_test_data(
-    neuropod_path: str | os.PathLike[str],
+    neuropod_path: str | os.PathLike[str] | Package,
     *,
     trust_pickle: bool = False,
     rtol: float = 1e-5,
     atol: float = 1e-6,
     **load_kwargs: Any,
 ) -> TestReport:
-    """Load a package, run its bundled test inputs and compare with the expected outputs."""
-    package = read_package(neuropod_path, verify=load_kwargs.pop("verify", True))
+    """Load a package (a path, or a :class:`Package` already read), run its bundled test inputs and
+    compare with the expected outputs."""
+    verify = load_kwargs.pop("verify", True)
+    package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)
     # Read the test data first: a refused pickle should not wait for a backend.
     inputs, expected = package.test_data(trust_pickle=trust_pickle)
     with load_neuropod(package, **load_kwargs) as model:
@@ -328,7 +330,7 @@ def check_packaged(neuropod_path: str | os.PathLike[str], **kwargs: Any) -> Test
     try:
         package = read_package(neuropod_path)
         if (package.root / "test_data" / "expected.npz").is_file():
-            report = run_test_data(package.source, rtol=rtol, atol=atol, **kwargs)
+            report = run_test_data(package, rtol=rtol, atol=atol, **kwargs)  # read and checked once, above
             if not report.passed:
                 raise PackageError(
                     f"The new package for model {report.model!r} does not reproduce its expected test output "
