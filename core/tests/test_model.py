@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 import neuropod
 from neuropod.errors import BackendError, NeuropodError, NoBackendError, PackageError, SpecError
 from neuropod.model import compare_outputs, run_test_data
+from neuropod.testing import run_in_threads
 
 from _toy_backend import toy_plugin, write_toy
 
@@ -100,22 +100,13 @@ def test_compare_outputs() -> None:
 
 def test_threads_share_one_model(tmp_path: Path) -> None:
     with toy_plugin(), neuropod.load_neuropod(write_toy(tmp_path / "m")) as model:
-        failures: list[BaseException] = []
 
         def work(n: int) -> None:
-            x = np.full((n, 2), n, np.float32)
-            try:
-                for _ in range(200):
-                    assert model.infer({"x": x, "y": x})["out"][0, 0] == 2 * n
-            except BaseException as e:  # noqa: BLE001 - reported below
-                failures.append(e)
+            x = np.full((n + 1, 2), n + 1, np.float32)
+            for _ in range(200):
+                assert model.infer({"x": x, "y": x})["out"][0, 0] == 2 * (n + 1)
 
-        threads = [threading.Thread(target=work, args=(n,)) for n in range(1, 5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not failures
+        run_in_threads(work, 4)
 
 
 def test_import_neuropod_imports_no_framework_or_numpy() -> None:

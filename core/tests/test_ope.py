@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import neuropod
 from neuropod import plugins
 from neuropod.errors import BackendError, NeuropodError, SpecError, WorkerError
 from neuropod.package import parse_config, write_package
+from neuropod.testing import run_in_threads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OPE needs Linux")
 
@@ -242,22 +242,13 @@ def test_workers_die_with_their_parent_and_leave_no_shared_memory(toy: Path) -> 
 def test_threads_share_a_pool_of_workers(toy: Path) -> None:
     with adder(toy, workers=2) as model:
         assert len(model.worker_pids) == 2
-        failures: list[BaseException] = []
 
         def work(seed: int) -> None:
-            try:
-                for i in range(30):
-                    inputs = xy(seed % 3 + 1, seed * 100 + i)
-                    np.testing.assert_allclose(model.infer(inputs)["out"], inputs["x"] + inputs["y"], rtol=1e-6)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                failures.append(e)
+            for i in range(30):
+                inputs = xy(seed % 3 + 1, seed * 100 + i)
+                np.testing.assert_allclose(model.infer(inputs)["out"], inputs["x"] + inputs["y"], rtol=1e-6)
 
-        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not failures
+        run_in_threads(work, 4)
 
 
 def test_many_inputs(toy: Path) -> None:

@@ -371,25 +371,14 @@ class BackendConformance:
         dtype = self._first_dtype()
         ins, outs = self._pair_spec(dtype, ["a", "b"])
         path = self.make_package(tmp_path, "threads", ins, outs)
-        errors: list[BaseException] = []
         with self._load(path) as model:
-            start = threading.Barrier(self.threads)
 
             def work(seed: int) -> None:
-                try:
-                    start.wait()
-                    for i in range(self.calls_per_thread):
-                        inputs = self._inputs(dtype, ["a", "b"], batch=1 + (seed + i) % 5, seed=seed * 1000 + i)
-                        self._assert_copies(model.infer(inputs), inputs)
-                except BaseException as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
+                for i in range(self.calls_per_thread):
+                    inputs = self._inputs(dtype, ["a", "b"], batch=1 + (seed + i) % 5, seed=seed * 1000 + i)
+                    self._assert_copies(model.infer(inputs), inputs)
 
-            threads = [threading.Thread(target=work, args=(n,)) for n in range(self.threads)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        assert not errors, errors[0]
+            run_in_threads(work, self.threads)
 
     @covers("load_model", "infer", runs_model=True)
     def test_custom_ops(self, tmp_path: Path) -> None:
@@ -409,6 +398,28 @@ class BackendConformance:
         inputs = self._inputs(dtype, ["a"])
         with self._load(path) as model:
             self._assert_copies(model.infer(inputs), inputs)
+
+
+def run_in_threads(work: Callable[[int], object], threads: int) -> None:
+    """Run ``work(0)`` ... ``work(threads - 1)`` at once, each in its own thread,
+    and raise the first exception any of them raised (assertion failures included)."""
+    start = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def run(n: int) -> None:
+        try:
+            start.wait()
+            work(n)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(e)
+
+    pool = [threading.Thread(target=run, args=(n,)) for n in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 # --- the pytest plugin -------------------------------------------------------

@@ -31,10 +31,9 @@ ONNX_TYPES = {
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    cache = tmp_path_factory.mktemp("cache")
-    monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(cache))
-    return cache
+def _private_cache(neuropod_cache: Path) -> Path:
+    # neuropod.testing's fixture (a pytest plugin wherever neuropod is installed), for every test here.
+    return neuropod_cache
 
 
 def make_model(

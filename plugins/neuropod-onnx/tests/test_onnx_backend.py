@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import importlib_metadata
@@ -18,6 +17,7 @@ import neuropod
 from neuropod import plugins
 from neuropod.errors import BackendError, NeuropodError, NoBackendError, PackageError, SpecError
 from neuropod.packagers import create_onnx_neuropod
+from neuropod.testing import run_in_threads
 
 from conftest import ADDER_INPUT_SPEC, ADDER_OUTPUT_SPEC, make_model, spec, xy
 
@@ -246,23 +246,14 @@ def test_close_and_reload(make_adder) -> None:
 
 def test_concurrent_infer(make_adder) -> None:
     with neuropod.load_neuropod(make_adder()) as model:
-        errors: list[BaseException] = []
 
         def work(batch: int) -> None:
-            try:
-                for _ in range(50):
-                    inputs = xy(batch)
-                    out = model.infer(inputs)
-                    np.testing.assert_allclose(out["out"], inputs["x"] + inputs["y"], rtol=1e-6)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
+            for _ in range(50):
+                inputs = xy(batch)
+                out = model.infer(inputs)
+                np.testing.assert_allclose(out["out"], inputs["x"] + inputs["y"], rtol=1e-6)
 
-        threads = [threading.Thread(target=work, args=(b,)) for b in range(1, 5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors
+        run_in_threads(lambda i: work(i + 1), 4)
 
 
 # --- packaging errors -------------------------------------------------------------

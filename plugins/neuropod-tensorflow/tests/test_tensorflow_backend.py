@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import importlib_metadata
@@ -18,6 +17,7 @@ import neuropod
 from neuropod import plugins
 from neuropod.errors import NeuropodError, NoBackendError, PackageError, SpecError
 from neuropod.packagers import create_keras_neuropod, create_tensorflow_neuropod
+from neuropod.testing import run_in_threads
 
 import models
 from conftest import FIXTURES, needs_fixtures, spec
@@ -245,22 +245,13 @@ def test_caller_thread_and_pool_give_the_same_results(tmp_path: Path) -> None:
             assert a.keys() == b.keys()
             for k in a:
                 np.testing.assert_array_equal(a[k], b[k])
-        failures: list[BaseException] = []
 
         def work(batch: int) -> None:  # several threads on one caller-thread session
-            try:
-                for _ in range(50):
-                    data = xy(batch)
-                    np.testing.assert_allclose(caller.infer(data)["out"], data["x"] + data["y"], rtol=1e-6)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                failures.append(e)
+            for _ in range(50):
+                data = xy(batch)
+                np.testing.assert_allclose(caller.infer(data)["out"], data["x"] + data["y"], rtol=1e-6)
 
-        threads = [threading.Thread(target=work, args=(b,)) for b in range(1, 5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not failures
+        run_in_threads(lambda i: work(i + 1), 4)
     with pytest.raises(NeuropodError, match="inter_op_thread_pool must be 'caller' or 'pool', not 'both'"):
         neuropod.load_neuropod(path, inter_op_thread_pool="both")
 

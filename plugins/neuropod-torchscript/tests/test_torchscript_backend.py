@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import importlib_metadata
@@ -17,6 +16,7 @@ import neuropod
 from neuropod import plugins
 from neuropod.errors import BackendError, NeuropodError, NoBackendError, PackageError, SpecError
 from neuropod.packagers import create_torchscript_neuropod
+from neuropod.testing import run_in_threads
 
 import models
 from conftest import FIXTURES, needs_fixtures, spec
@@ -302,22 +302,13 @@ def test_close_reload_and_threads(tmp_path: Path) -> None:
     with pytest.raises(NeuropodError, match="closed"):
         model.infer(xy())
     with neuropod.load_neuropod(path) as model:
-        failures: list[BaseException] = []
 
         def work(batch: int) -> None:
-            try:
-                for _ in range(50):
-                    inputs = xy(batch)
-                    np.testing.assert_allclose(model.infer(inputs)["out"], inputs["x"] + inputs["y"], rtol=1e-6)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                failures.append(e)
+            for _ in range(50):
+                inputs = xy(batch)
+                np.testing.assert_allclose(model.infer(inputs)["out"], inputs["x"] + inputs["y"], rtol=1e-6)
 
-        threads = [threading.Thread(target=work, args=(b,)) for b in range(1, 5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not failures
+        run_in_threads(lambda i: work(i + 1), 4)
 
 
 def test_outputs_do_not_track_gradients(tmp_path: Path) -> None:
