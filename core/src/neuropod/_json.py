@@ -1,0 +1,54 @@
+"""Reading JSON that comes from outside the process: bounded before it is parsed.
+
+Configs, manifests, environment records and host files are small documents
+with a handful of nesting levels. A file that is megabytes deep would make
+``json.loads`` recurse until a ``RecursionError`` (and, near the limit, leave
+too little stack for the code that handles it), so its depth and size are
+checked with a flat scan first, and every failure is a ``ValueError`` with a
+one-line reason that callers wrap in their own error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+#: Deeper than any document the project writes or reads (a config is 4 levels).
+MAX_DEPTH = 64
+#: Larger than any config, manifest or record; a manifest of 100k files is ~10 MB.
+MAX_BYTES = 64 * 2**20
+
+# A JSON string, so that brackets inside strings are not counted.
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def check_bounds(text: str, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_BYTES) -> None:
+    """Raise ``ValueError`` when ``text`` is larger or nests deeper than the bounds."""
+    if len(text) > max_bytes:
+        raise ValueError(f"it is {len(text):,} characters long, more than the {max_bytes:,} allowed")
+    depth = 0
+    for m in _BRACKETS.finditer(_STRING.sub('""', text)):
+        if m.group() in "[{":
+            depth += 1
+            if depth > max_depth:
+                raise ValueError(f"it nests more than {max_depth} levels deep")
+        else:
+            depth -= 1
+
+
+def loads(text: str, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_BYTES) -> Any:
+    """``json.loads`` for untrusted text, after checking its depth and size.
+
+    :raises ValueError: too deep, too large, or not JSON (``json.JSONDecodeError``
+        is a ``ValueError`` and keeps its line and column).
+    """
+    check_bounds(text, max_depth=max_depth, max_bytes=max_bytes)
+    try:
+        return json.loads(text)
+    except RecursionError:  # cannot happen within the bounds; kept as a last guard
+        raise ValueError(f"it nests more than {max_depth} levels deep") from None
+
+
+__all__ = ["MAX_BYTES", "MAX_DEPTH", "check_bounds", "loads"]
