@@ -28,6 +28,8 @@ def check_bounds(text: str, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_
     """Raise ``ValueError`` when ``text`` is larger or nests deeper than the bounds."""
     if len(text) > max_bytes:
         raise ValueError(f"it is {len(text):,} characters long, more than the {max_bytes:,} allowed")
+    if text.count("[") + text.count("{") <= max_depth:
+        return  # the common case (a manifest opens two objects): no scan needed
     depth = 0
     for m in _BRACKETS.finditer(_STRING.sub('""', text)):
         if m.group() in "[{":
