@@ -151,6 +151,21 @@ def test_string_tensors_in_and_out(tmp_path: Path) -> None:
             m.infer({"text": np.array([b"a"])})
 
 
+@pytest.mark.parametrize("use_ope", [False, True], ids=["in-process", "ope"])
+def test_strings_with_nul_characters_round_trip(tmp_path: Path, use_ope: bool) -> None:
+    # onnxruntime reads numpy unicode arrays as C strings: "a\x00b" used to come back as "a".
+    model = make_model([helper.make_node("Identity", ["text"], ["same"])],
+                       [("text", "string", [None])], [("same", "string", [None])])  # fmt: skip
+    words = ["a\x00b", "\x00lead", "mid\x00dle\x00", "plain", ""]
+    path = create_onnx_neuropod(
+        tmp_path / "identity", "identity", spec(("text", "string", [None])), spec(("same", "string", [None])),
+        onnx_model=model,
+    )
+    with neuropod.load_neuropod(path, use_ope=use_ope) as m:
+        for given in (np.array(words[:1] + words[3:]), np.array(words, dtype=object)):
+            assert m.infer({"text": given})["same"].tolist() == given.tolist()
+
+
 def test_custom_op_library_registered_before_session(tmp_path: Path) -> None:
     ortx = pytest.importorskip("onnxruntime_extensions")
     node = helper.make_node("StringUpper", ["text"], ["upper"], domain="ai.onnx.contrib")

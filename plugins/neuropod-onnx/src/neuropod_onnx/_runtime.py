@@ -166,6 +166,9 @@ class OnnxModel:
         self._output_names = [o.name for o in sess.get_outputs()]
         self._input_names = [i.name for i in sess.get_inputs()]
         self._n_inputs = len(self._input_names)
+        # onnxruntime reads numpy unicode arrays as C strings, so "a\x00b" arrives as "a";
+        # object arrays of str keep every character.
+        self._string_inputs = frozenset(i.name for i in sess.get_inputs() if i.type == "tensor(string)")
 
     @classmethod
     def load(cls, package: Package, device: str, options: Mapping[str, Any]) -> OnnxModel:
@@ -182,6 +185,9 @@ class OnnxModel:
             missing = [n for n in self._input_names if n not in inputs]
             raise SpecError(f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: ONNX has no optional inputs")
         names = self._output_names if requested is None else requested
+        if self._string_inputs:
+            inputs = {k: v.astype(object) if k in self._string_inputs and v.dtype.kind == "U" else v
+                      for k, v in inputs.items()}  # fmt: skip
         return dict(zip(names, self._run(names, inputs)))
 
     def close(self) -> None:
