@@ -67,13 +67,16 @@ nox.options.error_on_missing_interpreters = True
 
 
 def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
-    # A private package cache and NEUROPOD_HOME (backend environments) per run,
-    # removed afterwards: tests leave nothing behind and see none of the user's.
+    # A private package cache, NEUROPOD_HOME (backend environments) and
+    # XDG_CACHE_HOME per run, removed afterwards: tests leave nothing behind and
+    # see none of the user's. (onnxruntime, for one, writes under
+    # $XDG_CACHE_HOME/Microsoft at import; HOME itself stays, for pip's config.)
     with tempfile.TemporaryDirectory(prefix="neuropod-cache-") as cache, \
-            tempfile.TemporaryDirectory(prefix="neuropod-home-") as home:  # fmt: skip
+            tempfile.TemporaryDirectory(prefix="neuropod-home-") as home, \
+            tempfile.TemporaryDirectory(prefix="neuropod-xdg-cache-") as xdg_cache:  # fmt: skip
         session.run(
             "python", "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *paths, *session.posargs,
-            env={"NEUROPOD_CACHE_DIR": cache, "NEUROPOD_HOME": home, **(env or {})},
+            env={"NEUROPOD_CACHE_DIR": cache, "NEUROPOD_HOME": home, "XDG_CACHE_HOME": xdg_cache, **(env or {})},
         )
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,6 +14,14 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+
+# onnxruntime writes a device id and a telemetry database under
+# $XDG_CACHE_HOME/Microsoft (~/.cache/Microsoft by default) when it is imported.
+# Tests must not write to the user's home: point it (for this process and the
+# workers it starts) at a directory removed when the run ends.
+_XDG_CACHE = tempfile.mkdtemp(prefix="neuropod-tests-xdg-cache-")
+os.environ["XDG_CACHE_HOME"] = _XDG_CACHE
+atexit.register(shutil.rmtree, _XDG_CACHE, True)
 
 FIXTURES = Path(__file__).resolve().parents[3].parent / "shared" / "fixtures" / "uber-neuropod-0.3"
 

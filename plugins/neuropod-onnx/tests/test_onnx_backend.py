@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,21 @@ def test_discovery_does_not_import_onnxruntime() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tests_write_nothing_to_the_home_directory(make_adder, tmp_path: Path) -> None:
+    # onnxruntime writes under $XDG_CACHE_HOME (else ~/.cache) at import; conftest points it
+    # at a temporary directory, and the package cache is the test's own (NEUROPOD_CACHE_DIR).
+    home = tmp_path / "home"
+    home.mkdir()
+    path = make_adder(package_as_zip=True)
+    code = (
+        "import sys, numpy as np, neuropod\n"
+        "with neuropod.load_neuropod(sys.argv[1]) as m:\n"
+        "    m.infer({'x': np.ones((1, 2), np.float32), 'y': np.ones((1, 2), np.float32)})\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, env={**os.environ, "HOME": str(home)})
+    assert sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) == []
 
 
 def test_device_caps_of_the_cpu_build() -> None:
