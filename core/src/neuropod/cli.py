@@ -1,4 +1,4 @@
-"""The ``neuropod`` command.
+r"""The ``neuropod`` command.
 
 ::
 
@@ -10,27 +10,121 @@
     neuropod demo                     package a small model, explain, run it
     neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME
 
-Every :class:`~neuropod.errors.NeuropodError` ends the command with its
-message on stderr and exit status 2; no traceback.
+Every :class:`~neuropod.errors.NeuropodError` (and any ``OSError``,
+``ValueError`` or other exception that escapes a command) ends the command
+with one error on stderr and exit status 2; no traceback unless ``--debug``
+is given. Text that comes from a package (names, platform, file names) is
+printed with control characters, bidirectional-text controls and lone
+surrogates escaped (``\x1b``, ``\u202e``, ``\udcff``), so a package cannot
+write to the terminal; ``--json`` output is ASCII (``json.dumps`` escapes).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import re
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO, cast
 
 from neuropod import __version__
 from neuropod.errors import NeuropodError
 
 EXIT_ERROR = 2
 EXIT_TEST_FAILED = 1
+
+# What a terminal would act on instead of showing: C0/C1 controls, bidirectional-text
+# controls (they reorder what follows, "Trojan Source"), line/paragraph separators, and
+# lone surrogates (from undecodable bytes in argv or file names; no encoder takes them).
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# Paths in OSError messages are shortened to this many characters.
+_PATH_LIMIT = 200
+
+
+def _safe(text: object, keep: str = "") -> str:
+    r"""``text`` as it can be printed: unsafe characters (see ``_UNSAFE``) become
+    ``\xNN`` / ``\uNNNN`` escapes, except those in ``keep`` (e.g. ``"\n"`` for
+    our own multi-line output)."""
+    text = str(text)
+    if text.isprintable():  # the common case; isprintable() is False for every unsafe character
+        return text
+
+    def escape(m: re.Match[str]) -> str:
+        ch = m.group()
+        if ch in keep:
+            return ch
+        if ch in _SHORT_ESCAPES:
+            return _SHORT_ESCAPES[ch]
+        return f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}"
+
+    return _UNSAFE.sub(escape, text)
+
+
+class _SafeWriter(io.TextIOBase):
+    """A text stream that cannot be made to fail or to drive the terminal by what is printed:
+    unsafe characters are escaped (newlines and tabs kept), and characters the stream's
+    encoding lacks are written as backslash escapes instead of raising ``UnicodeEncodeError``."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        text = _safe(text, keep="\n\t")
+        try:
+            self._stream.write(text)
+        except UnicodeEncodeError:
+            encoding = getattr(self._stream, "encoding", None) or "ascii"
+            self._stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def writable(self) -> bool:
+        return True
+
+
+def _safe_stream(stream: TextIO) -> TextIO:
+    return stream if isinstance(stream, _SafeWriter) else cast(TextIO, _SafeWriter(stream))
+
+
+def _short(text: object, limit: int = _PATH_LIMIT) -> str:
+    """A path or value for a message: safe, and at most ``limit`` characters (the middle elided)."""
+    text = _safe(text)
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-(limit // 2):]}"
+
+
+def _describe_os_error(e: OSError) -> str:
+    """An ``OSError`` in one line, with its file names shortened (a 5000-character path stays readable)."""
+    if e.strerror and e.filename is not None:
+        files = f"'{_short(_fs_text(e.filename))}'"
+        if e.filename2 is not None:
+            files += f" -> '{_short(_fs_text(e.filename2))}'"
+        return f"{e.strerror}: {files}"
+    return _one_line(str(e) or type(e).__name__)
+
+
+def _show(value: object, limit: int = 100) -> str:
+    """A value quoted for a message (``repr`` escapes every unsafe character), at most ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fs_text(name: object) -> str:
+    return os.fsdecode(name) if isinstance(name, (str, bytes)) else str(name)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _print_table(rows: Sequence[Sequence[str]], out: TextIO, indent: str = "  ") -> None:
@@ -123,24 +217,28 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         data["manifest"] = "checked" if pkg.manifest is not None else "none (Neuropod 0.3 package)"
         print(json.dumps(data, indent=2), file=out)
         return 0
-    print(f"Package:   {pkg.source}" + (f" (extracted to {pkg.root})" if pkg.root != pkg.source else ""), file=out)
-    print(f"Name:      {cfg.name}", file=out)
-    print(f"Platform:  {cfg.platform}", file=out)
-    print(f"Versions:  {describe_range(cfg.platform_version_semver)}", file=out)
+    extracted = f" (extracted to {_safe(pkg.root)})" if pkg.root != pkg.source else ""
+    print(f"Package:   {_safe(pkg.source)}{extracted}", file=out)
+    print(f"Name:      {_safe(cfg.name)}", file=out)
+    print(f"Platform:  {_safe(cfg.platform)}", file=out)
+    print(f"Versions:  {_safe(describe_range(cfg.platform_version_semver))}", file=out)
     if cfg.exported_with:
-        made = ", ".join(f"{k} {v}" for k, v in cfg.exported_with.items())
+        made = ", ".join(f"{_safe(k)} {_safe(v)}" for k, v in cfg.exported_with.items())
         print(f"Made with: {made}", file=out)
     if cfg.device_requirements:
         print(f"Needs:     {json.dumps(dict(cfg.device_requirements))}", file=out)
     for title, specs in (("Inputs", cfg.input_spec), ("Outputs", cfg.output_spec)):
         print(f"{title}:", file=out)
-        rows = [(s.name, s.dtype, s.describe_shape(), cfg.input_tensor_device.get(s.name, "")) for s in specs]
+        rows = [
+            (_safe(s.name), s.dtype, _safe(s.describe_shape()), _safe(cfg.input_tensor_device.get(s.name, "")))
+            for s in specs
+        ]
         _print_table(rows or [("(none)", "", "", "")], out)
     symbols = sorted({d for s in cfg.input_spec + cfg.output_spec for d in s.shape if isinstance(d, str)})
     if symbols:
-        print(f"Symbols:   {', '.join(symbols)} (one size per call across inputs and outputs)", file=out)
+        print(f"Symbols:   {_safe(', '.join(symbols))} (one size per call across inputs and outputs)", file=out)
     if cfg.custom_ops:
-        print(f"Custom ops: {', '.join(cfg.custom_ops)}", file=out)
+        print(f"Custom ops: {_safe(', '.join(cfg.custom_ops))}", file=out)
     manifest = "checked" if pkg.manifest is not None and not args.no_verify else (
         "not checked" if pkg.manifest is not None else "none (a Neuropod 0.3 package)"
     )
@@ -149,7 +247,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     print("Files:", file=out)
     for f in pkg.files():
         size = (pkg.root / f).stat().st_size
-        print(f"  {f}  ({size:,} bytes)", file=out)
+        print(f"  {_safe(f)}  ({size:,} bytes)", file=out)
     return 0
 
 
@@ -174,11 +272,11 @@ def cmd_test(args: argparse.Namespace, out: TextIO) -> int:
         args.package, trust_pickle=args.trust_pickle, device=args.device, backend=args.backend,
         rtol=args.rtol, atol=args.atol,
     )
-    print(f"Model {report.model!r} with {report.backend} on {report.device}", file=out)
+    print(f"Model {report.model!r} with {_safe(report.backend)} on {report.device}", file=out)
     for name, arr in report.inputs.items():
-        print(f"  input  {name}: {_fmt_array(arr)}", file=out)
+        print(f"  input  {_safe(name)}: {_fmt_array(arr)}", file=out)
     for name, arr in report.outputs.items():
-        print(f"  output {name}: {_fmt_array(arr)}", file=out)
+        print(f"  output {_safe(name)}: {_fmt_array(arr)}", file=out)
     if report.expected is None:
         print("No expected outputs are bundled: the model ran, nothing was compared.", file=out)
         return 0
@@ -187,7 +285,7 @@ def cmd_test(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     print("FAILED:", file=out)
     for m in report.mismatches:
-        print(f"  {m}", file=out)
+        print(f"  {_safe(m)}", file=out)
     return EXIT_TEST_FAILED
 
 
@@ -196,13 +294,53 @@ def _load_input(spec: str) -> tuple[str, Any]:
 
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise NeuropodError(f"--input {spec!r} must be NAME=FILE.npy")
+        raise NeuropodError(f"--input '{_short(spec)}' must be NAME=FILE.npy")
+    where = f"--input {_short(name)}: {_short(path)}"
     try:
-        return name, np.load(path, allow_pickle=False)
+        # allow_pickle=False also keeps numpy's bound on the header size (a huge header is a ValueError).
+        arr = np.load(path, allow_pickle=False)
     except FileNotFoundError:
-        raise NeuropodError(f"--input {name}: no such file {path}") from None
-    except (OSError, ValueError) as e:
-        raise NeuropodError(f"--input {name}: {path} is not a readable .npy file without pickles: {e}") from None
+        raise NeuropodError(f"--input {_short(name)}: no such file {_short(path)}") from None
+    except OSError as e:
+        raise NeuropodError(f"{where} cannot be read: {_describe_os_error(e)}") from None
+    except EOFError:  # an empty file, or /dev/null
+        raise NeuropodError(f"{where} is empty; expected a .npy file (numpy.save)") from None
+    except MemoryError as e:  # a header that claims an array larger than memory
+        raise NeuropodError(f"{where} is too large to load: {_one_line(str(e))}") from None
+    except ValueError as e:
+        raise NeuropodError(f"{where} is not a readable .npy file without pickles: {_one_line(str(e))}") from None
+    if not isinstance(arr, np.ndarray):  # np.load opens a .npz as an archive of arrays
+        arr.close()
+        raise NeuropodError(f"{where} is a .npz archive; give one .npy file per input (NAME=FILE.npy)")
+    return name, arr
+
+
+def _output_dir(path: str) -> Path:
+    """Make ``--output-dir`` (before the model is loaded, so a bad one fails fast)."""
+    out_dir = Path(path)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise NeuropodError(f"--output-dir '{_short(path)}' exists and is not a directory") from None
+    except OSError as e:
+        raise NeuropodError(f"--output-dir '{_short(path)}' cannot be created: {_describe_os_error(e)}") from None
+    return out_dir.resolve()
+
+
+def _output_file(out_dir: Path, name: str, model: str) -> Path:
+    """Where output ``name`` is written: a file directly in ``out_dir``, whatever the name."""
+    from neuropod.spec import NAME_RULE, tensor_name_problem
+
+    problem = tensor_name_problem(name)
+    target = out_dir / f"{name}.npy"
+    if problem is None and target.resolve().parent != out_dir:  # e.g. an existing link out of the directory
+        problem = f"{_short(target)} leads out of the directory"
+    if problem is not None:
+        raise NeuropodError(
+            f"Output {_show(name)} of model {_show(model)} cannot be written to --output-dir "
+            f"'{_short(out_dir)}': {problem}; {NAME_RULE}"
+        )
+    return target
 
 
 def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
@@ -211,20 +349,25 @@ def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
     from neuropod.model import load_neuropod
 
     inputs = dict(_load_input(s) for s in args.input)
+    out_dir = _output_dir(args.output_dir) if args.output_dir else None
     with load_neuropod(args.package, device=args.device, backend=args.backend) as model:
         outputs = model.infer(inputs, requested_outputs=args.output or None)
-        print(f"Model {model.name!r} with {model.backend.id} on {model.device}", file=out)
-    if args.output_dir:
-        out_dir = Path(args.output_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"Model {model.name!r} with {_safe(model.backend.id)} on {model.device}", file=out)
+        if out_dir is not None:
+            # Every path is checked before the first file is written.
+            targets = {name: _output_file(out_dir, name, model.name) for name in outputs}
+    if out_dir is None:
         for name, arr in outputs.items():
-            if arr.dtype.kind == "O":
-                arr = np.asarray(arr.tolist(), dtype=str)
-            np.save(out_dir / f"{name}.npy", arr, allow_pickle=False)
-            print(f"  wrote {out_dir / (name + '.npy')}: {_fmt_array(arr)}", file=out)
-    else:
-        for name, arr in outputs.items():
-            print(f"  {name}: {_fmt_array(arr)}", file=out)
+            print(f"  {_safe(name)}: {_fmt_array(arr)}", file=out)
+        return 0
+    for name, arr in outputs.items():
+        if arr.dtype.kind == "O":
+            arr = np.asarray(arr.tolist(), dtype=str)
+        try:
+            np.save(targets[name], arr, allow_pickle=False)
+        except OSError as e:
+            raise NeuropodError(f"Cannot write output {_show(name)}: {_describe_os_error(e)}") from None
+        print(f"  wrote {_safe(targets[name])}: {_fmt_array(arr)}", file=out)
     return 0
 
 
@@ -337,9 +480,22 @@ def cmd_env_remove(args: argparse.Namespace, out: TextIO) -> int:
 # --- entry point ----------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors printed safely (argv may hold lone surrogates or controls)."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if message:
+            _safe_stream(file or sys.stderr).write(message)
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {_safe(message)}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="neuropod", description="Run machine-learning models from any framework.")
+    p = _Parser(prog="neuropod", description="Run machine-learning models from any framework.")
     p.add_argument("--version", action="version", version=f"neuropod {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (for bug reports)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("backends", help="list installed backends, devices and failed plugins")
@@ -405,20 +561,42 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
-    """Run the ``neuropod`` command; returns the exit status."""
-    args = _parser().parse_args(argv)
-    out = out or sys.stdout
+    """Run the ``neuropod`` command and return its exit status.
+
+    An error ends the command with one message on stderr (``neuropod CMD: error: ...``) and exit
+    status 2, a usage error with argparse's usage and status 2; ``--debug`` adds the traceback.
+    """
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # a usage error (printed), --help or --version
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
+    out = _safe_stream(out or sys.stdout)
     try:
         return int(args.func(args, out))
-    except NeuropodError as e:
-        print(f"neuropod {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         # `neuropod backends | head` closes the pipe early; that is not an error.
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115
         return 0
+    except NeuropodError as e:
+        return _fail(args, str(e))
+    except OSError as e:
+        return _fail(args, _describe_os_error(e))
+    except (ValueError, UnicodeError, MemoryError, RecursionError) as e:
+        return _fail(args, f"{type(e).__name__}: {_one_line(str(e))}")
+    except Exception as e:  # noqa: BLE001  # a bug: still one line, and how to get the traceback
+        return _fail(args, f"unexpected {type(e).__name__}: {_one_line(str(e))} "
+                     "(a bug in neuropod or a plugin: run again with --debug and report the traceback)")
+
+
+def _fail(args: argparse.Namespace, message: str) -> int:
+    err = _safe_stream(sys.stderr)
+    if args.debug:
+        traceback.print_exc(file=err)
+    # A NeuropodError may span lines (a table of candidates); everything else in it is escaped.
+    print(f"neuropod {args.command}: error: {message}", file=err)
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuropod import _json
 from neuropod.backend import Backend, DeviceCaps
 from neuropod.errors import NeuropodError
 
@@ -84,6 +85,7 @@ _HOST_KEYS = ("name", "driver_version", "cuda_driver_version", "gpus", "backends
 _BACKEND_KEYS = ("platform", "version", "framework", "cpu", "cuda", "compute_capabilities")
 _GPU_KEYS = ("index", "name", "uuid", "compute_capability", "memory_total", "memory_free")
 _NOTE_LIMIT = 160
+_MAX_MEMORY = 2**64
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,17 +222,21 @@ def load_host(path: str | os.PathLike[str]) -> Host:
     """Read a host file (format in the module docstring)."""
     file = os.fspath(path)
     try:
-        text = Path(file).read_text(encoding="utf-8")
+        with open(file, encoding="utf-8") as f:
+            # One character past the bound is enough for _json to refuse it (and /dev/zero ends).
+            text = f.read(_json.MAX_BYTES + 1)
     except FileNotFoundError:
-        raise NeuropodError(f"Host file {file!r} does not exist") from None
-    except (OSError, UnicodeError) as exc:
+        raise NeuropodError(f"Host file {_show(file, 200)} does not exist") from None
+    except OSError as exc:
+        raise _bad(file, f"cannot be read: {exc.strerror or exc}") from exc
+    except UnicodeError as exc:
         raise _bad(file, f"cannot be read: {exc}") from exc
     try:
-        data = json.loads(text)
+        data = _json.loads(text)
     except json.JSONDecodeError as exc:
         raise _bad(file, f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except RecursionError:
-        raise _bad(file, "nested too deeply to be a host description") from None
+    except ValueError as exc:  # too deep, too large, or a number beyond int()'s digit limit
+        raise _bad(file, f"not a host description: {exc}") from None
     if not isinstance(data, dict):
         raise _bad(file, f"the top level is {_show(data)} but must be an object")
     _check_keys(file, "the top level", data, _HOST_KEYS)
@@ -330,14 +336,14 @@ def _gib(size: int) -> str:
     return f"{size / _GIB:.1f} GiB"
 
 
-def _show(value: object) -> str:
-    # Bounded so one huge value cannot swamp the error message.
+def _show(value: object, limit: int = 60) -> str:
+    # Bounded so one huge value (or a 5000-character path) cannot swamp the error message.
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _bad(file: str, message: str) -> NeuropodError:
-    return NeuropodError(f"Host file {file!r}: {message}")
+    return NeuropodError(f"Host file {_show(file, 200)}: {message}")
 
 
 def _field(file: str, field: str, value: object, expected: str) -> NeuropodError:
@@ -401,11 +407,12 @@ def _compute_capability(file: str, field: str, value: object) -> str:
 
 
 def _memory(file: str, field: str, value: object) -> int:
+    size: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise _field(file, field, value, "a non-negative number of bytes")
-        return value
-    if isinstance(value, str):
+        size = value
+    elif isinstance(value, str):
         match = _MEMORY_RE.fullmatch(value)
         unit = _UNITS.get(match[2].lower()) if match is not None else None
         if match is not None and unit is not None:
@@ -413,8 +420,13 @@ def _memory(file: str, field: str, value: object) -> int:
             whole, _, fraction = number.partition(".")
             # Integer arithmetic keeps "1.5TiB" exact; a fraction of a byte is dropped.
             scale: int = 10 ** len(fraction)
-            return int(whole + fraction) * unit // scale
-    raise _field(file, field, value, 'bytes or a size like "80GiB", "80 GB" or "512MiB"')
+            size = int(whole + fraction) * unit // scale
+    if size is None:
+        raise _field(file, field, value, 'bytes or a size like "80GiB", "80 GB" or "512MiB"')
+    # Sizes are shown as GiB floats; a 400-digit size would overflow them far from here.
+    if size > _MAX_MEMORY:
+        raise _field(file, field, value, f"at most {_MAX_MEMORY:,} bytes (16 EiB)")
+    return size
 
 
 __all__ = ["GPU", "Host", "load_host", "local_host", "parse_device", "read_nvml"]

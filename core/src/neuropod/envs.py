@@ -62,13 +62,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import unquote, urlparse
 
-from neuropod import __version__
+from neuropod import __version__, _json
 from neuropod.backend import Backend, DeviceCaps, backend_record
 from neuropod.errors import NeuropodError
 
@@ -189,37 +190,60 @@ class Environment:
 
 def _backend_from_dict(raw: Any, location: str) -> tuple[Backend, DeviceCaps]:
     if not isinstance(raw, dict):
-        raise ValueError(f"a backend entry is {raw!r}, not an object")
+        raise ValueError(f"a backend entry is {_show(raw)}, not an object")
     for key in ("platform", "version", "framework"):
         if not isinstance(raw.get(key), str) or not raw[key]:
-            raise ValueError(f"a backend entry has no {key!r}: {raw!r}")
+            raise ValueError(f"a backend entry has no {key!r}: {_show(raw)}")
+    for key in ("plugin", "plugin_distribution", "cuda"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise ValueError(f"a backend entry's {key!r} is {_show(raw[key])}, not a string")
+    cpu = raw.get("cpu", True)
+    if not isinstance(cpu, bool):
+        raise ValueError(f"a backend entry's 'cpu' is {_show(cpu)}, not true or false")
+    ccs = raw.get("compute_capabilities") or []
+    if not isinstance(ccs, list) or not all(isinstance(cc, str) for cc in ccs):
+        raise ValueError(f"a backend entry's 'compute_capabilities' is {_show(ccs)}, not a list of strings")
     backend = Backend(
         platform=raw["platform"],
         version=raw["version"],
         framework=raw["framework"],
-        plugin=str(raw.get("plugin") or raw["platform"]),
-        plugin_distribution=str(raw.get("plugin_distribution") or ""),
+        plugin=raw.get("plugin") or raw["platform"],
+        plugin_distribution=raw.get("plugin_distribution") or "",
         location=location,
     )
-    cuda = raw.get("cuda")
-    caps = DeviceCaps(
-        cpu=bool(raw.get("cpu", True)),
-        cuda=str(cuda) if cuda is not None else None,
-        compute_capabilities=tuple(str(x) for x in raw.get("compute_capabilities") or ()),
-    )
-    return backend, caps
+    return backend, DeviceCaps(cpu=cpu, cuda=raw.get("cuda"), compute_capabilities=tuple(ccs))
+
+
+def _show(value: object) -> str:
+    # Bounded: a record is the user's file, but one huge value should not swamp `neuropod env list`.
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _read(path: Path) -> Environment:
     """The environment in one directory; a problem is recorded, never raised."""
+    try:
+        return _read_record(path)
+    except (OSError, ValueError, TypeError) as e:  # e.g. a directory we may not look into
+        return Environment(
+            path.name, path, _env_python(path), "",
+            problem=f"cannot be read: {e}; remove it with: neuropod env remove {path.name}",
+        )
+
+
+def _read_record(path: Path) -> Environment:
     name = path.name
     python = _env_python(path)
     env_file = path / ENV_FILE
     try:
-        data = json.loads(env_file.read_text(encoding="utf-8"))
+        with open(env_file, encoding="utf-8") as f:
+            data = _json.loads(f.read(_json.MAX_BYTES + 1))  # bounded: the record could be a link to /dev/zero
         if not isinstance(data, dict):
             raise ValueError("the top level is not an object")
-        backends = tuple(_backend_from_dict(raw, LOCATION_PREFIX + name) for raw in data.get("backends") or [])
+        raw_backends = data.get("backends") or []
+        if not isinstance(raw_backends, list):
+            raise ValueError(f"'backends' is {_show(raw_backends)}, not a list")
+        backends = tuple(_backend_from_dict(raw, LOCATION_PREFIX + name) for raw in raw_backends)
     except FileNotFoundError:
         return Environment(
             name, path, python, "",
@@ -263,8 +287,16 @@ def _entries() -> Iterator[Path]:
         children = sorted(root.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return
+    except OSError as e:
+        # Loading a model must not fail because the environments cannot be listed; say so once.
+        warnings.warn(f"The backend environments in {root} cannot be listed ({e}); none are used", stacklevel=3)
+        return
     for child in children:
-        if not child.name.startswith(".") and child.is_dir():
+        try:
+            is_dir = child.is_dir()
+        except OSError:
+            is_dir = True  # listed, and _read says what is wrong with it
+        if not child.name.startswith(".") and is_dir:
             yield child
 
 
@@ -357,7 +389,7 @@ def _direct_path(text: str | None) -> str | None:
     if not text:
         return None
     try:
-        data = json.loads(text)
+        data = _json.loads(text)
     except ValueError:
         return None
     if not isinstance(data, dict) or not ("dir_info" in data or "archive_info" in data):
@@ -547,7 +579,7 @@ def create_environment(
             what=f"Listing the backends of the new environment ({env_python} -m neuropod backends --json)",
         )
         try:
-            listed = json.loads(report)
+            listed = _json.loads(report)
             raw_backends = [b for b in listed["backends"] if isinstance(b, dict)]
         except (ValueError, KeyError, TypeError) as e:
             raise NeuropodError(f"`neuropod backends --json` in the new environment printed no backend list: {e}") from e

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import shutil
 import sys
@@ -16,10 +18,10 @@ import numpy as np
 
 from neuropod import plugins
 from neuropod.backend import Backend
-from neuropod.devices import Host, load_host, local_host
+from neuropod.devices import Host, load_host, local_host, parse_device
 from neuropod.errors import BackendError, NeuropodError, PackageError
 from neuropod.package import Package, read_package
-from neuropod.resolve import Resolution, resolve
+from neuropod.resolve import Resolution, parse_backend_pin, resolve
 from neuropod.spec import SpecValidator, TensorSpec
 
 
@@ -76,17 +78,19 @@ class NeuropodModel:
         :param inputs: input name to numpy array. Arrays may be
             non-contiguous; string tensors are numpy unicode arrays or object
             arrays of ``str``.
-        :param requested_outputs: output names to return; all when None.
+        :param requested_outputs: output names to return (a list; a single
+            str is one name); all when None.
         :returns: output name to numpy array.
+        :raises TypeError: ``requested_outputs`` is not a list of str.
         :raises SpecError: an input or output does not fit the spec.
         :raises BackendError: the framework failed; its exception is chained.
         """
         if self._closed:
             raise NeuropodError(f"Model {self.name!r} is closed")
         validator = self._validator
-        checked, bindings = validator.check_inputs(inputs)
         if requested_outputs is not None:
             requested_outputs = validator.check_requested(requested_outputs)
+        checked, bindings = validator.check_inputs(inputs)
         try:
             if len(self._infer_args) == 3:
                 outputs = self._infer(self._handle, checked, requested_outputs)
@@ -148,6 +152,64 @@ def _host(host: Host | str | os.PathLike[str] | None) -> Host:
     return load_host(host)
 
 
+# --- argument checks: wrong types and values fail before any file is read ---
+
+
+def _check_path(name: str, value: object, *, package_ok: bool) -> None:
+    if isinstance(value, (str, os.PathLike)) or (package_ok and isinstance(value, Package)):
+        return
+    expected = "a path (str or os.PathLike)" + (" or a Package" if package_ok else "")
+    raise TypeError(f"{name} must be {expected}, not {type(value).__name__} {value!r:.60}")
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r:.60}")
+
+
+def _check_resolution_args(device: object, backend: object, host: object = None) -> None:
+    """``device``, ``backend`` and ``host`` as :func:`plan` and :func:`load_neuropod` take them."""
+    if device is not None:
+        if not isinstance(device, str):
+            raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', or None, not {type(device).__name__} {device!r:.60}")
+        parse_device(device)  # an unknown device is a NeuropodError naming the accepted forms
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise TypeError(
+                f"backend must be a str such as 'onnx' or 'onnx==1.31.1', or None, not {type(backend).__name__} {backend!r:.60}"
+            )
+        parse_backend_pin(backend)
+    if host is not None and not isinstance(host, Host):
+        _check_path("host", host, package_ok=False)
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, not {type(value).__name__} {value!r:.60}")
+    # Beyond threading.TIMEOUT_MAX (~292 years) waits raise OverflowError deep in the standard library.
+    seconds = float(value)
+    if not (math.isfinite(seconds) and 0 < seconds <= threading.TIMEOUT_MAX):
+        raise ValueError(
+            f"{name} must be a positive, finite number of seconds (None waits as long as it takes), not {value!r}"
+        )
+
+
+def _check_workers(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"workers must be an int >= 1, not {type(value).__name__} {value!r:.60}")
+    if int(value) < 1:
+        raise ValueError(f"workers must be at least 1, not {value}")
+
+
+def _check_tolerance(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__} {value!r:.60}")
+    if not (math.isfinite(float(value)) and float(value) >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+
+
 def plan(
     package: Package | str | os.PathLike[str],
     *,
@@ -165,6 +227,8 @@ def plan(
     """
     from neuropod.envs import environment_backends
 
+    _check_path("package", package, package_ok=True)
+    _check_resolution_args(device, backend, host)
     pkg = package if isinstance(package, Package) else read_package(package)
     target = _host(host)
     if target.backends:  # a described machine with its own software
@@ -207,10 +271,14 @@ def load_neuropod(
         killing it (None: wait as long as it runs).
     :param load_options: passed to the backend's ``load_model`` hook
         (for example thread counts); backends reject options they do not know.
+    :raises TypeError, ValueError: an argument of the wrong type or value
+        (raised before the package is read).
     :raises PackageError: the package is missing, malformed or changed.
     :raises NoBackendError: nothing here can run it; the message has the table.
     :raises BackendError: the framework failed to load the model.
     """
+    _check_load_args(neuropod_path, device=device, backend=backend, verify=verify, use_ope=use_ope,
+                     workers=workers, restart=restart, timeout=timeout)  # fmt: skip
     package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)
     resolution = plan(package, device=device, backend=backend)
     chosen = resolution.raise_if_unresolved()
@@ -229,6 +297,21 @@ def load_neuropod(
     if handle is None:
         raise BackendError(f"Plugin {chosen.backend.plugin!r} did not load model {package.name!r}")
     return NeuropodModel(package, resolution, handle)
+
+
+_LOAD_ARGS = ("device", "backend", "use_ope", "workers", "restart", "timeout")
+
+
+def _check_load_args(
+    neuropod_path: object, *, device: object = None, backend: object = None, verify: object = True,
+    use_ope: object = False, workers: object = 1, restart: object = False, timeout: object = None,
+) -> None:  # fmt: skip
+    _check_path("neuropod_path", neuropod_path, package_ok=True)
+    _check_resolution_args(device, backend)
+    for name, flag in (("verify", verify), ("use_ope", use_ope), ("restart", restart)):
+        _check_flag(name, flag)
+    _check_workers(workers)
+    _check_seconds("timeout", timeout)
 
 
 def _load_in_workers(
@@ -304,6 +387,10 @@ def run_test_data(
     """Load a package (a path, or a :class:`Package` already read), run its bundled test inputs and
     compare with the expected outputs."""
     verify = load_kwargs.pop("verify", True)
+    _check_flag("trust_pickle", trust_pickle)
+    _check_tolerance("rtol", rtol)
+    _check_tolerance("atol", atol)
+    _check_load_args(neuropod_path, verify=verify, **{k: v for k, v in load_kwargs.items() if k in _LOAD_ARGS})
     package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)
     # Read the test data first: a refused pickle should not wait for a backend.
     inputs, expected = package.test_data(trust_pickle=trust_pickle)

@@ -221,6 +221,8 @@ def _describe_gpu(gpu: GPU) -> str:
 
 def parse_backend_pin(pin: str) -> tuple[str, str | None]:
     """``"onnx==1.31.1"`` -> ("onnx", "==1.31.1"); ``"onnx"`` -> ("onnx", None); any range after the name."""
+    if not isinstance(pin, str):
+        raise TypeError(f"backend must be a str such as 'onnx' or 'onnx==1.31.1', not {type(pin).__name__} {pin!r:.60}")
     pin = pin.strip()
     for i, ch in enumerate(pin):
         if ch in "=<>!~^ ":

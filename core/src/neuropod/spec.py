@@ -13,6 +13,7 @@ has failed.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,14 @@ DTYPES: dict[str, np.dtype[Any] | None] = {
 
 Dim = int | str | None
 
+#: The longest tensor name, in UTF-8 bytes: a file name's limit on common file systems.
+MAX_NAME_BYTES = 255
+#: The rule :func:`tensor_name_problem` enforces, for error messages.
+NAME_RULE = (
+    "tensor names become file names (neuropod infer --output-dir, test data), so a name must be non-empty, "
+    f"at most {MAX_NAME_BYTES} UTF-8 bytes, not '.' or '..', and hold no '/', '\\', NUL or other control character"
+)
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -62,6 +71,28 @@ class TensorSpec:
         return f"{self.name}: {self.dtype} {self.describe_shape()}"
 
 
+def tensor_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a tensor, or None when it can (the rule is :data:`NAME_RULE`)."""
+    if not isinstance(name, str):
+        return f"it is {_kind(name)}, not a string"
+    if not name:
+        return "it is empty"
+    if name in (".", ".."):
+        return f"{name!r} names a directory"
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "it is not valid Unicode (it holds a lone surrogate)"
+    if size > MAX_NAME_BYTES:
+        return f"it is {size} UTF-8 bytes long"
+    for ch in name:
+        if ch in "/\\":
+            return f"it holds {ch!r}"
+        if unicodedata.category(ch) == "Cc":
+            return f"it holds the control character {ch!r}"
+    return None
+
+
 def parse_spec(entries: Any, where: str) -> tuple[TensorSpec, ...]:
     """Read a list of spec entries (from a config or a packager call).
 
@@ -75,7 +106,11 @@ def parse_spec(entries: Any, where: str) -> tuple[TensorSpec, ...]:
     specs: list[TensorSpec] = []
     seen: set[str] = set()
     for i, entry in enumerate(entries):
-        spec = entry if isinstance(entry, TensorSpec) else _parse_entry(entry, f"{where}[{i}]")
+        if isinstance(entry, TensorSpec):
+            _check_name(entry.name, f"{where}[{i}]")
+            spec = entry
+        else:
+            spec = _parse_entry(entry, f"{where}[{i}]")
         if spec.name in seen:
             raise PackageError(f"{where}[{i}]: tensor name {spec.name!r} appears twice; names must be unique")
         seen.add(spec.name)
@@ -94,7 +129,8 @@ def _parse_entry(entry: Any, where: str) -> TensorSpec:
             raise PackageError(f"{where} is missing {field!r}")
     name, dtype, shape = entry["name"], entry["dtype"], entry["shape"]
     if not isinstance(name, str) or not name:
-        raise PackageError(f"{where}.name must be a non-empty string, not {name!r}")
+        raise PackageError(f"{where}.name must be a non-empty string, not {_show(name)}")
+    _check_name(name, where)
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise PackageError(f"{where} ({name!r}): dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if not isinstance(shape, (list, tuple)):
@@ -115,6 +151,18 @@ def _parse_entry(entry: Any, where: str) -> TensorSpec:
             )
         dims.append(dim)
     return TensorSpec(name, dtype, tuple(dims))
+
+
+def _check_name(name: str, where: str) -> None:
+    problem = tensor_name_problem(name)
+    if problem is not None:
+        raise PackageError(f"{where}.name {_show(name)} is not a valid tensor name: {problem}; {NAME_RULE}")
+
+
+def _show(value: object) -> str:
+    # Bounded, so a 100 kB name does not become a 100 kB message.
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _kind(value: Any) -> str:
@@ -206,8 +254,25 @@ class SpecValidator:
                 )
 
     def check_requested(self, requested: Iterable[str]) -> list[str]:
-        """Check that every requested output name is in the output spec."""
-        names = list(requested) if not isinstance(requested, str) else [requested]
+        """Check that every requested output name is in the output spec.
+
+        A single ``str`` is one name (never split into characters).
+
+        :raises TypeError: ``requested`` is not a str or an iterable of str.
+        :raises SpecError: a name is not in the output spec.
+        """
+        if isinstance(requested, str):
+            names = [requested]
+        elif isinstance(requested, (bytes, bytearray, Mapping)) or not isinstance(requested, Iterable):
+            raise TypeError(
+                f"requested_outputs must be a list of output names (str), not {_kind(requested)}: "
+                f"write e.g. requested_outputs=[{next(iter(self._outputs), 'name')!r}]"
+            )
+        else:
+            names = list(requested)
+            for n in names:
+                if not isinstance(n, str):
+                    raise TypeError(f"requested_outputs must hold output names (str), but holds {_kind(n)} {_show(n)}")
         unknown = [n for n in names if n not in self._outputs]
         if unknown:
             raise SpecError(
@@ -277,4 +342,14 @@ def to_string_array(values: Any) -> np.ndarray:
     return np.array(flat, dtype=str).reshape(arr.shape) if flat else np.zeros(arr.shape, dtype="<U1")
 
 
-__all__ = ["DTYPES", "Dim", "SpecValidator", "TensorSpec", "parse_spec", "to_string_array"]
+__all__ = [
+    "DTYPES",
+    "MAX_NAME_BYTES",
+    "NAME_RULE",
+    "Dim",
+    "SpecValidator",
+    "TensorSpec",
+    "parse_spec",
+    "tensor_name_problem",
+    "to_string_array",
+]

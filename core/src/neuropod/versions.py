@@ -218,6 +218,8 @@ class VersionRange:
     def __contains__(self, version: str | Version) -> bool:
         if isinstance(version, str):
             version = normalize_version(version)
+        elif not isinstance(version, Version):
+            raise TypeError(f"a version is a str such as '2.13.0', not {type(version).__name__} {version!r:.60}")
         return any(alt.contains(version) for alt in self._alternatives)
 
     def __str__(self) -> str:
@@ -403,5 +405,15 @@ def parse_range(range_: str) -> VersionRange:
 
 
 def satisfies(version: str, range_: str) -> bool:
-    """Whether installed ``version`` (PEP 440) lies inside ``range_``."""
+    """Whether installed ``version`` (PEP 440) lies inside ``range_``.
+
+    :raises TypeError: ``version`` or ``range_`` is not a string.
+    :raises VersionRangeError: either is not a valid version or range.
+    """
+    if not isinstance(version, (str, Version)):
+        raise TypeError(
+            f"satisfies(): version must be a str such as '2.13.0', not {type(version).__name__} {version!r:.60}"
+        )
+    if not isinstance(range_, str):
+        raise TypeError(f"satisfies(): range_ must be a str such as '^2.13.0', not {type(range_).__name__} {range_!r:.60}")
     return version in parse_range(range_)
