@@ -21,30 +21,55 @@ Packages we write add, without breaking that layout:
   without pickle. The original's ``test_data.pkl`` is read only when the
   caller says it trusts the package, because unpickling runs code.
 
+What a package may contain: regular files and directories only. A symbolic
+link, FIFO, device or socket anywhere in a directory package is refused with
+a ``PackageError`` naming it, before any file is opened (a FIFO would block
+the hash forever, a link to ``/dev/zero`` never end it); links are refused
+even when they point inside the package, as they are in zips, so that what is
+hashed, zipped and loaded is one set of bytes. Files are opened with
+``O_NOFOLLOW | O_NONBLOCK`` and checked again after opening, so a file
+swapped for a FIFO after the check is refused too.
+
 Zip packages are written deterministically (sorted members, fixed times and
-permissions), so the same model gives the same bytes. They are extracted
-once into a cache keyed by the zip's content hash, refusing absolute paths,
-``..``, links and more than a size bound of uncompressed data.
+permissions), so the same model gives the same bytes, under a temporary name
+unique to the writer and moved into place only when complete. They are
+extracted once into a cache keyed by the zip's content hash
+(:mod:`neuropod.cache` says what the cache trusts and how an entry is
+checked), refusing absolute paths, ``..``, links, duplicate names, encrypted
+members, more than ``NEUROPOD_MAX_PACKAGE_BYTES`` (default 32 GiB) of
+uncompressed data and more than ``NEUROPOD_MAX_PACKAGE_FILES`` (default
+100000) members. A damaged member is a ``PackageError`` naming the zip and
+the member. Loading a zip that is in the cache reads the zip once to hash it
+and stats the extracted files: they are not read again, and the manifest is
+checked against the hashes taken when they were extracted.
+
+The JSON files of a package are read with bounded depth and size
+(:mod:`neuropod._json`): a config nested 100000 deep is a ``PackageError``,
+never a ``RecursionError`` that breaks the next load. ``manifest_version`` 1
+is the only version this neuropod reads.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import io
 import json
 import os
 import pickle
+import secrets
 import shutil
 import stat
 import tempfile
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
+from neuropod import _json, cache
+from neuropod.cache import DEFAULT_MAX_PACKAGE_BYTES, DEFAULT_MAX_PACKAGE_FILES, cache_dir, verify_cache
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.spec import TensorSpec, parse_spec, to_string_array
 from neuropod.versions import parse_range
@@ -55,10 +80,6 @@ MANIFEST = "manifest.json"
 TEST_INPUTS = "test_data/inputs.npz"
 TEST_EXPECTED = "test_data/expected.npz"
 LEGACY_TEST_DATA = "test_data.pkl"
-
-#: Default bound on a zip package's uncompressed size (override with
-#: ``NEUROPOD_MAX_PACKAGE_BYTES``); a guard against zip bombs, not a quota.
-DEFAULT_MAX_PACKAGE_BYTES = 32 * 2**30
 
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 _KNOWN_KEYS = {
@@ -135,10 +156,15 @@ def parse_config(data: Any, where: str) -> ModelConfig:
         parse_range(semver)
     except NeuropodError as e:
         raise PackageError(f"{where}: platform_version_semver: {e}") from None
-    custom_ops = data.get("custom_ops") or []
+    # Only a missing or null field means "none": `or []` would let "", 0 or {} through.
+    custom_ops = data.get("custom_ops")
+    if custom_ops is None:
+        custom_ops = []
     if not isinstance(custom_ops, list) or not all(isinstance(o, str) and _is_plain_name(o) for o in custom_ops):
         raise PackageError(f"{where}: 'custom_ops' must be a list of file names in 0/ops/, not {custom_ops!r}")
-    devices = data.get("input_tensor_device") or {}
+    devices = data.get("input_tensor_device")
+    if devices is None:
+        devices = {}
     if not isinstance(devices, dict) or not all(isinstance(v, str) for v in devices.values()):
         raise PackageError(f"{where}: 'input_tensor_device' must map input names to \"CPU\" or \"GPU\"")
     for key in ("exported_with", "device_requirements"):
@@ -162,19 +188,30 @@ def _is_plain_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
 
 
-def _read_json(path: Path, what: str) -> Any:
+def _read_json(path: Path, what: str, shown: Path | None = None) -> Any:
+    """Read a package's JSON file, bounded; ``shown`` is how messages name it (a path in a zip)."""
+    if shown is not None:
+        try:
+            return _read_json(path, what)
+        except PackageError as e:
+            raise PackageError(str(e).replace(str(path), str(shown))) from None
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PackageError(f"{what} not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
+        with cache.open_regular(path) as f:
+            raw = f.read(_json.MAX_BYTES + 1)
+    except PackageError as e:
         raise PackageError(f"Cannot read {what} {path}: {e}") from None
+    except OSError as e:
+        raise PackageError(f"Cannot read {what} {path}: {e.strerror}") from None
     try:
-        return json.loads(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PackageError(f"Cannot read {what} {path}: it is not UTF-8 ({e})") from None
+    try:
+        return _json.loads(text)
     except json.JSONDecodeError as e:
         raise PackageError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
-    except (ValueError, RecursionError) as e:  # an over-long integer, or nesting too deep to decode
-        raise PackageError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
+    except ValueError as e:  # too deep, too large, or an integer too long to convert
+        raise PackageError(f"{path} is not valid JSON: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -210,7 +247,10 @@ class Package:
         return [self.root / "0" / "ops" / op for op in self.config.custom_ops]
 
     def files(self) -> list[str]:
-        """Every file of the package, as sorted POSIX relative paths."""
+        """Every file of the package, as sorted POSIX relative paths.
+
+        :raises PackageError: the package now holds a link, FIFO or device.
+        """
         return _list_files(self.root)
 
     @property
@@ -241,82 +281,133 @@ class Package:
         raise PackageError(f"Package {self.source} has no bundled test data ({TEST_INPUTS})")
 
 
-def read_package(path: str | os.PathLike[str], *, verify: bool = True, max_bytes: int | None = None) -> Package:
+def read_package(
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    max_bytes: int | None = None,
+    max_files: int | None = None,
+) -> Package:
     """Open a package directory or zip and check it.
 
     :param path: a package directory, or a ``.zip`` of one.
     :param verify: check the files against ``manifest.json``.
     :param max_bytes: bound on a zip's uncompressed size (default
         ``NEUROPOD_MAX_PACKAGE_BYTES`` or 32 GiB).
+    :param max_files: bound on a zip's member count (default
+        ``NEUROPOD_MAX_PACKAGE_FILES`` or 100000).
     :raises PackageError: the package is missing, malformed, unsafe or changed.
+    :raises TypeError, ValueError: ``max_bytes`` or ``max_files`` is not a positive int.
     """
+    cache.check_limit_argument("max_bytes", max_bytes)
+    cache.check_limit_argument("max_files", max_files)
     source = Path(path)
-    if source.is_dir():
-        root = source
-    elif source.is_file():
-        root = extract_zip(source, max_bytes=max_bytes)
-    else:
-        raise PackageError(f"No Neuropod package at {source}: no such file or directory")
-    config_path = root / CONFIG
-    if not config_path.is_file():
+    try:
+        mode = os.stat(source).st_mode  # the package path itself may be a link (e.g. "current" -> "v3")
+    except (FileNotFoundError, NotADirectoryError):
+        raise PackageError(f"No Neuropod package at {source}: no such file or directory") from None
+    except OSError as e:
+        raise PackageError(f"Cannot read the package at {source}: {e.strerror}") from None
+    if stat.S_ISDIR(mode):
+        return _read_tree(source, source, None, verify, source)
+    if not stat.S_ISREG(mode):
+        raise PackageError(f"{source} is {cache.file_kind(mode)}, not a package directory or zip file")
+
+    def check(extracted: Path, records: Mapping[str, cache.FileRecord]) -> None:
+        # A zip that is not a sound package never enters the cache.
+        root, hashes = _zip_root(extracted, records, source)
+        _read_tree(root, source, hashes, verify, source / root.relative_to(extracted))
+
+    entry = cache.extract(
+        source,
+        max_bytes=cache.max_package_bytes() if max_bytes is None else max_bytes,
+        max_files=cache.max_package_files() if max_files is None else max_files,
+        check=check,
+    )
+    root, hashes = _zip_root(entry.path, entry.files, source)
+    return _read_tree(root, source, hashes, verify, source / root.relative_to(entry.path))
+
+
+def _read_tree(root: Path, source: Path, hashes: Mapping[str, str] | None, verify: bool, shown: Path) -> Package:
+    """Read and check the package whose files are under ``root``.
+
+    :param hashes: the sha256 of every file, known from extraction (a zip);
+        None for a directory, which is scanned and hashed here.
+    :param shown: how messages name ``root``: itself, or the zip (and folder in it).
+    """
+    files: Collection[str] = cache.scan_tree(root) if hashes is None else hashes
+    if CONFIG not in files:
         raise PackageError(f"{source} is not a Neuropod package: it has no {CONFIG}")
-    config = parse_config(_read_json(config_path, "config"), str(config_path))
-    manifest = _read_manifest(root)
+    config = parse_config(_read_json(root / CONFIG, "config", shown / CONFIG), str(shown / CONFIG))
+    manifest = _read_manifest(root, shown) if MANIFEST in files else None
     if manifest is None and config.exported_with is not None:
         raise PackageError(f"{source}: {MANIFEST} is missing, but the package was written with one")
     if manifest is not None and verify:
-        _verify_manifest(root, manifest, source)
+        _verify_manifest(root, manifest, source, files, hashes)
     backend_config: Any = {}
-    backend_config_path = root / "0" / CONFIG
-    if backend_config_path.is_file():
-        backend_config = _read_json(backend_config_path, "backend config")
+    if f"0/{CONFIG}" in files:
+        backend_config = _read_json(root / "0" / CONFIG, "backend config", shown / "0" / CONFIG)
         if not isinstance(backend_config, dict):
-            raise PackageError(f"{backend_config_path}: the top level must be a JSON object")
+            raise PackageError(f"{shown / '0' / CONFIG}: the top level must be a JSON object")
     return Package(root=root, config=config, source=source, manifest=manifest, backend_config=backend_config)
+
+
+def _zip_root(extracted: Path, records: Mapping[str, cache.FileRecord], source: Path) -> tuple[Path, dict[str, str]]:
+    """The package root inside an extracted zip, and the sha256 of each file by root-relative path."""
+    if CONFIG in records:
+        return extracted, {rel: r.sha256 for rel, r in records.items()}
+    # Some tools zip the folder itself: accept exactly one top-level folder.
+    tops = {rel.split("/", 1)[0] for rel in records}
+    if len(tops) == 1:
+        top = tops.pop()
+        if f"{top}/{CONFIG}" in records:
+            cut = len(top) + 1
+            return extracted / top, {rel[cut:]: r.sha256 for rel, r in records.items()}
+    raise PackageError(f"{source} is not a Neuropod package: the zip has no {CONFIG} at its top level")
 
 
 # --- manifest -------------------------------------------------------------
 
 
 def _list_files(root: Path) -> list[str]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in filenames:
-            files.append(Path(dirpath, name).relative_to(root).as_posix())
-    return sorted(files)
+    return sorted(cache.scan_tree(root))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _read_manifest(root: Path) -> dict[str, str] | None:
-    path = root / MANIFEST
-    if not path.is_file():
-        return None
-    data = _read_json(path, "manifest")
-    if (
-        not isinstance(data, dict)
-        or data.get("manifest_version") != MANIFEST_VERSION
-        or not isinstance(data.get("files"), dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in data["files"].items())
-    ):
+def _read_manifest(root: Path, shown: Path) -> dict[str, str]:
+    path = shown / MANIFEST
+    data = _read_json(root / MANIFEST, "manifest", path)
+    expected = f'{{"manifest_version": {MANIFEST_VERSION}, "files": {{path: sha256}}}}'
+    if not isinstance(data, dict):
+        raise PackageError(f"{path}: expected {expected}, not a JSON {type(data).__name__}")
+    if "manifest_version" not in data:
+        raise PackageError(f"{path}: 'manifest_version' is missing; expected {expected}")
+    version = data["manifest_version"]
+    if type(version) is not int or version != MANIFEST_VERSION:  # `type`: true == 1 and 1.0 == 1 in Python
+        newer = type(version) is int and version > MANIFEST_VERSION
         raise PackageError(
-            f"{path}: expected {{\"manifest_version\": {MANIFEST_VERSION}, \"files\": {{path: sha256}}}}"
+            f"{path}: manifest_version {json.dumps(version)} is not one this neuropod reads: it reads "
+            f"manifest_version {MANIFEST_VERSION} only. "
+            + ("The package was written by a newer neuropod: upgrade neuropod to read it."
+               if newer else "The manifest is damaged: rebuild the package.")
         )
-    return dict(data["files"])
+    files = data.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise PackageError(f"{path}: 'files' must map each package file to its sha256; expected {expected}")
+    return dict(files)
 
 
-def _verify_manifest(root: Path, manifest: Mapping[str, str], source: Path) -> None:
-    present = {f for f in _list_files(root) if f != MANIFEST}
+def _verify_manifest(
+    root: Path, manifest: Mapping[str, str], source: Path, files: Collection[str], hashes: Mapping[str, str] | None
+) -> None:
+    present = set(files) - {MANIFEST}
     missing = sorted(set(manifest) - present)
     extra = sorted(present - set(manifest))
-    changed = sorted(f for f in set(manifest) & present if _sha256(root / f) != manifest[f])
+
+    def digest(rel: str) -> str:
+        # An extracted zip's hashes were taken from the zip's bytes as they were written.
+        return hashes[rel] if hashes is not None else cache.sha256_file(root / rel)
+
+    changed = sorted(f for f in set(manifest) & present if digest(f) != manifest[f])
     problems = []
     if changed:
         problems.append("changed: " + ", ".join(changed))
@@ -335,7 +426,7 @@ def make_manifest(root: Path) -> dict[str, Any]:
     """The manifest of every file under ``root`` except the manifest itself."""
     return {
         "manifest_version": MANIFEST_VERSION,
-        "files": {f: _sha256(root / f) for f in _list_files(root) if f != MANIFEST},
+        "files": {f: cache.sha256_file(root / f) for f in _list_files(root) if f != MANIFEST},
     }
 
 
@@ -350,23 +441,53 @@ def _write_npz(path: Path, tensors: Mapping[str, Any]) -> None:
         for name in sorted(tensors):
             arr = np.asarray(tensors[name])
             if arr.dtype.kind in "OS":
-                arr = to_string_array(arr)
+                arr = _string_test_tensor(name, arr, path)
             buf = io.BytesIO()
             np.lib.format.write_array(buf, np.ascontiguousarray(arr), allow_pickle=False)
             zf.writestr(_zip_info(f"{name}.npy"), buf.getvalue())
 
 
+def _string_test_tensor(name: str, arr: np.ndarray, path: Path) -> np.ndarray:
+    """A string test tensor as numpy unicode, refusing what that cannot hold exactly.
+
+    Test data stays plain ``.npz`` that ``numpy.load`` reads without pickle,
+    and numpy's only such string dtype is fixed-width unicode, padded with
+    NULs: it keeps a NUL inside a string but cannot hold a trailing one
+    ("c\\0" reads back as "c"). Storing strings some other way would make
+    test data that numpy and older neuropods misread without a word, so a
+    string that would not come back byte for byte is refused instead.
+    (A unicode or bytes array given by the caller has lost its trailing NULs
+    already, in numpy; only object arrays can still hold them.)
+    """
+    for index, value in np.ndenumerate(arr):
+        where = f"Test tensor {name!r} for {path.name}, element {list(index)}"
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PackageError(f"{where} is bytes that are not UTF-8 text ({e}); string tensors hold text") from None
+        if isinstance(value, str) and value.endswith("\0"):
+            raise PackageError(
+                f"{where} ends with a NUL character, which .npz test data cannot store (numpy pads strings "
+                "with NULs and drops trailing ones). Leave that element out of the bundled test data, or end it "
+                "with another character."
+            )
+    return to_string_array(arr)
+
+
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as data:
+        with cache.open_regular(path) as f, np.load(f, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as e:
-        raise PackageError(f"Cannot read test data {path}: {e}") from None
+    except PackageError as e:
+        raise PackageError(f"Cannot read test data: {e}") from None
+    except cache.ZIP_READ_ERRORS as e:  # a damaged member surfaces as zlib.error, EOFError, ...
+        raise PackageError(f"Cannot read test data {path}: {type(e).__name__}: {e}") from None
 
 
 def _read_legacy_pickle(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
     try:
-        with open(path, "rb") as f:
+        with cache.open_regular(path) as f:
             # Neuropod 0.3 wrote these from Python 2: latin1 restores numpy's buffers.
             data = pickle.load(f, encoding="latin1")  # noqa: S301 - the caller said it trusts the package
     except Exception as e:  # anything can fail inside an unpickler
@@ -449,8 +570,8 @@ def write_package(
     dest = Path(neuropod_path)
     # Check the config as a reader will see it before writing anything.
     config = parse_config(json.loads(json.dumps(config.to_dict())), f"config of {dest}")
-    if dest.exists():
-        raise PackageError(f"{dest} already exists; choose a new path or remove it first")
+    if os.path.lexists(dest):
+        raise _exists(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".neuropod-", dir=dest.parent))
     try:
@@ -475,14 +596,23 @@ def write_package(
                 _write_npz(staging / TEST_EXPECTED, test_expected_out)
         _write_text(staging / MANIFEST, json.dumps(make_manifest(staging), indent=2, sort_keys=True) + "\n")
         if package_as_zip:
-            write_zip(staging, dest)
+            _write_zip(staging, dest, replace=False)
         else:
             staging.chmod(0o755)  # mkdtemp made it private; a package is meant to be shared
-            staging.rename(dest)
+            try:
+                staging.rename(dest)
+            except OSError as e:  # another writer got there first: its package is complete, leave it
+                if os.path.lexists(dest):
+                    raise _exists(dest) from None
+                raise PackageError(f"Cannot write package {dest}: {e.strerror}") from None
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def _exists(dest: Path) -> PackageError:
+    return PackageError(f"{dest} already exists; choose a new path or remove it first")
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -501,11 +631,23 @@ def _copy_into(root: Path, rel: str, src: FileSource) -> None:
         return
     src_path = Path(src)
     if src_path.is_dir():
-        shutil.copytree(src_path, target, symlinks=False)
-    elif src_path.is_file():
-        shutil.copyfile(src_path, target)
+        shutil.copytree(src_path, target, symlinks=False, copy_function=_copy_regular)
+    elif os.path.lexists(src_path):
+        _copy_regular(str(src_path), str(target))
     else:
         raise PackageError(f"Cannot package {src_path}: no such file or directory")
+
+
+def _copy_regular(src: str, dst: str) -> None:
+    # Links are followed (a source tree may be built from them), but what they
+    # lead to must be a file: copying a FIFO or /dev/zero would never end.
+    try:
+        mode = os.stat(src).st_mode
+    except OSError as e:
+        raise PackageError(f"Cannot package {src}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise PackageError(f"Cannot package {src}: it is {cache.file_kind(mode)}, not a regular file")
+    shutil.copyfile(src, dst)
 
 
 def _zip_info(name: str) -> zipfile.ZipInfo:
@@ -517,126 +659,88 @@ def _zip_info(name: str) -> zipfile.ZipInfo:
 
 
 def write_zip(root: Path, dest: Path) -> None:
-    """Zip a package directory deterministically: same files, same bytes."""
-    tmp = dest.with_name(dest.name + ".partial")
-    try:
-        with zipfile.ZipFile(tmp, "w") as zf:
-            for rel in _list_files(root):
-                with open(root / rel, "rb") as f:
-                    zf.writestr(_zip_info(rel), f.read())
-        tmp.replace(dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Zip a package directory deterministically: same files, same bytes. ``dest`` is replaced."""
+    _write_zip(root, dest, replace=True)
 
 
-# --- safe extraction ------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """Where extracted zip packages live: ``NEUROPOD_CACHE_DIR``, else ``$XDG_CACHE_HOME/neuropod``."""
-    env = os.environ.get("NEUROPOD_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "neuropod"
-
-
-def _max_bytes() -> int:
-    env = os.environ.get("NEUROPOD_MAX_PACKAGE_BYTES")
-    if not env:
-        return DEFAULT_MAX_PACKAGE_BYTES
-    try:
-        return int(env)
-    except ValueError:
-        raise PackageError(f"NEUROPOD_MAX_PACKAGE_BYTES must be a number of bytes, not {env!r}") from None
-
-
-def _safe_members(zf: zipfile.ZipFile, source: Path, max_bytes: int) -> list[tuple[zipfile.ZipInfo, str]]:
-    members = []
-    total = 0
-    for info in zf.infolist():
-        name = info.filename
-        mode = info.external_attr >> 16
-        if stat.S_ISLNK(mode):
-            raise PackageError(f"Zip package {source} holds a link {name!r}; links are not allowed in packages")
-        if "\\" in name or name.startswith("/") or (len(name) > 1 and name[1] == ":"):
-            raise PackageError(f"Zip package {source} holds an absolute or non-POSIX path {name!r}")
-        parts = PurePosixPath(name).parts
-        if ".." in parts:
-            raise PackageError(f"Zip package {source} holds a path that leaves the package: {name!r}")
-        if info.is_dir():
+def _write_zip(root: Path, dest: Path, *, replace: bool) -> None:
+    # A temporary name of our own, not "<dest>.partial": two writers of one
+    # path would write into one file and rename each other's half-zips.
+    while True:
+        tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(6)}.partial")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            break
+        except FileExistsError:
             continue
-        total += info.file_size
-        if total > max_bytes:
-            raise PackageError(
-                f"Zip package {source} unpacks to more than {max_bytes} bytes "
-                "(raise NEUROPOD_MAX_PACKAGE_BYTES if the package is really that large)"
-            )
-        members.append((info, "/".join(p for p in parts if p != ".")))
-    return members
+        except OSError as e:
+            raise PackageError(f"Cannot write {dest}: {e.strerror}") from None
+    try:
+        with open(fd, "wb") as out:
+            with zipfile.ZipFile(out, "w") as zf:
+                for rel in _list_files(root):
+                    with cache.open_regular(root / rel) as f:
+                        zf.writestr(_zip_info(rel), f.read())
+            out.flush()
+            os.fsync(out.fileno())  # complete on disk before it appears under its name
+        if replace:
+            os.replace(tmp, dest)
+        else:
+            _link_new(tmp, dest)
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
 
 
-def extract_zip(source: Path, *, max_bytes: int | None = None) -> Path:
+def _link_new(tmp: Path, dest: Path) -> None:
+    """Give ``tmp`` the name ``dest`` only if nothing has it: the loser of a race gets "already exists"."""
+    try:
+        os.link(tmp, dest)
+        return
+    except FileExistsError:
+        raise _exists(dest) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            raise PackageError(f"Cannot write {dest}: {e.strerror}") from None
+    # A filesystem without hard links: check, then rename (a narrow race remains there).
+    if os.path.lexists(dest):
+        raise _exists(dest)
+    os.replace(tmp, dest)
+
+
+# --- the extraction cache -----------------------------------------------------
+
+
+def extract_zip(source: Path, *, max_bytes: int | None = None, max_files: int | None = None) -> Path:
     """Extract a zip package into the cache, once per content hash.
 
     :returns: the package root inside the cache.
+    :raises PackageError: the zip is unreadable, damaged, unsafe, over a limit
+        or not a package.
     """
-    bound = _max_bytes() if max_bytes is None else max_bytes
-    digest = _sha256(source)
-    packages = cache_dir() / "packages"
-    final = packages / digest[:32]
-    if final.is_dir():
-        return _package_root(final, source)
-    try:
-        packages.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=packages))
-    except OSError as e:
-        raise PackageError(f"Cannot create the package cache at {packages}: {e}") from None
-    try:
-        try:
-            with zipfile.ZipFile(source) as zf:
-                written = 0
-                for info, rel in _safe_members(zf, source, bound):
-                    target = tmp.joinpath(*rel.split("/"))
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    with zf.open(info) as src, open(target, "wb") as dst:
-                        # Headers can lie about sizes: count what really comes out.
-                        for chunk in iter(lambda: src.read(1 << 20), b""):
-                            written += len(chunk)
-                            if written > bound:
-                                raise PackageError(f"Zip package {source} unpacks to more than {bound} bytes")
-                            dst.write(chunk)
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, NotImplementedError, RuntimeError) as e:
-            raise PackageError(f"{source} is not a readable zip package: {e}") from None
-        except OSError as e:  # e.g. members "a" and "a/b", or a member named "."
-            raise PackageError(f"Cannot extract zip package {source}: {e}") from None
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not final.is_dir():  # another process extracted it first otherwise
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return _package_root(final, source)
-
-
-def _package_root(extracted: Path, source: Path) -> Path:
-    if (extracted / CONFIG).is_file():
-        return extracted
-    # Some tools zip the folder itself: accept exactly one top-level folder.
-    children = [p for p in extracted.iterdir()]
-    if len(children) == 1 and (children[0] / CONFIG).is_file():
-        return children[0]
-    raise PackageError(f"{source} is not a Neuropod package: the zip has no {CONFIG} at its top level")
+    cache.check_limit_argument("max_bytes", max_bytes)
+    cache.check_limit_argument("max_files", max_files)
+    source = Path(source)
+    entry = cache.extract(
+        source,
+        max_bytes=cache.max_package_bytes() if max_bytes is None else max_bytes,
+        max_files=cache.max_package_files() if max_files is None else max_files,
+        check=lambda extracted, records: _zip_root(extracted, records, source),
+    )
+    return _zip_root(entry.path, entry.files, source)[0]
 
 
 __all__ = [
+    "DEFAULT_MAX_PACKAGE_BYTES",
+    "DEFAULT_MAX_PACKAGE_FILES",
     "ModelConfig",
     "packager_config",
     "Package",
     "cache_dir",
     "extract_zip",
+    "verify_cache",
     "make_manifest",
     "parse_config",
     "read_package",
