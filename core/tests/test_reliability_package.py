@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from neuropod.errors import PackageError
 from neuropod.package import parse_config, read_package, write_package
@@ -263,6 +265,37 @@ def test_11_truncated_zip(tmp_path: Path, cache: Path) -> None:
     assert _leftovers(cache) == []
 
 
+@pytest.fixture(scope="module")
+def fuzz_zip(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    work = tmp_path_factory.mktemp("fuzz")
+    zpath = write_package(work / "m.zip", _config("fuzzed"), {"0/data/model.bin": bytes(range(256)) * 20,
+                                                               "0/data/notes.txt": b"hello " * 50},
+                          test_input_data={"x": np.arange(4.0), "s": np.array(["a", "bb"])}, package_as_zip=True)
+    return zpath.read_bytes()
+
+
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=8),
+       st.none() | st.floats(0, 1))
+def test_11_damaged_zip_fuzz(tmp_path: Path, cache: Path, fuzz_zip: bytes, flips: list[tuple[float, int]],
+                             cut: float | None) -> None:
+    """Any damage gives a PackageError or, where it missed every byte that matters, the right model."""
+    data = bytearray(fuzz_zip)
+    for where, value in flips:
+        data[int(where * len(data))] = value
+    if cut is not None:
+        data = data[: int(cut * len(data))]
+    zpath = tmp_path / "fuzzed.zip"
+    zpath.write_bytes(bytes(data))
+    try:
+        pkg = read_package(zpath)
+    except PackageError as e:
+        assert str(zpath) in str(e)
+    else:
+        assert (pkg.name, (pkg.data_dir / "model.bin").read_bytes()) == ("fuzzed", bytes(range(256)) * 20)
+    assert [n for n in _leftovers(cache) if n.startswith(".")] == []  # nothing half-made stays in the cache
+
+
 # --- 12. directory packages: regular files only, never a hang ----------------------
 
 _LOAD = """
@@ -363,6 +396,15 @@ def test_13_rejected_zip_leaves_no_files_in_the_cache(tmp_path: Path, cache: Pat
     """A zip that extracts fine but is not a package (no config.json) leaves nothing behind."""
     zpath = _many_files_zip(tmp_path / "not-a-package.zip", 300, with_config=False)
     with pytest.raises(PackageError, match=r"not a Neuropod package"):
+        read_package(zpath)
+    assert [p for p in cache.rglob("*") if p.is_file() and p.parent.name != "locks"] == []
+
+
+def test_13_path_too_deep_is_refused_before_extraction(tmp_path: Path, cache: Path) -> None:
+    zpath = _many_files_zip(tmp_path / "deep.zip", 0)
+    with zipfile.ZipFile(zpath, "a") as zf:
+        zf.writestr("0/data/" + "d/" * 1500 + "f", b"x")  # within PATH_MAX, past the recursion limit
+    with pytest.raises(PackageError, match=r"deep\.zip holds a path 1503 levels deep"):
         read_package(zpath)
     assert [p for p in cache.rglob("*") if p.is_file() and p.parent.name != "locks"] == []
 

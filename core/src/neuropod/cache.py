@@ -82,6 +82,8 @@ _STALE_SECONDS = 3600
 #: Above this many files one ``sync()`` is cheaper than an ``fsync()`` per file.
 _FSYNC_EACH_UP_TO = 256
 _CHUNK = 1 << 20
+#: Deeper than any real package; keeps directory creation and removal, which recurse, far from the stack limit.
+_MAX_DEPTH = 100
 _METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -468,6 +470,11 @@ def _safe_members(zf: zipfile.ZipFile, source: Path, max_bytes: int, max_files: 
         parts = [p for p in PurePosixPath(name).parts if p != "."]
         if ".." in parts:
             raise PackageError(f"Zip package {source} holds a path that leaves the package: {name!r}")
+        if len(parts) > _MAX_DEPTH:
+            raise PackageError(
+                f"Zip package {source} holds a path {len(parts)} levels deep ({name[:80]!r}...); "
+                f"a package path may have at most {_MAX_DEPTH}"
+            )
         rel = "/".join(parts)
         for i in range(1, len(parts)):
             dirs.add("/".join(parts[:i]))
