@@ -116,7 +116,7 @@ def test_1_zip_swapped_during_loads_never_poisons_the_cache(tmp_path: Path, monk
                                 str(target), str(stop)])
     try:
         loads = 0
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
             # A fresh cache each time, so that every load of the swapped path extracts.
             monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / f"cache-{loads}"))
