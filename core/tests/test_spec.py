@@ -651,6 +651,17 @@ def test_to_string_array_rejects_invalid_utf8() -> None:
         to_string_array([b"\xff"])
 
 
+@pytest.mark.parametrize("values", [[b"c\x00", b"d"], ["\x00"], np.array([["a\x00b", "e\x00\x00"]], dtype=object)])
+def test_to_string_array_keeps_trailing_nul_characters(values: Any) -> None:
+    # A numpy unicode array would drop them ("c\x00" -> "c"): such strings come back as object arrays of str.
+    arr = to_string_array(values)
+    expected = [v.decode() if isinstance(v, bytes) else v for v in np.asarray(values, dtype=object).flat]
+    assert arr.ravel().tolist() == expected
+    assert arr.shape == np.asarray(values, dtype=object).shape
+    out, _ = _validator([("s", "string", (None,) * arr.ndim)]).check_inputs({"s": arr})
+    assert out["s"] is arr
+
+
 def test_to_string_array_result_fits_a_string_spec() -> None:
     arr = to_string_array([[b"a", b"b"]])
     out, _ = _validator([("s", "string", (1, 2))]).check_inputs({"s": arr})

@@ -336,10 +336,21 @@ def _fail(spec: TensorSpec, kind: str, model: str, what: str) -> None:
 
 
 def to_string_array(values: Any) -> np.ndarray:
-    """Turn a sequence or array of str (or bytes, decoded as UTF-8) into a numpy unicode array."""
+    """Turn a sequence or array of str (or bytes, decoded as UTF-8) into a string tensor.
+
+    A numpy unicode array, or an object array of str when an element ends
+    with a NUL character: numpy's unicode dtype pads with NULs and drops
+    trailing ones, so only an object array gives those strings back exactly.
+    """
     arr = np.asarray(values, dtype=object)
     flat = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in arr.flat]
-    return np.array(flat, dtype=str).reshape(arr.shape) if flat else np.zeros(arr.shape, dtype="<U1")
+    if not flat:
+        return np.zeros(arr.shape, dtype="<U1")
+    if any(s.endswith("\0") for s in flat):
+        exact = np.empty(len(flat), dtype=object)
+        exact[:] = flat
+        return exact.reshape(arr.shape)
+    return np.array(flat, dtype=str).reshape(arr.shape)
 
 
 __all__ = [
