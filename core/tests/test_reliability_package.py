@@ -624,3 +624,24 @@ def test_21_bad_limit_argument(tmp_path: Path, arg: str, value: Any, error: type
     with pytest.raises(error, match=arg):
         read_package(zpath, **{arg: value})
 
+
+
+def test_2_cache_verify_command(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from neuropod.cli import main
+
+    pkg = read_package(_package(tmp_path / "good.zip", "good"))
+    out = io.StringIO()
+    assert main(["cache", "verify"], out=out) == 0
+    assert "every entry matches its record" in out.getvalue()
+    model = pkg.data_dir / "model.bin"
+    st = model.stat()
+    model.write_bytes(_payload("evil"))
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    out = io.StringIO()
+    assert main(["cache", "verify"], out=out) == 1
+    assert "1 problem(s)" in out.getvalue() and "0/data/model.bin" in out.getvalue() and "--repair" in out.getvalue()
+    out = io.StringIO()
+    assert main(["cache", "verify", "--repair"], out=out) == 0
+    assert "(removed)" in out.getvalue()
+    assert main(["cache", "verify"], out=io.StringIO()) == 0
+    assert _model_of(read_package(tmp_path / "good.zip")) == ("good", _payload("good"))

@@ -9,6 +9,7 @@ r"""The ``neuropod`` command.
     neuropod infer PKG --input x=x.npy [--output-dir DIR]
     neuropod demo                     package a small model, explain, run it
     neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME
+    neuropod cache verify [--repair]  re-hash every extracted zip package against its record
 
 Every :class:`~neuropod.errors.NeuropodError` (and any ``OSError``,
 ``ValueError`` or other exception that escapes a command) ends the command
@@ -477,6 +478,25 @@ def cmd_env_remove(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def cmd_cache_verify(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.package import cache_dir, verify_cache
+
+    problems = verify_cache(repair=args.repair)
+    where = cache_dir() / "packages"
+    if not problems:
+        print(f"Package cache {where}: every entry matches its record", file=out)
+        return 0
+    print(f"Package cache {where}: {len(problems)} problem(s):", file=out)
+    for line in problems:
+        print(f"  {line}", file=out)
+    if args.repair:
+        print("Removed what was wrong; each zip is extracted again the next time it is loaded.", file=out)
+        return 0
+    print("Run `neuropod cache verify --repair` to remove them (each zip is extracted again when next loaded).",
+          file=out)  # fmt: skip
+    return EXIT_TEST_FAILED
+
+
 # --- entry point ----------------------------------------------------------
 
 
@@ -557,6 +577,12 @@ def _parser() -> argparse.ArgumentParser:
     e = env_sub.add_parser("remove", help="delete an environment")
     e.add_argument("name", metavar="NAME")
     e.set_defaults(func=cmd_env_remove)
+
+    s = sub.add_parser("cache", help="the cache of extracted zip packages")
+    cache_sub = s.add_subparsers(dest="cache_command", required=True, metavar="CACHE_COMMAND")
+    c = cache_sub.add_parser("verify", help="re-hash every cached file against the record of the zip it came from")
+    c.add_argument("--repair", action="store_true", help="remove bad entries (they are extracted again when needed)")
+    c.set_defaults(func=cmd_cache_verify)
     return p
 
 
