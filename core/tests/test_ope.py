@@ -3,7 +3,6 @@ so that worker processes find it through its entry point like any plugin."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,108 +16,16 @@ import numpy as np
 import pytest
 
 import neuropod
-from neuropod import plugins
+from _ope_toy import OUT, XY, adder, install_toy, package, xy
+from _ope_toy import gone as _gone
 from neuropod.errors import BackendError, NeuropodError, SpecError, WorkerError
-from neuropod.package import parse_config, write_package
 from neuropod.testing import run_in_threads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OPE needs Linux")
 
-TOY = '''
-"""A toy backend for OPE tests: numpy code chosen by the package's 0/data/op.json."""
-import ctypes, json, time
-import numpy as np
-from neuropod import hookimpl
-from neuropod.backend import Backend, DeviceCaps
-
-@hookimpl
-def supported_versions():
-    return [Backend("toyope", "1.0.0", "toyope-framework")]
-
-@hookimpl
-def device_caps(backend):
-    return DeviceCaps() if backend.platform == "toyope" else None
-
-@hookimpl
-def load_model(package, backend, device, options):
-    if backend.platform != "toyope":
-        return None
-    return json.loads((package.data_dir / "op.json").read_text())["op"]
-
-@hookimpl
-def infer(model, inputs, requested_outputs):
-    if model == "add":
-        out = {"out": inputs["x"] + inputs["y"]}
-    elif model == "upper":
-        out = {"out": np.char.upper(inputs["x"].astype(str))}
-    elif model == "raise":
-        raise RuntimeError("toy framework exploded")
-    elif model == "segfault":
-        ctypes.string_at(0)
-    elif model == "sleep":
-        time.sleep(30)
-    elif model == "sum100":
-        out = {"out": sum(inputs[f"in{i}"] for i in range(100))}
-    return {k: v for k, v in out.items() if requested_outputs is None or k in requested_outputs}
-'''
-
-
 @pytest.fixture
 def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Install the toy backend as a distribution on PYTHONPATH, for this process and its workers."""
-    site = tmp_path / "site"
-    info = site / "neuropod_toyope-1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: neuropod-toyope\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[neuropod.backends]\ntoyope = np_toyope\n")
-    (site / "np_toyope.py").write_text(textwrap.dedent(TOY))
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("NEUROPOD_PLUGINS", "toyope")
-    monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / "cache"))
-    plugins.reset()
-    yield tmp_path
-    plugins.reset()
-    sys.modules.pop("np_toyope", None)
-
-
-def package(tmp_path: Path, op: str, inputs: list[dict], outputs: list[dict], name: str | None = None) -> Path:  # type: ignore[type-arg]
-    config = parse_config(
-        {"name": name or op, "platform": "toyope", "input_spec": inputs, "output_spec": outputs}, "toy config"
-    )
-    return write_package(tmp_path / f"{name or op}.neuropod", config, {"0/data/op.json": json.dumps({"op": op}).encode()})
-
-
-XY = [{"name": "x", "dtype": "float32", "shape": ["batch", 2]}, {"name": "y", "dtype": "float32", "shape": ["batch", 2]}]
-OUT = [{"name": "out", "dtype": "float32", "shape": ["batch", 2]}]
-
-
-def adder(tmp_path: Path, **kwargs):  # type: ignore[no-untyped-def]
-    path = tmp_path / "add.neuropod"
-    if not path.exists():
-        package(tmp_path, "add", XY, OUT)
-    return neuropod.load_neuropod(path, use_ope=True, **kwargs)
-
-
-def xy(batch: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal((batch, 2)).astype(np.float32) for n in ("x", "y")}
-
-
-def _gone(pid: int, within: float = 5.0) -> bool:
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:  # a zombie child still answers kill(pid, 0): reap it
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:
-            pass
-        time.sleep(0.05)
-    return False
+    yield from install_toy(tmp_path, monkeypatch)
 
 
 def test_infer_in_a_worker_with_the_same_checks(toy: Path) -> None:
@@ -198,7 +105,7 @@ def test_killed_worker_and_restart(toy: Path) -> None:
         model._pool.workers[0].proc.wait(timeout=5)  # dead before the next call
         with pytest.raises(WorkerError, match="died \\(killed by signal SIGKILL\\)"):
             model.infer(xy())
-        with pytest.raises(WorkerError, match="has stopped; load the model again or pass restart=True"):
+        with pytest.raises(WorkerError, match=r"has stopped: it died \(killed by signal SIGKILL\)\. Load the model again, or pass restart=True"):
             model.infer(xy())
     with adder(toy, restart=True) as model:
         old = model.worker_pids[0]

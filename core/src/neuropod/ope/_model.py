@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import operator
+import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,11 +24,16 @@ class WorkerModel(NeuropodModel):
 
     Extra: :meth:`empty` hands out input arrays in shared memory (filling one
     and passing it to ``infer`` costs no copy), :attr:`worker_pids`.
+
+    A model dropped without :meth:`close` stops its workers when it is
+    garbage-collected, or at interpreter exit.
     """
 
     def __init__(self, package: Package, resolution: Resolution, pool: _Pool):
         self._pool = pool
         super().__init__(package, resolution, pool)
+        # The pool, not the model: the finalizer must not keep the model alive.
+        weakref.finalize(self, pool.close)
 
     def _bind_infer(self) -> None:
         pool = self._pool
@@ -41,23 +50,82 @@ class WorkerModel(NeuropodModel):
         """The interpreter the workers run."""
         return self._pool.python
 
-    def empty(self, name: str, shape: Sequence[int], dtype: Any = None) -> np.ndarray:
+    def empty(self, name: str, shape: int | Sequence[int], dtype: Any = None) -> np.ndarray:
         """An uninitialised input array in shared memory: fill it, pass it to :meth:`infer`, no copy.
 
-        :param name: the input it is for (its dtype is the default).
+        :param name: the input it is for.
+        :param shape: its shape (ints >= 0).
+        :param dtype: the input's dtype by default; another must be the same.
+            String inputs need a numpy unicode dtype such as ``'<U16'`` (they
+            are encoded on each call, so for them this saves nothing).
+        :raises SpecError: the model has no such input.
+        :raises TypeError, ValueError: a shape or dtype that is not one, or
+            does not fit the input or this machine's memory; raised before
+            any memory is allocated.
         """
         spec = next((s for s in self.inputs if s.name == name), None)
         if spec is None:
             raise SpecError(f"Model {self.name!r} has no input named {name!r}; its inputs are: "
                             + ", ".join(s.name for s in self.inputs))  # fmt: skip
-        np_dtype = DTYPES[spec.dtype] if dtype is None else np.dtype(dtype)
-        if np_dtype is None:
-            raise NeuropodError(f"Input {name!r} is a string tensor; give empty() a dtype such as '<U16'")
-        return self._pool.empty(tuple(int(d) for d in shape), np_dtype)
+        dims = _check_shape(shape)
+        np_dtype = _check_dtype(name, spec.dtype, dtype)
+        nbytes = math.prod(dims) * np_dtype.itemsize
+        limit = _memory_bytes()
+        if nbytes > limit:
+            raise ValueError(
+                f"empty({name!r}): shape {dims} of {np_dtype} is {nbytes} bytes, more than this machine's "
+                f"memory ({limit} bytes)"
+            )
+        return self._pool.empty(dims, np_dtype)
 
     def __repr__(self) -> str:
         base = super().__repr__()[:-1]
         return f"{base} in {len(self._pool.workers)} worker(s)>"
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints >= 0 (an int is a 1-d shape); TypeError or ValueError naming it otherwise."""
+    items = (shape,) if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool) else shape
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence | np.ndarray):
+        raise TypeError(f"empty(): shape must be a tuple of ints, not {type(shape).__name__} {shape!r:.60}")
+    dims = []
+    for i, d in enumerate(items):
+        if isinstance(d, (bool, np.bool_)):
+            raise TypeError(f"empty(): shape[{i}] is {d!r}; a dim is an int >= 0")
+        try:
+            n = operator.index(d)
+        except TypeError:
+            raise TypeError(f"empty(): shape[{i}] is {type(d).__name__} {d!r:.40}; a dim is an int >= 0") from None
+        if n < 0:
+            raise ValueError(f"empty(): shape[{i}] is {n}; a dim is an int >= 0")
+        dims.append(n)
+    return tuple(dims)
+
+
+def _check_dtype(name: str, spec_dtype: str, dtype: Any) -> np.dtype[Any]:
+    """The dtype of an ``empty()`` array for input ``name``: the spec's, or ``dtype`` when it fits it."""
+    wanted: np.dtype[Any] | None = DTYPES[spec_dtype]
+    if dtype is None:
+        if wanted is None:
+            raise ValueError(f"empty(): input {name!r} is a string tensor; give a dtype such as '<U16'")
+        return wanted
+    try:
+        np_dtype: np.dtype[Any] = np.dtype(dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"empty(): dtype {dtype!r:.60} is not a numpy dtype ({e})") from None
+    if wanted is None:
+        if np_dtype.kind != "U" or np_dtype.itemsize == 0:
+            raise ValueError(f"empty(): input {name!r} is a string tensor; dtype must be numpy unicode such as '<U16', not {np_dtype}")
+    elif np_dtype != wanted:
+        raise ValueError(f"empty(): input {name!r} is {spec_dtype}, so dtype must be {wanted} (or None), not {np_dtype}")
+    return np_dtype
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 48
 
 
 def options_for_worker(options: Mapping[str, Any]) -> dict[str, Any]:

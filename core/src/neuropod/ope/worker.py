@@ -1,17 +1,29 @@
-"""The worker process: ``python -m neuropod.ope.worker READ_FD WRITE_FD SOCKET_FD PARENT_PID``.
+"""The worker process: ``python -m neuropod.ope.worker READ_FD WRITE_FD SOCKET_FD PARENT_PID LIFELINE_FD``.
 
 It loads one model with this environment's plugin and answers requests on
 the channel (two pipes and a socket for descriptors) until it closes (the client closed
-the model, or died), then exits. Inputs are numpy views over shared-memory
-blocks the client filled; outputs are copied once into blocks the client
-maps, and reused across calls while the client has no array over them.
+the model, or died), then exits.
+
+Its life is tied to the client *process* by a lifeline: the read end of a
+pipe whose only write end the client holds. The worker asks the kernel
+(``O_ASYNC`` with ``F_SETSIG``) to send it SIGKILL when that pipe hangs up,
+which happens when the client process exits or is killed, even while the
+worker is busy in native code. (``PR_SET_PDEATHSIG`` is not used: it fires
+when the *thread* that started the worker ends, and a model loaded from a
+thread pool must outlive that thread.)
+
+Inputs are numpy views over the client's input block (strings decoded into
+the same kind of array the client passed); outputs are copied once into one
+block per call that the client maps, reused while the client has no array
+over it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
+import fcntl
 import os
+import select
 import signal
 import socket
 import sys
@@ -20,18 +32,38 @@ from typing import Any
 
 import numpy as np
 
-from neuropod.ope._channel import PROTOCOL, Block, Channel, ChannelClosed, dtype_of
+from neuropod.errors import NoBackendError, SpecError, WorkerError
+from neuropod.ope._channel import (
+    PROTOCOL,
+    STRING_KINDS,
+    Block,
+    Channel,
+    ChannelClosed,
+    DescriptorsLost,
+    aligned,
+    dtype_of,
+    get_strings,
+    put_strings,
+    string_bytes,
+    string_size,
+)
+
+_F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's value; the fcntl module names it from Python 3.12 on
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to kill this worker when its parent dies, even mid-inference."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # the closed channel still ends the worker when it is idle
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+def _die_with_parent(parent_pid: int, lifeline: int) -> None:
+    """Have the kernel kill this worker the moment the client process is gone, even mid-inference."""
+    fcntl.fcntl(lifeline, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(lifeline, _F_SETSIG, signal.SIGKILL)
+    fcntl.fcntl(lifeline, fcntl.F_SETFL, fcntl.fcntl(lifeline, fcntl.F_GETFL) | os.O_ASYNC | os.O_NONBLOCK)
+    # The client may have gone before the signal was armed: then the pipe has already hung up.
+    ready, _, _ = select.select([lifeline], [], [], 0)
+    if ready or os.getppid() != parent_pid:
         os._exit(0)
+
+
+class _Fatal(Exception):
+    """The worker and its client are out of step (a block did not arrive): it answers once more and exits."""
 
 
 class Worker:
@@ -39,16 +71,14 @@ class Worker:
         self.channel = channel
         self.in_blocks: dict[int, Block] = {}
         self.out_blocks: dict[int, Block] = {}
-        # Keyed by the block object: input ids (the client's) and output ids (ours) may coincide.
-        self.views: dict[tuple[Block, str, tuple[int, ...]], np.ndarray] = {}
         self.next_block = 1
         self.last_inputs: dict[str, np.ndarray] = {}
+        self.name = "?"
         self.model: Any = None
         self.infer: Any = None
 
     def load(self, protocol: int, package_path: str, backend_id: str, device: str, options: dict[str, Any]) -> tuple[Any, ...]:
         from neuropod import __version__, plugins
-        from neuropod.errors import NoBackendError, WorkerError
         from neuropod.package import read_package
 
         if protocol != PROTOCOL:
@@ -57,6 +87,7 @@ class Worker:
                 f"{protocol}: recreate the environment with the same neuropod (neuropod env create ... --replace)"
             )
         package = read_package(package_path, verify=False)  # the client verified it
+        self.name = package.name
         found = [b for b in plugins.installed_backends() if b.id == backend_id]
         if not found:
             have = ", ".join(b.id for b in plugins.installed_backends()) or "none"
@@ -70,49 +101,97 @@ class Worker:
         self.infer = infer.function  # type: ignore[attr-defined]
         return ("ready", os.getpid(), backend.id, sys.executable)
 
-    def _view(self, block: Block, dtype_text: str, shape: tuple[int, ...]) -> np.ndarray:
-        key = (block, dtype_text, shape)
-        view = self.views.get(key)
-        if view is None:
-            view = self.views[key] = block.view(dtype_of(dtype_text), shape)
-        return view
-
     def run(self, message: tuple[Any, ...], fds: list[int]) -> tuple[tuple[Any, ...], list[int]]:
-        _, inputs, requested, new_blocks, reusable = message
-        for (block_id, size), fd in zip(new_blocks, fds):
-            self.in_blocks[block_id] = Block.attach(block_id, fd, size)
-        if inputs is None:  # the client refilled last call's blocks: same views
+        _, inputs, requested, new_blocks, free, drop = message
+        for block_id in drop:  # views over them in last_inputs keep their mapping until replaced
+            self.in_blocks.pop(block_id, None)
+        try:
+            for i, ((block_id, size), fd) in enumerate(zip(new_blocks, fds)):
+                fds[i] = -1  # attach closes it, mapped or not
+                self.in_blocks[block_id] = Block.attach(block_id, fd, size)
+        except WorkerError as e:
+            raise _Fatal(f"could not map the client's shared memory: {e}") from None
+        finally:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+        if self.infer is None:
+            raise WorkerError("This worker has not loaded its model")
+        if inputs is None:  # the client refilled last call's places in its block: same views
             arrays = self.last_inputs
         else:
-            arrays = {name: self._view(self.in_blocks[bid], dt, tuple(shape)) for name, bid, dt, shape in inputs}
+            arrays = {}
+            for name, block_id, offset, dt, shape in inputs:
+                whole = self.in_blocks[block_id].whole
+                if dt in STRING_KINDS:
+                    arrays[name] = get_strings(whole, offset, dt, tuple(shape))
+                else:
+                    arrays[name] = np.ndarray(tuple(shape), dtype_of(dt), buffer=whole, offset=offset)
             self.last_inputs = arrays
         outputs = self.infer(self.model, arrays, list(requested) if requested is not None else None)
-        free = [self.out_blocks[b] for b in reusable if b in self.out_blocks]
-        reply, created, out_fds = [], [], []
+        return self._reply(outputs, free)
+
+    def _reply(self, outputs: Any, free: list[int]) -> tuple[tuple[Any, ...], list[int]]:
+        """Copy the outputs into one block (a free one that fits, else a new one) and describe them."""
+        if not isinstance(outputs, dict):
+            outputs = dict(outputs)  # a Mapping; anything else fails here as it would in-process
+        placed: list[tuple[str, np.ndarray | list[bytes], str, tuple[int, ...], int]] = []
+        total = 0
         for name, value in outputs.items():
             arr = np.asarray(value)
-            if arr.dtype.kind in "OS":
-                from neuropod.spec import to_string_array
-
-                arr = to_string_array(arr)
-            block = next((b for b in free if b.size >= arr.nbytes), None)
-            if block is not None:
-                free.remove(block)
+            if arr.dtype.kind in "UOS":
+                encoded = string_bytes(arr)
+                if encoded is None:
+                    kinds = sorted({type(v).__name__ for v in arr.flat if not isinstance(v, (str, bytes))})
+                    raise SpecError(
+                        f"Tensor {name!r} in the output spec of model {self.name!r}: string tensors hold str, "
+                        f"but the backend returned an object array holding {', '.join(kinds)}"
+                    )
+                kind, parts = encoded
+                placed.append((name, parts, kind, arr.shape, total))
+                total += aligned(string_size(parts))
             else:
-                block, fd = Block.create(self.next_block, arr.nbytes)
-                self.next_block += 1
-                self.out_blocks[block.id] = block
-                created.append((block.id, block.size))
-                out_fds.append(fd)
-            np.copyto(self._view(block, arr.dtype.str, arr.shape), arr)
-            reply.append((name, block.id, arr.dtype.str, arr.shape))
-        return ("ok", reply, created), out_fds
+                if arr.dtype.kind not in "biuf":
+                    raise SpecError(
+                        f"Model {self.name!r} returned {name!r} as {arr.dtype}: only numeric, bool and string "
+                        "tensors can cross from a worker"
+                    )
+                placed.append((name, arr, arr.dtype.str, arr.shape, total))
+                total += aligned(arr.nbytes)
+        fits = [self.out_blocks[b] for b in free if b in self.out_blocks and self.out_blocks[b].size >= total]
+        created, out_fds, dropped = [], [], []
+        if fits:
+            block = min(fits, key=lambda b: b.size)
+        else:
+            block, fd = Block.create(self.next_block, total)
+            self.next_block += 1
+            self.out_blocks[block.id] = block
+            created.append((block.id, block.size))
+            out_fds.append(fd)
+            # Free blocks too small for this call go: the client holds nothing over them.
+            for b in free:
+                if b in self.out_blocks and self.out_blocks[b].size < total:
+                    del self.out_blocks[b]
+                    dropped.append(b)
+        whole = block.whole
+        reply = []
+        for name, value, dt, shape, offset in placed:
+            if dt in STRING_KINDS:
+                put_strings(whole, offset, value)  # type: ignore[arg-type]
+            else:
+                np.copyto(np.ndarray(shape, value.dtype, buffer=whole, offset=offset), value)  # type: ignore[union-attr]
+            reply.append((name, block.id, offset, dt, shape))
+        return ("ok", reply, created, dropped), out_fds
 
     def serve(self) -> None:
         while True:
             try:
                 message, fds = self.channel.recv()
             except ChannelClosed:
+                return
+            except DescriptorsLost as e:
+                # The client's blocks did not all arrive: this worker cannot serve it any more.
+                self._send(("fatal", f"could not receive the client's shared memory: {e}"), [])
                 return
             kind = message[0]
             out_fds: list[int] = []
@@ -121,31 +200,35 @@ class Worker:
                     reply, out_fds = self.run(message, fds)
                 elif kind == "load":
                     reply = self.load(*message[1:])
-                elif kind == "drop":
-                    for block_id in message[1]:
-                        self.out_blocks.pop(block_id, None)
-                    live = set(self.in_blocks.values()) | set(self.out_blocks.values())
-                    self.views = {k: v for k, v in self.views.items() if k[0] in live}
-                    continue
                 else:
                     reply = ("error", "NeuropodError", f"unknown request {kind!r}", "")
+            except _Fatal as e:
+                self._send(("fatal", str(e)), [])
+                return
             except BaseException as e:  # everything goes back to the client, the worker keeps serving
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 reply = ("error", type(e).__name__, str(e)[:20000], traceback.format_exc()[-20000:])
-            try:
-                self.channel.send(reply, out_fds)
-            except ChannelClosed:
+            if not self._send(reply, out_fds):
                 return
-            finally:
-                for fd in out_fds:
-                    os.close(fd)
+
+    def _send(self, reply: tuple[Any, ...], fds: list[int]) -> bool:
+        try:
+            self.channel.send(reply, fds)
+            return True
+        except ChannelClosed:
+            return False
+        finally:
+            for fd in fds:
+                os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    read_fd, write_fd, sock_fd, parent_pid = (int(a) for a in args[:4])
-    _die_with_parent(parent_pid)
+    read_fd, write_fd, sock_fd, parent_pid, lifeline = (int(a) for a in args[:5])
+    for fd in (read_fd, write_fd, sock_fd, lifeline):
+        os.set_inheritable(fd, False)  # nothing the model starts may hold them
+    _die_with_parent(parent_pid, lifeline)
     faulthandler.enable()  # a crash in native code leaves its Python stack in the stderr the client reports
     channel = Channel(read_fd, write_fd, socket.socket(fileno=sock_fd))
     Worker(channel).serve()
