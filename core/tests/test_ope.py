@@ -68,6 +68,10 @@ def test_empty_gives_zero_copy_inputs(toy: Path) -> None:
         np.testing.assert_array_equal(model.infer({"x": x, "y": y})["out"], np.arange(6).reshape(3, 2) + 10)
         x[...] = 1  # refill in place and call again
         np.testing.assert_array_equal(model.infer({"x": x, "y": y})["out"], np.full((3, 2), 11))
+        for i in range(3):  # one input from empty(), one copied, in calls of the same layout
+            x[...] = i
+            np.testing.assert_array_equal(model.infer({"x": x, "y": np.full((3, 2), 10 * i, np.float32)})["out"],
+                                          np.full((3, 2), 11 * i))  # fmt: skip
         with pytest.raises(SpecError, match="no input named 'z'"):
             model.empty("z", (1,))
 

@@ -95,6 +95,7 @@ _DEATH_WAIT = 5.0
 _LIMIT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN)
 
 _live_pools: weakref.WeakSet[_Pool] = weakref.WeakSet()
+_Place = tuple[str, "np.dtype[Any]", tuple[int, ...], "np.ndarray | None"]
 
 
 def _after_fork_in_child() -> None:
@@ -110,13 +111,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class _Handed:
     """A block handed to the caller by ``empty()``: inputs over it are not copied."""
 
-    __slots__ = ("block", "fd", "key", "ref")
+    __slots__ = ("arr", "block", "fd", "key", "ref")
 
-    def __init__(self, block: Block, fd: int, whole: np.ndarray):
+    def __init__(self, block: Block, fd: int, whole: np.ndarray, arr: np.ndarray):
         self.block = block
         self.fd = fd  # kept open: each worker (and a restarted one) gets its own copy
         self.key = id(whole)
         self.ref = weakref.ref(whole)  # the base of every array made over it
+        self.arr = weakref.ref(arr)  # the array handed out: passed as it is, it needs no address check
 
 
 class _Fingerprint:
@@ -217,7 +219,9 @@ class _Worker:
 
     def _reset(self) -> None:
         self.arena: Block | None = None  # the block this worker's inputs are copied into
-        self.layout: list[tuple[str, np.dtype[Any], tuple[int, ...], np.ndarray]] | None = None
+        # Last call's inputs: (name, dtype, shape, view in the arena), the view None for an empty() array.
+        self.layout: list[_Place] | None = None
+        self.layout_handed: dict[str, weakref.ref[np.ndarray]] = {}
         self.out_blocks: dict[int, Block] = {}
         self.out_leases: dict[int, weakref.ref[np.ndarray]] = {}
         self.known_handed: set[int] = set()
@@ -422,7 +426,8 @@ class _Worker:
         """Copy the inputs into last call's places when names, dtypes and shapes are all the same.
 
         The common case of a model called again and again: one copy per
-        input, and the worker reuses its views (the request says "same").
+        input (none for the same arrays from empty()), and the worker reuses
+        its views (the request says "same").
         """
         layout = self.layout
         if layout is None or len(layout) != len(inputs):
@@ -431,7 +436,10 @@ class _Worker:
         for (name, dtype, shape, view), (given, arr) in zip(layout, inputs.items()):
             if given != name or arr.dtype is not dtype or arr.shape != shape:
                 return False
-            view[...] = arr
+            if view is not None:
+                view[...] = arr
+            elif self.layout_handed[name]() is not arr:
+                return False
         return True
 
     def _handed_drops(self) -> list[int]:
@@ -471,7 +479,7 @@ class _Worker:
             base: Any = arr.base
             if base is not None and handed:
                 h = handed.get(id(base))
-                if h is not None and h.ref() is base and arr.ctypes.data == h.block.address:
+                if h is not None and h.ref() is base and (h.arr() is arr or arr.ctypes.data == h.block.address):
                     plan.append((name, arr, arr.dtype.str, arr.shape, 0, h))  # made by empty(): no copy
                     continue
             plan.append((name, arr, arr.dtype.str, arr.shape, total, None))
@@ -492,7 +500,7 @@ class _Worker:
                 fds.append(fd)
                 own_fds.append(fd)
             sent = []
-            layout: list[tuple[str, np.dtype[Any], tuple[int, ...], np.ndarray]] | None = []
+            layout: list[_Place] | None = []
             for name, value, dt, shape, offset, h in plan:
                 if h is not None:
                     if h.block.id not in self.known_handed:
@@ -500,12 +508,14 @@ class _Worker:
                         fds.append(h.fd)
                         self.known_handed.add(h.block.id)
                     sent.append((name, h.block.id, 0, dt, shape))
-                    layout = None  # inputs made by empty() are not copied, so they cannot take the copying fast path
+                    if layout is not None:
+                        layout.append((name, value.dtype, shape, None))
+                        self.layout_handed[name] = weakref.ref(value)
                     continue
                 assert arena is not None
                 if dt in STRING_KINDS:
                     put_strings(arena.whole, offset, value)
-                    layout = None
+                    layout = None  # strings are encoded anew on each call
                 else:
                     view = np.ndarray(shape, value.dtype, buffer=arena.whole, offset=offset)
                     np.copyto(view, value)
@@ -521,8 +531,7 @@ class _Worker:
                 os.close(fd)
         return self._finish(reply)
 
-    def _finish(self, reply: tuple[Any, ...]) -> dict[str, np.ndarray]:
-        _, outputs, created, dropped = reply
+    def _new_out_blocks(self, created: list[tuple[int, int]], dropped: list[int]) -> None:
         fds, self._reply_fds = self._reply_fds, []
         try:
             for i, ((block_id, size), fd) in enumerate(zip(created, fds)):
@@ -537,6 +546,11 @@ class _Worker:
         for block_id in dropped:
             self.out_blocks.pop(block_id, None)
             self.out_leases.pop(block_id, None)
+
+    def _finish(self, reply: tuple[Any, ...]) -> dict[str, np.ndarray]:
+        _, outputs, created, dropped = reply
+        if created or dropped:
+            self._new_out_blocks(created, dropped)
         result = {}
         lease = None
         for name, block_id, offset, dt, shape in outputs:
@@ -618,7 +632,8 @@ class _Pool:
             self._collect()
         worker = self.idle.get()
         try:
-            self._check_usable()  # closed while this call waited for a worker
+            if self.closed:  # while this call waited for a worker
+                raise NeuropodError(f"Model {self.name!r} is closed")
             if worker.failed:
                 if not self.restart:
                     raise WorkerError(
@@ -646,7 +661,7 @@ class _Pool:
         block, fd = Block.create(self.new_block_id(), nbytes)
         whole = block.fresh()
         arr = whole[:nbytes].view(dtype).reshape(shape)
-        handed = _Handed(block, fd, whole)
+        handed = _Handed(block, fd, whole, arr)
         with self.lock:
             self.handed[handed.key] = handed
         # Only the queue: collecting (closing the descriptor) happens in an ordinary call, never inside GC.

@@ -215,7 +215,8 @@ class _Mapping:
 
     def __init__(self, address: int, size: int):
         self.__array_interface__ = {"data": (address, False), "shape": (size,), "typestr": "|u1", "version": 3}
-        weakref.finalize(self, _munmap, address, size)
+        # Not at interpreter exit: arrays still referenced then (module globals) must stay readable.
+        weakref.finalize(self, _munmap, address, size).atexit = False
 
 
 class Block:
