@@ -11,9 +11,11 @@ ids cross the control channel.
   calls (grown when a call needs more), or not at all when they were made
   with :meth:`WorkerModel.empty`. Outputs come back as numpy arrays over
   one shared block per call, with no copy after the worker's; a block is
-  reused only once no array over it (or over a view of it) is left. A call
-  holds a few file descriptors whatever its number of tensors; each
-  ``empty()`` array holds one until it is garbage-collected.
+  reused only once no array over it (or over a view of it) is left. A
+  mapped block holds no file descriptor, so a call with hundreds of tensors
+  needs no more descriptors than a call with one; each ``empty()`` array
+  keeps one (to hand its block to a restarted worker) until it is
+  garbage-collected, and the workers then unmap it too.
 * String tensors cross as UTF-8 bytes and offsets, so one long string does
   not pad the others, and every character (NUL included, trailing or not)
   arrives as sent. Each side gets the kind of array the other gave: numpy
