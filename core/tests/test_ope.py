@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import neuropod
-from _ope_toy import OUT, XY, adder, install_toy, package, xy
-from _ope_toy import gone as _gone
 from neuropod.errors import BackendError, NeuropodError, SpecError, WorkerError
 from neuropod.testing import run_in_threads
+
+from _ope_toy import OUT, XY, adder, install_toy, package, xy
+from _ope_toy import gone as _gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OPE needs Linux")
 

@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 
 import neuropod
-from _ope_toy import OUT, STRING_OUT, STRINGS, XY, adder, gone, install_toy, package, xy
 from neuropod.errors import NeuropodError, PackageError, WorkerError
 from neuropod.ope import start_pool
+
+from _ope_toy import OUT, STRING_OUT, STRINGS, XY, adder, gone, install_toy, package, xy
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OPE needs Linux")
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from neuropod import plugins
+from neuropod._args import check_flag, check_seconds, check_workers
 from neuropod.backend import Backend
 from neuropod.devices import Host, load_host, local_host, parse_device
 from neuropod.errors import BackendError, NeuropodError, PackageError
@@ -162,11 +163,6 @@ def _check_path(name: str, value: object, *, package_ok: bool) -> None:
     raise TypeError(f"{name} must be {expected}, not {type(value).__name__} {value!r:.60}")
 
 
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r:.60}")
-
-
 def _check_resolution_args(device: object, backend: object, host: object = None) -> None:
     """``device``, ``backend`` and ``host`` as :func:`plan` and :func:`load_neuropod` take them."""
     if device is not None:
@@ -181,26 +177,6 @@ def _check_resolution_args(device: object, backend: object, host: object = None)
         parse_backend_pin(backend)
     if host is not None and not isinstance(host, Host):
         _check_path("host", host, package_ok=False)
-
-
-def _check_seconds(name: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds or None, not {type(value).__name__} {value!r:.60}")
-    # Beyond threading.TIMEOUT_MAX (~292 years) waits raise OverflowError deep in the standard library.
-    seconds = float(value)
-    if not (math.isfinite(seconds) and 0 < seconds <= threading.TIMEOUT_MAX):
-        raise ValueError(
-            f"{name} must be a positive, finite number of seconds (None waits as long as it takes), not {value!r}"
-        )
-
-
-def _check_workers(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"workers must be an int >= 1, not {type(value).__name__} {value!r:.60}")
-    if int(value) < 1:
-        raise ValueError(f"workers must be at least 1, not {value}")
 
 
 def _check_tolerance(name: str, value: object) -> None:
@@ -267,8 +243,11 @@ def load_neuropod(
         backend environment always do.
     :param workers: with OPE, how many worker processes share the calls.
     :param restart: with OPE, start a new worker on the next call after one died.
-    :param timeout: with OPE, seconds to wait for a worker's answer before
-        killing it (None: wait as long as it runs).
+    :param timeout: with OPE, seconds each call may take: a worker that has
+        not answered by then is killed and the call raises ``WorkerError``;
+        with ``restart=True`` the next call starts a new worker (after checking
+        the package is unchanged), else later calls raise. Loading is not
+        bounded by it. None: wait as long as the model runs.
     :param load_options: passed to the backend's ``load_model`` hook
         (for example thread counts); backends reject options they do not know.
     :raises TypeError, ValueError: an argument of the wrong type or value
@@ -309,9 +288,9 @@ def _check_load_args(
     _check_path("neuropod_path", neuropod_path, package_ok=True)
     _check_resolution_args(device, backend)
     for name, flag in (("verify", verify), ("use_ope", use_ope), ("restart", restart)):
-        _check_flag(name, flag)
-    _check_workers(workers)
-    _check_seconds("timeout", timeout)
+        check_flag(name, flag)
+    check_workers(workers)
+    check_seconds("timeout", timeout)
 
 
 def _load_in_workers(
@@ -333,7 +312,7 @@ def _load_in_workers(
         gpu_uuid = resolution.host.gpu(chosen.device).uuid
     pool = start_pool(
         package.name, python, str(package.root), backend.id, chosen.device or "cpu", options_for_worker(options),
-        workers=workers, restart=restart, timeout=timeout, gpu_uuid=gpu_uuid,
+        workers=workers, restart=restart, timeout=timeout, gpu_uuid=gpu_uuid, package=package,
     )  # fmt: skip
     return WorkerModel(package, resolution, pool)
 
@@ -387,7 +366,7 @@ def run_test_data(
     """Load a package (a path, or a :class:`Package` already read), run its bundled test inputs and
     compare with the expected outputs."""
     verify = load_kwargs.pop("verify", True)
-    _check_flag("trust_pickle", trust_pickle)
+    check_flag("trust_pickle", trust_pickle)
     _check_tolerance("rtol", rtol)
     _check_tolerance("atol", atol)
     _check_load_args(neuropod_path, verify=verify, **{k: v for k, v in load_kwargs.items() if k in _LOAD_ARGS})

@@ -51,7 +51,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import math
-import numbers
 import os
 import queue
 import signal
@@ -69,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from neuropod import errors
+from neuropod._args import check_flag, check_seconds, check_workers
 from neuropod.errors import NeuropodError, PackageError, WorkerError
 from neuropod.ope._channel import (
     PROTOCOL,
@@ -744,17 +744,9 @@ def _worker_exception(reply: tuple[Any, ...], model: str) -> NeuropodError:
 
 
 def _check_start_args(workers: object, restart: object, timeout: object) -> None:
-    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral):
-        raise TypeError(f"workers must be an int >= 1, not {type(workers).__name__} {workers!r:.60}")
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, not {workers}")
-    if not isinstance(restart, (bool, np.bool_)):
-        raise TypeError(f"restart must be True or False, not {type(restart).__name__} {restart!r:.60}")
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-            raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__} {timeout!r:.60}")
-        if not (math.isfinite(float(timeout)) and 0 < float(timeout) <= threading.TIMEOUT_MAX):
-            raise ValueError(f"timeout must be a positive, finite number of seconds (None waits as long as it takes), not {timeout!r}")
+    check_workers(workers)
+    check_flag("restart", restart)
+    check_seconds("timeout", timeout)
 
 
 def start_pool(
