@@ -88,7 +88,9 @@ class _SafeWriter(io.TextIOBase):
         return len(text)
 
     def flush(self) -> None:
-        self._stream.flush()
+        # Also called when this wrapper is garbage-collected, perhaps after the stream it wraps was closed.
+        if not getattr(self._stream, "closed", False):
+            self._stream.flush()
 
     def writable(self) -> bool:
         return True
