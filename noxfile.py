@@ -7,6 +7,7 @@
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
     nox -s tests_tensorrt          the TensorRT plugin (GPU tests skip without a GPU and TensorRT)
+    nox -s tests_serving           neuropod-serving (so far the Open Inference Protocol codec)
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s build                   wheels for the core and every plugin into dist/
@@ -30,6 +31,7 @@ from packaging.version import Version
 ROOT = Path(__file__).parent
 CORE = ROOT / "core"
 PLUGINS = sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file())
+SERVING = ROOT / "serving"
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 DEFAULT_PYTHON = "3.11"
 
@@ -139,6 +141,13 @@ def tests_tensorrt(session: nox.Session) -> None:
     _pytest(session, "plugins/neuropod-tensorrt/tests")
 
 
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def tests_serving(session: nox.Session) -> None:
+    """neuropod-serving: the Open Inference Protocol codec (no framework, no server library)."""
+    session.install(f"{CORE}[test]", f"{SERVING}[test]")
+    _pytest(session, "serving/tests")
+
+
 def _install_onnx(session: nox.Session, onnxruntime: str) -> None:
     # onnxruntime-extensions ships the custom-op library the tests register;
     # its newest releases follow onnxruntime, so older runtimes get an older one.
@@ -155,10 +164,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def types(session: nox.Session) -> None:
-    """mypy (strict) over the core and the plugins."""
+    """mypy (strict) over the core, the plugins and neuropod-serving."""
     # pytest too: neuropod.testing is a pytest plugin, typed against pytest.
-    session.install("mypy==2.4.1", f"{CORE}[test]", *[str(p) for p in PLUGINS], f"torch=={TORCH_DEFAULT}")
-    session.run("mypy", "core/src/neuropod", *[str(next((p / "src").iterdir())) for p in PLUGINS])
+    session.install("mypy==2.4.1", f"{CORE}[test]", *[str(p) for p in PLUGINS], str(SERVING), f"torch=={TORCH_DEFAULT}")
+    session.run("mypy", "core/src/neuropod", *[str(next((p / "src").iterdir())) for p in PLUGINS],
+                "serving/src/neuropod_serving")  # fmt: skip
 
 
 @nox.session(python=DEFAULT_PYTHON)

@@ -1,0 +1,754 @@
+"""The Open Inference Protocol (KServe v2) codec: OIP tensors <-> numpy arrays.
+
+One module for the server, the client and the Ray deployment alike, so the
+three can never disagree about a byte. It handles the JSON form of tensors and
+Triton's binary tensor data extension (the body is a JSON header of
+``Inference-Header-Content-Length`` bytes followed by the raw tensors).
+
+Everything a client sends is untrusted: every fault in it is a
+:class:`ProtocolError` that names the tensor and what was expected, and no
+other exception escapes the parsers. Numeric arrays decoded from a binary body
+are read-only views of that body (no copy), so the body must stay alive as
+long as they do; Python's reference counting sees to that.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from neuropod import _json
+from neuropod.errors import NeuropodError, PackageError
+from neuropod.spec import TensorSpec, parse_spec
+
+#: OIP datatype -> the spec dtype it means. BYTES carries UTF-8 text.
+DATATYPES: dict[str, str] = {
+    "BOOL": "bool",
+    "UINT8": "uint8",
+    "UINT16": "uint16",
+    "UINT32": "uint32",
+    "UINT64": "uint64",
+    "INT8": "int8",
+    "INT16": "int16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "FP16": "float16",
+    "FP32": "float32",
+    "FP64": "float64",
+    "BYTES": "string",
+}
+#: Spec dtype -> OIP datatype.
+SPEC_DATATYPES: dict[str, str] = {dtype: datatype for datatype, dtype in DATATYPES.items()}
+
+#: The metadata parameter that carries a tensor's exact spec shape, as a JSON string.
+SHAPE_PARAMETER = "neuropod_shape"
+#: The HTTP header that says how long the JSON part of a binary body is.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+# Binary tensors are little-endian on the wire whatever the host is.
+_WIRE_DTYPES: dict[str, np.dtype[Any]] = {
+    datatype: np.dtype(dtype).newbyteorder("<") for datatype, dtype in DATATYPES.items() if dtype != "string"
+}
+_NATIVE_DTYPES: dict[str, np.dtype[Any]] = {
+    datatype: np.dtype(dtype) for datatype, dtype in DATATYPES.items() if dtype != "string"
+}
+# numpy 1.x allows 32 dims (2.x allows 64); the lower bound keeps both working.
+_MAX_DIMS = 32
+# An element count must fit the int64 every OIP implementation stores it in.
+_MAX_ELEMENTS = 2**63 - 1
+_LENGTH = struct.Struct("<I")
+
+
+class ProtocolError(NeuropodError):
+    """A request or response does not follow the Open Inference Protocol.
+
+    :ivar status: the HTTP status a server answers with: 400 (bad request),
+        404 (unknown model or tensor, for callers that look those up) or 413
+        (too large).
+    """
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# --- datatypes ---------------------------------------------------------------
+
+
+def spec_dtype(datatype: object, *, tensor: str = "?") -> str:
+    """The spec dtype an OIP datatype means (``"FP32"`` -> ``"float32"``, ``"BYTES"`` -> ``"string"``).
+
+    :raises ProtocolError: an unknown datatype, or BF16 (no spec dtype holds it).
+    """
+    if isinstance(datatype, str) and datatype in DATATYPES:
+        return DATATYPES[datatype]
+    if datatype == "BF16":
+        raise ProtocolError(
+            f"tensor {tensor!r}: datatype BF16 is not supported (Neuropod specs have no bfloat16); "
+            "send FP16 or FP32 instead"
+        )
+    raise ProtocolError(f"tensor {tensor!r}: datatype {_show(datatype)} is not one of {', '.join(DATATYPES)}")
+
+
+def oip_datatype(dtype: str) -> str:
+    """The OIP datatype of a spec dtype (``"float32"`` -> ``"FP32"``, ``"string"`` -> ``"BYTES"``)."""
+    try:
+        return SPEC_DATATYPES[dtype]
+    except KeyError:
+        raise ProtocolError(f"spec dtype {dtype!r} has no Open Inference Protocol datatype") from None
+
+
+def datatype_of(array: np.ndarray[Any, Any], *, tensor: str = "?") -> str:
+    """The OIP datatype of a numpy array; unicode and object arrays (of ``str``) are BYTES.
+
+    :raises ProtocolError: a dtype the protocol cannot carry (complex, datetime, raw bytes...).
+    """
+    kind = array.dtype.kind
+    if kind in "UO":
+        return "BYTES"
+    if kind in "biuf":
+        try:
+            return SPEC_DATATYPES[array.dtype.newbyteorder("=").name]
+        except KeyError:
+            pass
+    raise ProtocolError(
+        f"tensor {tensor!r}: numpy dtype {array.dtype} has no Open Inference Protocol datatype; "
+        "use bool, (u)int8-64, float16/32/64, or str"
+    )
+
+
+# --- metadata ----------------------------------------------------------------
+
+
+def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
+    """The OIP metadata of one spec entry: symbol and null dims are -1, and
+    ``parameters.neuropod_shape`` holds the exact spec shape as a JSON string."""
+    return {
+        "name": spec.name,
+        "datatype": oip_datatype(spec.dtype),
+        "shape": [d if isinstance(d, int) else -1 for d in spec.shape],
+        "parameters": {SHAPE_PARAMETER: json.dumps(list(spec.shape))},
+    }
+
+
+def spec_from_metadata(metadata: object, *, where: str = "tensor metadata") -> TensorSpec:
+    """Rebuild a spec entry from OIP tensor metadata.
+
+    With ``parameters.neuropod_shape`` (a neuropod server) the exact spec comes
+    back; without it (any other server) each -1 becomes ``None``.
+
+    :raises ProtocolError: naming the field that is wrong.
+    """
+    if not isinstance(metadata, Mapping):
+        raise ProtocolError(f"{where} must be an object with name, datatype and shape, not {_kind(metadata)}")
+    name = metadata.get("name")
+    if not isinstance(name, str):
+        raise ProtocolError(f"{where}: 'name' must be a string, not {_show(name)}")
+    where = f"{where} {name!r}"
+    dtype = spec_dtype(metadata.get("datatype"), tensor=name)
+    shape = metadata.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= -1 for d in shape):
+        raise ProtocolError(f"{where}: 'shape' must be a list of sizes >= 0 or -1 (any size), not {_show(shape)}")
+    dims: list[int | str | None] = [None if d == -1 else d for d in shape]
+    parameters = metadata.get("parameters") or {}
+    if not isinstance(parameters, Mapping):
+        raise ProtocolError(f"{where}: 'parameters' must be an object, not {_kind(parameters)}")
+    if SHAPE_PARAMETER in parameters:
+        dims = _exact_shape(parameters[SHAPE_PARAMETER], shape, where)
+    try:
+        return parse_spec([{"name": name, "dtype": dtype, "shape": dims}], where)[0]
+    except PackageError as e:
+        raise ProtocolError(str(e)) from None
+
+
+def _exact_shape(value: object, shape: list[int], where: str) -> list[int | str | None]:
+    problem = f"{where}: parameters.{SHAPE_PARAMETER} must be a JSON list matching shape {shape}"
+    try:
+        dims = _json.loads(value) if isinstance(value, str) else None
+    except ValueError as e:
+        raise ProtocolError(f"{problem}, but it is not JSON ({e}): {_show(value)}") from None
+    if not isinstance(dims, list) or len(dims) != len(shape):
+        raise ProtocolError(f"{problem}, not {_show(value)}")
+    for i, (dim, size) in enumerate(zip(dims, shape)):
+        ok = (dim == size) if size >= 0 else (dim is None or isinstance(dim, str))
+        if not ok or isinstance(dim, bool):
+            raise ProtocolError(f"{problem}: entry {i} is {_show(dim)} where shape says {size}")
+    return dims
+
+
+def model_metadata(
+    name: str,
+    input_spec: Iterable[TensorSpec],
+    output_spec: Iterable[TensorSpec],
+    *,
+    platform: str,
+    versions: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The body of ``GET /v2/models/{name}``: the model's inputs and outputs as OIP tensor metadata."""
+    return {
+        "name": name,
+        "versions": list(versions),
+        "platform": platform,
+        "inputs": [tensor_metadata(s) for s in input_spec],
+        "outputs": [tensor_metadata(s) for s in output_spec],
+    }
+
+
+def specs_from_model_metadata(metadata: object) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The input and output specs in a model metadata body (see :func:`spec_from_metadata`)."""
+    if not isinstance(metadata, Mapping):
+        raise ProtocolError(f"model metadata must be an object, not {_kind(metadata)}")
+    specs: list[tuple[TensorSpec, ...]] = []
+    for key in ("inputs", "outputs"):
+        entries = metadata.get(key, [])
+        if not isinstance(entries, list):
+            raise ProtocolError(f"model metadata: {key!r} must be a list, not {_kind(entries)}")
+        specs.append(tuple(spec_from_metadata(e, where=f"model metadata {key}[{i}]") for i, e in enumerate(entries)))
+    return specs[0], specs[1]
+
+
+# --- bodies ------------------------------------------------------------------
+
+
+class Body(NamedTuple):
+    """An encoded request or response body.
+
+    ``json_length`` is None for a plain JSON body (``Content-Type:
+    application/json``); otherwise the body holds binary tensors and
+    ``json_length`` goes in the ``Inference-Header-Content-Length`` header.
+    """
+
+    content: bytes
+    json_length: int | None
+
+
+@dataclass
+class InferRequest:
+    """A decoded ``POST /v2/models/{m}/infer`` request."""
+
+    inputs: dict[str, np.ndarray[Any, Any]]
+    #: Requested outputs in order, each with its own ``binary_data`` choice
+    #: (None when it made none); None when the request named no outputs (all of them).
+    outputs: dict[str, bool | None] | None = None
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def binary_data_output(self) -> bool:
+        """Whether outputs that made no choice of their own go back binary."""
+        return self.parameters.get("binary_data_output") is True
+
+    def binary_outputs(self, names: Iterable[str]) -> set[str]:
+        """Which of ``names`` the response should carry as binary data."""
+        default = self.binary_data_output
+        chosen = self.outputs or {}
+        return {n for n in names if (default if chosen.get(n) is None else chosen[n])}
+
+
+@dataclass
+class InferResponse:
+    """A decoded inference response."""
+
+    outputs: dict[str, np.ndarray[Any, Any]]
+    model_name: str | None = None
+    model_version: str | None = None
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_infer_request(
+    body: bytes | bytearray | memoryview,
+    json_length: int | str | None = None,
+    *,
+    input_spec: Iterable[TensorSpec] | None = None,
+) -> InferRequest:
+    """Decode an inference request body.
+
+    :param body: the whole HTTP body.
+    :param json_length: the ``Inference-Header-Content-Length`` header (as sent,
+        a string, or an int), or None when the request had none (plain JSON).
+    :param input_spec: the model's input spec: when given, an input the model
+        does not have, or whose datatype disagrees with its dtype, is refused
+        here. Shapes are left to the model's own spec check.
+    :raises ProtocolError: for every fault in the body, naming the tensor.
+    """
+    header, binary = _split(body, json_length, "request")
+    specs = None if input_spec is None else {s.name: s for s in input_spec}
+    inputs = _decode_tensors(header, "inputs", binary, specs, required=True)
+    outputs: dict[str, bool | None] | None = None
+    if header.get("outputs") is not None:
+        outputs = {}
+        for i, out in enumerate(_list(header["outputs"], "request 'outputs'")):
+            where = f"request outputs[{i}]"
+            if not isinstance(out, Mapping):
+                raise ProtocolError(f"{where} must be an object with a 'name', not {_kind(out)}")
+            name = _name(out, where)
+            choice = _parameters(out, f"output {name!r}").get("binary_data")
+            if choice is not None and not isinstance(choice, bool):
+                raise ProtocolError(f"output {name!r}: parameters.binary_data must be true or false, not {_show(choice)}")
+            outputs[name] = choice
+    parameters = _parameters(header, "request")
+    choice = parameters.get("binary_data_output")
+    if choice is not None and not isinstance(choice, bool):
+        raise ProtocolError(f"request parameters.binary_data_output must be true or false, not {_show(choice)}")
+    return InferRequest(inputs=inputs, outputs=outputs, id=_optional_str(header, "id"), parameters=parameters)
+
+
+def parse_infer_response(
+    body: bytes | bytearray | memoryview,
+    json_length: int | str | None = None,
+    *,
+    output_spec: Iterable[TensorSpec] | None = None,
+) -> InferResponse:
+    """Decode an inference response body (the client's side of :func:`build_infer_response`).
+
+    :raises ProtocolError: for every fault in the body, naming the tensor.
+    """
+    header, binary = _split(body, json_length, "response")
+    specs = None if output_spec is None else {s.name: s for s in output_spec}
+    return InferResponse(
+        outputs=_decode_tensors(header, "outputs", binary, specs, required=False),
+        model_name=_optional_str(header, "model_name"),
+        model_version=_optional_str(header, "model_version"),
+        id=_optional_str(header, "id"),
+        parameters=_parameters(header, "response"),
+    )
+
+
+def build_infer_request(
+    inputs: Mapping[str, np.ndarray[Any, Any]],
+    *,
+    binary: bool = True,
+    outputs: Sequence[str] | None = None,
+    binary_outputs: bool = True,
+    id: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+) -> Body:
+    """Encode an inference request (the client's side of :func:`parse_infer_request`).
+
+    :param binary: send the inputs as binary data rather than JSON.
+    :param outputs: the outputs to ask for, in order; None asks for all.
+    :param binary_outputs: ask for the outputs back as binary data.
+    """
+    header: dict[str, Any] = {}
+    if id is not None:
+        header["id"] = id
+    params = dict(parameters or {})
+    if outputs is None:
+        params["binary_data_output"] = binary_outputs
+    else:
+        header["outputs"] = [{"name": n, "parameters": {"binary_data": binary_outputs}} for n in outputs]
+    if params:
+        header["parameters"] = params
+    return _build(header, "inputs", inputs, set(inputs) if binary else set())
+
+
+def build_infer_response(
+    model_name: str,
+    outputs: Mapping[str, np.ndarray[Any, Any]],
+    *,
+    binary: Collection[str] | bool = False,
+    model_version: str | None = None,
+    id: str | None = None,
+) -> Body:
+    """Encode an inference response.
+
+    :param outputs: the tensors to send, in the order they go out (the
+        requested outputs, or all of them).
+    :param binary: which outputs go as binary data (the names, usually
+        :meth:`InferRequest.binary_outputs`), or True/False for all or none.
+    """
+    header: dict[str, Any] = {"model_name": model_name}
+    if model_version is not None:
+        header["model_version"] = model_version
+    if id is not None:
+        header["id"] = id
+    names = set(outputs) if binary is True else set() if binary is False else set(binary)
+    return _build(header, "outputs", outputs, names)
+
+
+# --- single tensors ----------------------------------------------------------
+
+
+def encode_tensor(name: str, array: np.ndarray[Any, Any], *, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+    """One tensor as an OIP JSON object, plus its raw bytes when ``binary``.
+
+    Strings (unicode arrays, or object arrays of ``str``) are BYTES, UTF-8 encoded.
+    """
+    array = np.asarray(array)
+    datatype = datatype_of(array, tensor=name)
+    obj: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+    if datatype == "BYTES":
+        texts = _texts(array, name)
+        if not binary:
+            obj["data"] = texts
+            return obj, None
+        encoded = [t.encode("utf-8") for t in texts]
+        raw = b"".join(part for e in encoded for part in (_LENGTH.pack(len(e)), e))
+    else:
+        if not binary:
+            obj["data"] = array.ravel().tolist()
+            return obj, None
+        raw = np.ascontiguousarray(array, dtype=_WIRE_DTYPES[datatype]).tobytes()
+    obj["parameters"] = {"binary_data_size": len(raw)}
+    return obj, raw
+
+
+def decode_tensor(
+    obj: object,
+    *,
+    binary: memoryview | None = None,
+    spec: TensorSpec | None = None,
+    where: str = "tensor",
+) -> np.ndarray[Any, Any]:
+    """One OIP tensor object as a numpy array.
+
+    :param binary: this tensor's own raw bytes, for an object with
+        ``parameters.binary_data_size`` (whose size the caller has checked).
+    :param spec: when given, the datatype must be this spec entry's dtype.
+    """
+    if not isinstance(obj, Mapping):
+        raise ProtocolError(f"{where} must be an object with name, datatype, shape and data, not {_kind(obj)}")
+    name = _name(obj, where)
+    datatype = obj.get("datatype")
+    dtype = spec_dtype(datatype, tensor=name)
+    if spec is not None and spec.dtype != dtype:
+        raise ProtocolError(
+            f"tensor {name!r}: datatype {datatype} disagrees with the model's spec ({spec}), "
+            f"which needs {oip_datatype(spec.dtype)}"
+        )
+    assert isinstance(datatype, str)
+    shape = _shape(obj.get("shape"), name)
+    count = math.prod(shape)
+    if count > _MAX_ELEMENTS:
+        raise ProtocolError(f"tensor {name!r}: shape {shape} has {count} elements, more than an int64 can count")
+    if binary is not None:
+        if datatype == "BYTES":
+            return _bytes_from_binary(binary, shape, count, name)
+        itemsize = _WIRE_DTYPES[datatype].itemsize
+        if len(binary) != count * itemsize:
+            raise ProtocolError(
+                f"tensor {name!r}: shape {shape} of {datatype} needs {count * itemsize} bytes "
+                f"({count} x {itemsize}), but binary_data_size is {len(binary)}"
+            )
+        array = np.frombuffer(binary, dtype=_WIRE_DTYPES[datatype]).reshape(shape)
+        if datatype == "BOOL" and count and array.view(np.uint8).max() > 1:
+            raise ProtocolError(f"tensor {name!r}: BOOL bytes must be 0 or 1")
+        return array
+    if "data" not in obj:
+        raise ProtocolError(f"tensor {name!r} has neither 'data' nor parameters.binary_data_size")
+    if datatype == "BYTES":
+        return _bytes_from_json(obj["data"], shape, count, name)
+    return _numbers_from_json(obj["data"], datatype, shape, count, name)
+
+
+def _numbers_from_json(data: object, datatype: str, shape: list[int], count: int, name: str) -> np.ndarray[Any, Any]:
+    target = _NATIVE_DTYPES[datatype]
+    try:
+        parsed = np.array(data)
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        # Ragged nesting, mostly: numpy refuses lists of unequal lengths.
+        raise ProtocolError(f"tensor {name!r}: 'data' must be a list, nested lists of equal lengths, of numbers") from None
+    if parsed.size != count:
+        raise ProtocolError(f"tensor {name!r}: shape {shape} holds {count} elements, but 'data' has {parsed.size}")
+    if count == 0:
+        return np.zeros(shape, target)
+    kind = parsed.dtype.kind
+    wanted = "b" if datatype == "BOOL" else "iu" if target.kind in "iu" else "iuf"
+    if wanted == "iu" and kind in "fO":
+        # numpy turns ints past int64 mixed with smaller ones into float64 (or
+        # objects), which would round them: look at the JSON values themselves.
+        return _big_ints(data, target, datatype, shape, name)
+    if kind not in wanted:
+        what = {"b": "true or false", "iu": "JSON integers", "iuf": "JSON numbers"}[wanted]
+        raise ProtocolError(f"tensor {name!r}: {datatype} data must be {what}; got {_describe_kind(parsed)}")
+    if kind in "iu" and not np.can_cast(parsed.dtype, target):
+        info = np.iinfo(target)
+        if parsed.min() < info.min or parsed.max() > info.max:
+            raise ProtocolError(f"tensor {name!r}: {datatype} data must lie in [{info.min}, {info.max}]")
+    return parsed.astype(target, copy=False).reshape(shape)
+
+
+def _big_ints(data: object, target: np.dtype[Any], datatype: str, shape: list[int], name: str) -> np.ndarray[Any, Any]:
+    values = _flatten(data, name)
+    if not all(_is_int(v) for v in values):
+        raise ProtocolError(f"tensor {name!r}: {datatype} data must be JSON integers; it holds other values")
+    try:
+        return np.array(values, dtype=target).reshape(shape)
+    except OverflowError:
+        info = np.iinfo(target)
+        raise ProtocolError(f"tensor {name!r}: {datatype} data must lie in [{info.min}, {info.max}]") from None
+
+
+def _bytes_from_json(data: object, shape: list[int], count: int, name: str) -> np.ndarray[Any, Any]:
+    texts = _flatten(data, name)
+    if len(texts) != count:
+        raise ProtocolError(f"tensor {name!r}: shape {shape} holds {count} elements, but 'data' has {len(texts)}")
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise ProtocolError(f"tensor {name!r}: BYTES data must be JSON strings; element {bad} is {_kind(texts[bad])}")
+    try:
+        "".join(texts).encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON can escape a lone surrogate (\ud800), which no UTF-8 text holds.
+        raise ProtocolError(f"tensor {name!r}: BYTES data must be valid Unicode text (it holds a lone surrogate)") from None
+    return _object_array(texts, shape)
+
+
+def _bytes_from_binary(raw: memoryview, shape: list[int], count: int, name: str) -> np.ndarray[Any, Any]:
+    # Each element costs at least its 4-byte length, which bounds the loop by the body.
+    if count * _LENGTH.size > len(raw):
+        raise ProtocolError(
+            f"tensor {name!r}: shape {shape} holds {count} BYTES elements, which need at least "
+            f"{count * _LENGTH.size} bytes, but binary_data_size is {len(raw)}"
+        )
+    texts: list[str] = []
+    pos = 0
+    for i in range(count):
+        if pos + _LENGTH.size > len(raw):
+            raise ProtocolError(f"tensor {name!r}: BYTES element {i} runs past binary_data_size ({len(raw)})")
+        (size,) = _LENGTH.unpack_from(raw, pos)
+        pos += _LENGTH.size
+        if pos + size > len(raw):
+            raise ProtocolError(
+                f"tensor {name!r}: BYTES element {i} says it is {size} bytes long, "
+                f"which runs past binary_data_size ({len(raw)})"
+            )
+        try:
+            texts.append(str(raw[pos : pos + size], "utf-8"))
+        except UnicodeDecodeError as e:
+            raise ProtocolError(f"tensor {name!r}: BYTES element {i} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        pos += size
+    if pos != len(raw):
+        raise ProtocolError(
+            f"tensor {name!r}: {count} BYTES elements of shape {shape} fill {pos} bytes, "
+            f"but binary_data_size is {len(raw)}"
+        )
+    return _object_array(texts, shape)
+
+
+# --- helpers -----------------------------------------------------------------
+
+
+def _split(body: bytes | bytearray | memoryview, json_length: int | str | None, what: str) -> tuple[dict[str, Any], memoryview]:
+    view = memoryview(body).cast("B")
+    length = len(view) if json_length is None else _header_length(json_length, len(view))
+    if length > _json.MAX_BYTES:
+        raise ProtocolError(
+            f"the {what}'s JSON is {length:,} bytes, more than the {_json.MAX_BYTES:,} allowed; "
+            "send large tensors as binary data",
+            status=413,
+        )
+    try:
+        text = str(view[:length], "utf-8")
+        header = _json.loads(text)
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"the {what}'s JSON is not UTF-8 ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        raise ProtocolError(f"the {what} is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"the {what} must be a JSON object, not {_kind(header)}")
+    return header, view[length:]
+
+
+def _header_length(value: int | str, body_size: int) -> int:
+    text = str(value).strip()
+    if not text.isascii() or not text.isdigit():
+        raise ProtocolError(f"{HEADER_LENGTH} must be a byte count, not {_show(value)}")
+    length = int(text)
+    if length > body_size:
+        raise ProtocolError(f"{HEADER_LENGTH} is {length}, but the whole body is only {body_size} bytes")
+    return length
+
+
+def _decode_tensors(
+    header: Mapping[str, Any],
+    key: str,
+    binary: memoryview,
+    specs: Mapping[str, TensorSpec] | None,
+    *,
+    required: bool,
+) -> dict[str, np.ndarray[Any, Any]]:
+    kind = key[:-1]  # "input" / "output"
+    if key not in header and not required:
+        entries: list[Any] = []
+    else:
+        entries = _list(header.get(key), f"{kind}s")
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    pos = 0
+    for i, obj in enumerate(entries):
+        where = f"{key}[{i}]"
+        if not isinstance(obj, Mapping):
+            raise ProtocolError(f"{where} must be an object with name, datatype, shape and data, not {_kind(obj)}")
+        name = _name(obj, where)
+        if name in arrays:
+            raise ProtocolError(f"{kind} {name!r} appears twice; each {kind} is sent once")
+        spec = None
+        if specs is not None:
+            if name not in specs:
+                raise ProtocolError(
+                    f"{kind} {name!r} is not one of this model's {kind}s: {', '.join(specs) or '(none)'}"
+                )
+            spec = specs[name]
+        size = _parameters(obj, f"{kind} {name!r}").get("binary_data_size")
+        raw = None
+        if size is not None:
+            if not _is_int(size) or size < 0:
+                raise ProtocolError(f"{kind} {name!r}: binary_data_size must be a byte count, not {_show(size)}")
+            if "data" in obj:
+                raise ProtocolError(f"{kind} {name!r} has both 'data' and binary_data_size; send one")
+            if pos + size > len(binary):
+                raise ProtocolError(
+                    f"{kind} {name!r}: binary_data_size {size} runs past the body: "
+                    f"{len(binary) - pos} bytes of binary data are left after the {kind}s before it"
+                    + ("" if len(binary) else f" (is the {HEADER_LENGTH} header missing?)")
+                )
+            raw = binary[pos : pos + size]
+            pos += size
+        arrays[name] = decode_tensor(obj, binary=raw, spec=spec, where=where)
+    if pos != len(binary):
+        raise ProtocolError(
+            f"the body holds {len(binary)} bytes of binary data after its JSON, but the {kind}s' "
+            f"binary_data_size add up to {pos}"
+        )
+    return arrays
+
+
+def _build(header: dict[str, Any], key: str, tensors: Mapping[str, np.ndarray[Any, Any]], binary: set[str]) -> Body:
+    objs: list[dict[str, Any]] = []
+    raws: list[bytes] = []
+    for name, array in tensors.items():
+        obj, raw = encode_tensor(name, array, binary=name in binary)
+        objs.append(obj)
+        if raw is not None:
+            raws.append(raw)
+    header[key] = objs
+    # allow_nan: NaN and Infinity are what Triton's and Python's JSON write for them.
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if not raws:
+        return Body(text, None)
+    return Body(b"".join([text, *raws]), len(text))
+
+
+def _shape(shape: object, name: str) -> list[int]:
+    if not isinstance(shape, list):
+        raise ProtocolError(f"tensor {name!r}: 'shape' must be a list of sizes, not {_show(shape)}")
+    for i, dim in enumerate(shape):
+        if not _is_int(dim) or dim < 0:
+            raise ProtocolError(f"tensor {name!r}: shape[{i}] is {_show(dim)}; a dim is an integer >= 0")
+    if len(shape) > _MAX_DIMS:
+        raise ProtocolError(f"tensor {name!r}: shape has {len(shape)} dims, more than the {_MAX_DIMS} supported")
+    return shape
+
+
+def _flatten(data: object, name: str) -> list[Any]:
+    if not isinstance(data, list):
+        return [data]
+    out: list[Any] = []
+    stack: list[Iterable[Any]] = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
+
+
+def _object_array(texts: list[str], shape: list[int]) -> np.ndarray[Any, Any]:
+    # Object arrays, not numpy unicode: 'U' arrays drop trailing NUL characters.
+    array = np.empty(len(texts), dtype=object)
+    array[:] = texts
+    return array.reshape(shape)
+
+
+def _texts(array: np.ndarray[Any, Any], name: str) -> list[str]:
+    texts: list[Any] = array.ravel().tolist()
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ProtocolError(f"tensor {name!r}: a BYTES tensor holds str, but element {i} is {_kind(t)}")
+    try:
+        "".join(texts).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProtocolError(f"tensor {name!r}: a string holds a lone surrogate, which UTF-8 cannot encode") from None
+    return texts  # every element checked above to be a str
+
+
+def _name(obj: Mapping[str, Any], where: str) -> str:
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"{where}: 'name' must be a non-empty string, not {_show(name)}")
+    return name
+
+
+def _parameters(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
+    params = obj.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ProtocolError(f"{where}: 'parameters' must be an object, not {_kind(params)}")
+    return params
+
+
+def _list(value: object, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{what} must be a JSON list, not {_show(value)}")
+    return value
+
+
+def _optional_str(obj: Mapping[str, Any], key: str) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ProtocolError(f"{key!r} must be a string, not {_show(value)}")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _describe_kind(array: np.ndarray[Any, Any]) -> str:
+    return {"b": "true/false", "i": "integers", "u": "integers", "f": "numbers with a fraction or exponent",
+            "U": "strings"}.get(array.dtype.kind, "null, objects or out-of-range integers")  # fmt: skip
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+def _show(value: object, limit: int = 80) -> str:
+    text = "missing" if value is None else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+__all__ = [
+    "DATATYPES",
+    "HEADER_LENGTH",
+    "SHAPE_PARAMETER",
+    "SPEC_DATATYPES",
+    "Body",
+    "InferRequest",
+    "InferResponse",
+    "ProtocolError",
+    "build_infer_request",
+    "build_infer_response",
+    "datatype_of",
+    "decode_tensor",
+    "encode_tensor",
+    "model_metadata",
+    "oip_datatype",
+    "parse_infer_request",
+    "parse_infer_response",
+    "spec_dtype",
+    "spec_from_metadata",
+    "specs_from_model_metadata",
+    "tensor_metadata",
+]
