@@ -10,7 +10,7 @@
     nox -s tests_serving           neuropod-serving (so far the Open Inference Protocol codec)
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
-    nox -s build                   wheels for the core and every plugin into dist/
+    nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
     nox -s wheels                  the same wheels, installed alone into a fresh venv and smoke-tested
     nox -s tests_example           the outside backend in examples/ against the conformance suite
 
@@ -189,7 +189,7 @@ def build(session: nox.Session) -> None:
     session.install("build", "twine")
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    for project in [CORE, *PLUGINS]:
+    for project in [CORE, *PLUGINS, SERVING]:
         session.run("python", "-m", "build", "--outdir", str(dist), str(project))
     session.run("twine", "check", "--strict", *sorted(str(p) for p in dist.iterdir()))
     _check_plugin_needs_our_core(session, dist)
@@ -261,7 +261,7 @@ def wheels(session: nox.Session) -> None:
     session.install("build", "twine")
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    for project in [CORE, *PLUGINS]:
+    for project in [CORE, *PLUGINS, SERVING]:
         session.run("python", "-m", "build", "--wheel", "--outdir", str(dist), str(project), silent=True)
     session.run("twine", "check", "--strict", *sorted(str(p) for p in dist.glob("*.whl")))
 
