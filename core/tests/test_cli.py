@@ -134,3 +134,62 @@ def test_command_line_entry_point(tmp_path: Path) -> None:
     assert "Name:      toy_adder" in result.stdout and "Symbols:   batch_size" in result.stdout
     result = subprocess.run([sys.executable, "-m", "neuropod.cli", "--version"], capture_output=True, text=True)
     assert result.stdout.strip().startswith("neuropod 0.4")
+
+
+# --- commands from other distributions (entry point group neuropod.commands) ---
+
+_COMMAND_MODULE = '''
+def add_arguments(parser):
+    parser.add_argument("word")
+    parser.add_argument("--times", type=int, default=1)
+
+def run(args):
+    print(" ".join([args.word] * args.times))
+    return 7
+'''
+
+
+def _command_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    """A distribution on sys.path whose entry point adds `neuropod echo` (and `neuropod serve`)."""
+    site = tmp_path / "site"
+    info = site / "neuropod_echo-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: neuropod-echo\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[neuropod.commands]\necho = np_echo_cmd\nbackends = np_echo_cmd\n")
+    (site / "np_echo_cmd.py").write_text(source)
+    monkeypatch.syspath_prepend(str(site))
+    sys.modules.pop("np_echo_cmd", None)
+
+
+def test_plugin_command_runs_with_its_own_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _command_distribution(tmp_path, monkeypatch, _COMMAND_MODULE)
+    assert main(["echo", "hi", "--times", "3"]) == 7
+    assert capsys.readouterr().out == "hi hi hi\n"
+    assert main(["--help"]) == 0
+    assert "(from neuropod-echo)" in capsys.readouterr().out
+    # A plugin cannot replace a built-in command, and listing commands imports no plugin module.
+    sys.modules.pop("np_echo_cmd", None)
+    assert main(["backends", "--json"], out=io.StringIO()) == 0
+    assert "np_echo_cmd" not in sys.modules
+
+
+def test_broken_plugin_command_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _command_distribution(tmp_path, monkeypatch, "raise ImportError('no module named starlette')\n")
+    assert main(["echo", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "`neuropod echo` from neuropod-echo failed to load: ImportError: no module named starlette" in err
+    assert "Traceback" not in err
+
+
+def test_serve_without_neuropod_serving_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import neuropod.cli
+
+    monkeypatch.setattr(neuropod.cli, "_plugin_commands", dict)
+    assert main(["serve", "model.neuropod", "--http-port", "9000"]) == 2
+    assert "pip install 'neuropod-serving[server]'" in capsys.readouterr().err

@@ -10,6 +10,7 @@ r"""The ``neuropod`` command.
     neuropod demo                     package a small model, explain, run it
     neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME
     neuropod cache verify [--repair]  re-hash every extracted zip package against its record
+    neuropod serve PKG...             an Open Inference Protocol server (from neuropod-serving)
 
 Every :class:`~neuropod.errors.NeuropodError` (and any ``OSError``,
 ``ValueError`` or other exception that escapes a command) ends the command
@@ -499,6 +500,76 @@ def cmd_cache_verify(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_TEST_FAILED
 
 
+# --- commands from other distributions -------------------------------------
+
+#: Commands other distributions add through the ``neuropod.commands`` entry
+#: point group, and what to install when one is missing.
+KNOWN_PLUGIN_COMMANDS = {"serve": "neuropod-serving[server]"}
+
+
+def _plugin_commands() -> dict[str, Any]:
+    """Entry points of the ``neuropod.commands`` group, by command name (listed, not loaded)."""
+    import importlib_metadata
+
+    return {ep.name: ep for ep in importlib_metadata.entry_points(group="neuropod.commands")}
+
+
+def _invoked_command(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line: the first argument that is not a global option."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _add_plugin_commands(sub: Any, argv: Sequence[str]) -> None:
+    """A subparser per plugin command; only the invoked one's module is imported (to add its arguments).
+
+    A command's module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+    """
+    found = _plugin_commands()
+    invoked = _invoked_command(argv)
+    for name in sorted(set(found) | set(KNOWN_PLUGIN_COMMANDS)):
+        if name in sub.choices:  # a plugin cannot replace a built-in command
+            continue
+        ep = found.get(name)
+        if ep is None:
+            s = sub.add_parser(name, help=f"(needs: pip install '{KNOWN_PLUGIN_COMMANDS[name]}')")
+            s.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            s.set_defaults(func=_missing_command(name))
+            continue
+        dist = getattr(ep.dist, "name", None) or "a plugin"
+        s = sub.add_parser(name, help=f"(from {dist})", description=f"neuropod {name}, from {dist}")
+        if name != invoked:
+            continue
+        try:
+            module = ep.load()
+            module.add_arguments(s)
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not break the other commands
+            s.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            s.set_defaults(func=_broken_command(name, dist, e))
+            continue
+        s.set_defaults(func=lambda args, out, run=module.run: run(args))
+
+
+def _missing_command(name: str) -> Any:
+    def fail(args: argparse.Namespace, out: TextIO) -> int:
+        from neuropod.errors import PluginNotInstalledError
+
+        raise PluginNotInstalledError(
+            f"`neuropod {name}` comes with another distribution: pip install '{KNOWN_PLUGIN_COMMANDS[name]}'"
+        )
+
+    return fail
+
+
+def _broken_command(name: str, dist: str, error: Exception) -> Any:
+    def fail(args: argparse.Namespace, out: TextIO) -> int:
+        raise NeuropodError(
+            f"`neuropod {name}` from {dist} failed to load: {type(error).__name__}: {_one_line(str(error))}. "
+            f"Reinstall {dist}, or run with --debug for the traceback."
+        ) from error
+
+    return fail
+
+
 # --- entry point ----------------------------------------------------------
 
 
@@ -514,7 +585,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"{self.prog}: error: {_safe(message)}\n")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p = _Parser(prog="neuropod", description="Run machine-learning models from any framework.")
     p.add_argument("--version", action="version", version=f"neuropod {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (for bug reports)")
@@ -585,6 +656,8 @@ def _parser() -> argparse.ArgumentParser:
     c = cache_sub.add_parser("verify", help="re-hash every cached file against the record of the zip it came from")
     c.add_argument("--repair", action="store_true", help="remove bad entries (they are extracted again when needed)")
     c.set_defaults(func=cmd_cache_verify)
+
+    _add_plugin_commands(sub, argv)
     return p
 
 
@@ -594,8 +667,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     An error ends the command with one message on stderr (``neuropod CMD: error: ...``) and exit
     status 2, a usage error with argparse's usage and status 2; ``--debug`` adds the traceback.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parser().parse_args(argv)
+        args = _parser(argv).parse_args(argv)
     except SystemExit as e:  # a usage error (printed), --help or --version
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
     out = _safe_stream(out or sys.stdout)
