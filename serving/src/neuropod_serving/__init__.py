@@ -1,8 +1,9 @@
 """Serving for Neuropod models over the Open Inference Protocol (KServe v2).
 
-Only the protocol codec (:mod:`neuropod_serving.protocol`) exists so far;
-``neuropod serve`` and the remote-model client are not built yet. Importing
-this package imports no framework and no server library.
+The protocol codec (:mod:`neuropod_serving.protocol`) and the REST half of
+``neuropod serve`` (:mod:`neuropod_serving.server`) exist so far; gRPC,
+batching and the remote-model client are not built yet. Importing this
+package imports no framework and no server library.
 """
 
 from __future__ import annotations

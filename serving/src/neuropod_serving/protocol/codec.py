@@ -468,7 +468,9 @@ def _numbers_from_json(data: object, datatype: str, shape: list[int], count: int
     if kind not in wanted:
         what = {"b": "true or false", "iu": "JSON integers", "iuf": "JSON numbers"}[wanted]
         raise ProtocolError(f"tensor {name!r}: {datatype} data must be {what}; got {_describe_kind(parsed)}")
-    if kind in "iu" and not np.can_cast(parsed.dtype, target):
+    # Only integer targets have a range to check: JSON integers sent for an FP
+    # tensor ([1, 2] for FP32) are plain numbers and convert like any other.
+    if kind in "iu" and target.kind in "iu" and not np.can_cast(parsed.dtype, target):
         info = np.iinfo(target)
         if parsed.min() < info.min or parsed.max() > info.max:
             raise ProtocolError(f"tensor {name!r}: {datatype} data must lie in [{info.min}, {info.max}]")

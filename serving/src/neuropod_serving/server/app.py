@@ -1,0 +1,216 @@
+"""The REST half of the Open Inference Protocol (KServe v2) on Starlette.
+
+Every request body goes through the one codec (:mod:`neuropod_serving.protocol`);
+this module only routes, bounds, authenticates and maps errors to statuses.
+Decoding, inference and encoding run in a worker thread, so a large tensor or
+a slow model never blocks the event loop (health checks keep answering).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from neuropod.errors import BackendError, NeuropodError, SpecError, WorkerError
+from neuropod_serving import __version__
+from neuropod_serving.protocol import HEADER_LENGTH, ProtocolError, build_infer_response, parse_infer_request
+from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
+from neuropod_serving.server.registry import MODEL_VERSION, ModelRegistry, ServedModel, UnknownModelError
+
+log = logging.getLogger("neuropod_serving.server")
+
+#: Only what is really implemented: clients probe this list before using an extension.
+EXTENSIONS = ["binary_tensor_data"]
+# Load balancers and orchestrators probe these without credentials.
+_OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+class _TooLarge(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class _BearerAuth:
+    """Every route but health needs ``Authorization: Bearer <token>``.
+
+    Pure ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap
+    every response in an extra task and stream.
+    """
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        # compare_digest: the time taken must not tell an attacker how much of a guess was right.
+        if not hmac.compare_digest(given, self.expected):
+            reason = "no Authorization header" if not given else "the bearer token does not match"
+            response = _error(
+                401,
+                f"this server needs 'Authorization: Bearer <token>' ({reason})",
+                headers={"WWW-Authenticate": 'Bearer realm="neuropod"'},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused with 413 before it passes ``limit`` bytes.
+
+    Content-Length is checked before reading anything; a chunked body (no
+    Content-Length) is counted as it streams, so neither kind is ever held
+    in memory past the limit.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ProtocolError(f"Content-Length must be a byte count, not {declared!r}")
+        if int(declared) > limit:
+            raise _TooLarge(
+                f"the request body is {int(declared):,} bytes, more than this server's limit of {limit:,} "
+                "(neuropod serve --max-request-bytes)"
+            )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge(
+                f"the request body passed this server's limit of {limit:,} bytes while streaming "
+                "(neuropod serve --max-request-bytes)"
+            )
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _infer(served: ServedModel, body: bytes, json_length: str | None) -> tuple[bytes, int | None]:
+    """Decode, run and encode one request; runs in a worker thread."""
+    model = served.model
+    request = parse_infer_request(body, json_length, input_spec=model.inputs)
+    requested = list(request.outputs) if request.outputs is not None else None
+    outputs = model.infer(request.inputs, requested)
+    # The response lists outputs in the order asked for, else in spec order.
+    names = requested if requested is not None else [s.name for s in model.outputs if s.name in outputs]
+    names += [n for n in outputs if n not in names]
+    response = build_infer_response(
+        model.name,
+        {n: outputs[n] for n in names},
+        binary=request.binary_outputs(names),
+        model_version=MODEL_VERSION,
+        id=request.id,
+    )
+    return response.content, response.json_length
+
+
+def create_app(
+    registry: ModelRegistry,
+    *,
+    auth_token: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> ASGIApp:
+    """The REST app serving every model in ``registry``.
+
+    :param auth_token: when given, every route except the health probes needs
+        ``Authorization: Bearer <auth_token>``.
+    :param max_request_bytes: larger request bodies get 413 without being read.
+    """
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be at least 1, not {max_request_bytes}")
+    if auth_token is not None and not auth_token:
+        raise ValueError("auth_token is empty: pass None to serve without authentication")
+
+    async def live(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(request: Request) -> Response:
+        # Models load before the server listens, so a listening server is ready.
+        return JSONResponse({"ready": True})
+
+    async def server_metadata(request: Request) -> Response:
+        return JSONResponse({"name": "neuropod", "version": __version__, "extensions": EXTENSIONS})
+
+    def served(request: Request) -> ServedModel:
+        params = request.path_params
+        return registry.get(params["model"], params.get("version"))
+
+    async def metadata(request: Request) -> Response:
+        return JSONResponse(served(request).metadata)
+
+    async def model_ready(request: Request) -> Response:
+        s = served(request)
+        return JSONResponse({"name": s.name, "ready": True})
+
+    async def infer(request: Request) -> Response:
+        s = served(request)
+        body = await _read_body(request, max_request_bytes)
+        content, json_length = await run_in_threadpool(_infer, s, body, request.headers.get(HEADER_LENGTH))
+        if json_length is None:
+            return Response(content, media_type="application/json")
+        return Response(
+            content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)}
+        )
+
+    async def on_protocol_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProtocolError)
+        return _error(exc.status, str(exc))
+
+    async def on_too_large(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, _TooLarge)
+        return _error(413, exc.message)
+
+    async def on_unknown(request: Request, exc: Exception) -> Response:
+        return _error(404, str(exc))
+
+    async def on_spec_error(request: Request, exc: Exception) -> Response:
+        return _error(400, str(exc))
+
+    async def on_model_failure(request: Request, exc: Exception) -> Response:
+        # The model failed, not the request: log it with its cause for the
+        # operator, answer 500 naming the model, and keep serving the others.
+        name = request.path_params.get("model", "?")
+        log.error("model %r failed: %s", name, exc, exc_info=exc)
+        return _error(500, f"model {name!r} failed: {exc}")
+
+    routes = [
+        Route("/v2/health/live", live, methods=["GET"]),
+        Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/v2", server_metadata, methods=["GET"]),
+        Route("/v2/models/{model}", metadata, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}", metadata, methods=["GET"]),
+        Route("/v2/models/{model}/ready", model_ready, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]),
+        Route("/v2/models/{model}/infer", infer, methods=["POST"]),
+        Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
+    ]
+    handlers: dict[Any, Any] = {
+        ProtocolError: on_protocol_error,
+        _TooLarge: on_too_large,
+        UnknownModelError: on_unknown,
+        SpecError: on_spec_error,
+        BackendError: on_model_failure,
+        WorkerError: on_model_failure,
+        # Anything else neuropod raises while running a model (a closed model...).
+        NeuropodError: on_model_failure,
+    }
+    app: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)
+    if auth_token is not None:
+        app = _BearerAuth(app, auth_token)
+    return app

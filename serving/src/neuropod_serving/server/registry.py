@@ -1,0 +1,168 @@
+"""The models a server serves: found on disk, loaded once at start, named by package name.
+
+Pure Python: importing this module imports no server library, so the CLI can
+load (and report on) models before it imports Starlette and uvicorn.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neuropod.errors import NeuropodError, PackageError
+from neuropod.model import NeuropodModel
+from neuropod_serving.protocol import model_metadata
+
+#: The one version every served model has: a package carries no version of
+#: its own, and OIP clients that name a version expect one to exist.
+MODEL_VERSION = "1"
+
+_CONFIG = "config.json"
+
+
+class UnknownModelError(NeuropodError):
+    """A request named a model (or version) the server does not serve; HTTP 404."""
+
+
+@dataclass
+class ServedModel:
+    """One loaded model and what the server answers about it without running it."""
+
+    model: NeuropodModel
+    path: Path
+    #: The body of ``GET /v2/models/{name}``, built once.
+    metadata: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metadata = model_metadata(
+            self.model.name, self.model.inputs, self.model.outputs, platform=self.model.platform, versions=[MODEL_VERSION]
+        )
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+
+def is_package(path: Path) -> bool:
+    """Whether ``path`` is a package: a directory with a config.json, or a zip with one at
+    its top level (or under its single top-level folder, as some tools zip it)."""
+    if path.is_dir():
+        return (path / _CONFIG).is_file()
+    if not path.is_file() or not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+    if _CONFIG in names:
+        return True
+    tops = {n.split("/", 1)[0] for n in names}
+    return len(tops) == 1 and f"{tops.pop()}/{_CONFIG}" in names
+
+
+def find_packages(path: str | os.PathLike[str]) -> list[Path]:
+    """The packages a command-line PATH names: itself when it is a package, else the
+    packages directly inside it (sorted, so start-up order does not depend on the file system).
+
+    :raises PackageError: PATH does not exist, or is neither a package nor a folder holding one.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise PackageError(f"{p}: no such file or directory")
+    if is_package(p):
+        return [p]
+    if not p.is_dir():
+        raise PackageError(f"{p} is not a Neuropod package: it is neither a directory nor a zip with a {_CONFIG}")
+    found = sorted(child for child in p.iterdir() if is_package(child))
+    if not found:
+        raise PackageError(
+            f"{p} holds no Neuropod package: no {_CONFIG} in it, nor in any directory or zip directly inside it"
+        )
+    return found
+
+
+class ModelRegistry:
+    """The served models by name. Read-only once built, so requests need no lock."""
+
+    def __init__(self, models: Iterable[ServedModel] = ()) -> None:
+        self._models: dict[str, ServedModel] = {}
+        for served in models:
+            self.add(served)
+
+    @classmethod
+    def load(
+        cls,
+        paths: Iterable[str | os.PathLike[str]],
+        *,
+        workers: int = 1,
+        loader: Callable[..., NeuropodModel] | None = None,
+        **load_options: Any,
+    ) -> ModelRegistry:
+        """Find and load every package under ``paths``.
+
+        :param workers: above 1, each model runs in that many out-of-process
+            workers (``use_ope=True``), so CPU-bound models are not held to one GIL.
+        :param loader: ``neuropod.load_neuropod`` unless given (tests).
+        :raises PackageError: two packages share a name, or a PATH holds none.
+            Models already loaded are closed before it is raised.
+        """
+        if loader is None:
+            from neuropod import load_neuropod
+
+            loader = load_neuropod
+        if workers > 1:
+            load_options = {**load_options, "use_ope": True, "workers": workers}
+        registry = cls()
+        try:
+            packages = [pkg for path in paths for pkg in find_packages(path)]
+            for pkg in packages:
+                model = loader(pkg, **load_options)
+                try:
+                    registry.add(ServedModel(model, pkg))
+                except BaseException:
+                    model.close()
+                    raise
+        except BaseException:
+            registry.close()
+            raise
+        return registry
+
+    def add(self, served: ServedModel) -> None:
+        """Serve one more model. :raises PackageError: its name is taken."""
+        other = self._models.get(served.name)
+        if other is not None:
+            raise PackageError(
+                f"two packages are both named {served.name!r}: {other.path} and {served.path}; "
+                "a server answers to one model per name, so serve only one of them "
+                "(or rename one when packaging it)"
+            )
+        self._models[served.name] = served
+
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        """:raises UnknownModelError: no such model, or it has no such version."""
+        served = self._models.get(name)
+        if served is None:
+            known = ", ".join(sorted(self._models)) or "(none)"
+            raise UnknownModelError(f"no model named {name!r} is served here; served models: {known}")
+        if version is not None and version != MODEL_VERSION:
+            raise UnknownModelError(f"model {name!r} has only version {MODEL_VERSION!r}, not {version!r}")
+        return served
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._models
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._models.values())
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def close(self) -> None:
+        """Close every model (frees framework resources and stops OPE workers)."""
+        for served in self._models.values():
+            served.model.close()
