@@ -81,7 +81,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     """
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.strip().isdigit():
+        # isascii too: str.isdigit() accepts '²', which int() refuses (a 500, not a 400).
+        if not (declared.strip().isascii() and declared.strip().isdigit()):
             raise ProtocolError(f"Content-Length must be a byte count, not {declared!r}")
         if int(declared) > limit:
             raise _TooLarge(
