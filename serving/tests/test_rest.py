@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import socket
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,67 +32,21 @@ from neuropod_serving.cli import add_arguments, startup_table  # noqa: E402
 from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response  # noqa: E402
 from neuropod_serving.server import ModelRegistry, create_app, find_packages  # noqa: E402
 
-TYPES = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "string": TensorProto.STRING}
-
-
-def _model(nodes: list[Any], inputs: list[tuple[str, str, list[Any]]], outputs: list[tuple[str, str, list[Any]]],
-           inits: list[Any] = ()) -> Any:  # type: ignore[assignment]  # fmt: skip
-    def info(n: str, t: str, s: list[Any]) -> Any:
-        return helper.make_tensor_value_info(n, TYPES[t], s)
-
-    graph = helper.make_graph(nodes, "g", [info(*i) for i in inputs], [info(*o) for o in outputs], initializer=list(inits))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model
-
-
-def _spec(entries: list[tuple[str, str, list[Any]]]) -> list[dict[str, Any]]:
-    return [{"name": n, "dtype": t, "shape": s} for n, t, s in entries]
-
-
-def _package(dest: Path, name: str, nodes: list[Any], inputs: Any, outputs: Any, inits: list[Any] = (), **kw: Any) -> Path:  # type: ignore[assignment]  # fmt: skip
-    from neuropod.packagers import create_onnx_neuropod
-
-    path: Path = create_onnx_neuropod(
-        dest, name, input_spec=_spec(inputs), output_spec=_spec(outputs),
-        onnx_model=_model(nodes, inputs, outputs, inits), **kw,
-    )  # fmt: skip
-    return path
-
-
-ADDER_IN = [("x", "float32", ["batch_size", 2]), ("y", "float32", ["batch_size", 2])]
-ADDER_OUT = [("out", "float32", ["batch_size", 2]), ("doubled", "float32", ["batch_size", 2])]
-ECHO_IN = [("n", "int64", ["batch_size"]), ("s", "string", ["batch_size"])]
-ECHO_OUT = [("n1", "int64", ["batch_size"]), ("s_out", "string", ["batch_size"])]
+from conftest import adder_and_echo, onnx_package, private_caches, serve_in_thread  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def repo() -> Iterator[Path]:
     """A folder of packages (adder, echo as a zip) and a model that fails at run time."""
     root = Path(tempfile.mkdtemp(prefix="neuropod-serving-test-"))
-    old = {k: os.environ.get(k) for k in ("NEUROPOD_CACHE_DIR", "XDG_CACHE_HOME")}
-    # Private package cache, and onnxruntime's telemetry files out of the user's home.
-    os.environ["NEUROPOD_CACHE_DIR"] = str(root / "cache")
-    os.environ["XDG_CACHE_HOME"] = str(root / "xdg")
-    models = root / "models"
-    _package(models / "adder", "adder",
-             [helper.make_node("Add", ["x", "y"], ["out"]), helper.make_node("Mul", ["out", "two"], ["doubled"])],
-             ADDER_IN, ADDER_OUT, [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])])  # fmt: skip
-    _package(models / "echo.zip", "echo",
-             [helper.make_node("Add", ["n", "one"], ["n1"]), helper.make_node("Identity", ["s"], ["s_out"])],
-             ECHO_IN, ECHO_OUT, [helper.make_tensor("one", TensorProto.INT64, [], [1])], package_as_zip=True)  # fmt: skip
-    # Reshape to [2, 2] fails inside onnxruntime for any input that is not 4 elements.
-    _package(root / "broken", "broken", [helper.make_node("Reshape", ["v", "shape"], ["w"])],
-             [("v", "float32", [None])], [("w", "float32", [2, 2])],
-             [helper.make_tensor("shape", TensorProto.INT64, [2], [2, 2])])  # fmt: skip
-    (models / "notes.txt").write_text("not a package")
-    yield root
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with private_caches(root):
+        adder_and_echo(root / "models", echo_as_zip=True)
+        # Reshape to [2, 2] fails inside onnxruntime for any input that is not 4 elements.
+        onnx_package(root / "broken", "broken", [helper.make_node("Reshape", ["v", "shape"], ["w"])],
+                     [("v", "float32", [None])], [("w", "float32", [2, 2])],
+                     [helper.make_tensor("shape", TensorProto.INT64, [2], [2, 2])])  # fmt: skip
+        (root / "models" / "notes.txt").write_text("not a package")
+        yield root
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -116,21 +66,8 @@ def client(registry: ModelRegistry) -> Iterator[TestClient]:
 @pytest.fixture(scope="module")
 def server(registry: ModelRegistry) -> Iterator[str]:
     """A real uvicorn server on a free port, in a background thread; yields host:port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(registry), log_level="warning", lifespan="off")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve_in_thread(create_app(registry)) as port:
+        yield f"127.0.0.1:{port}"
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,55 +34,26 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from onnx import TensorProto, helper  # noqa: E402
 
 from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response  # noqa: E402
 from neuropod_serving.server import ModelRegistry, create_app  # noqa: E402
+
+from conftest import adder_and_echo, private_caches, serve_in_thread  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for worker processes")
 
 TOKEN = "t0ken-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-ADDER_IN = [("x", "float32", ["batch_size", 2]), ("y", "float32", ["batch_size", 2])]
-ADDER_OUT = [("out", "float32", ["batch_size", 2]), ("doubled", "float32", ["batch_size", 2])]
-ECHO_IN = [("n", "int64", ["batch_size"]), ("s", "string", ["batch_size"])]
-ECHO_OUT = [("n1", "int64", ["batch_size"]), ("s_out", "string", ["batch_size"])]
-_TYPES = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "string": TensorProto.STRING}
-
-
-def _package(dest: Path, name: str, nodes: list[Any], inputs: Any, outputs: Any, inits: list[Any]) -> None:
-    from neuropod.packagers import create_onnx_neuropod
-
-    def info(n: str, t: str, s: list[Any]) -> Any:
-        return helper.make_tensor_value_info(n, _TYPES[t], s)
-
-    graph = helper.make_graph(nodes, "g", [info(*i) for i in inputs], [info(*o) for o in outputs], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    spec = lambda entries: [{"name": n, "dtype": t, "shape": s} for n, t, s in entries]  # noqa: E731
-    create_onnx_neuropod(dest, name, input_spec=spec(inputs), output_spec=spec(outputs), onnx_model=model)
 
 
 @pytest.fixture(scope="module")
 def repo() -> Iterator[Path]:
     """A folder with the adder and echo packages, a token file, and a private cache."""
     root = Path(tempfile.mkdtemp(prefix="neuropod-serve-process-"))
-    old = {k: os.environ.get(k) for k in ("NEUROPOD_CACHE_DIR", "XDG_CACHE_HOME")}
-    os.environ["NEUROPOD_CACHE_DIR"] = str(root / "cache")
-    os.environ["XDG_CACHE_HOME"] = str(root / "xdg")
-    _package(root / "models" / "adder", "adder",
-             [helper.make_node("Add", ["x", "y"], ["out"]), helper.make_node("Mul", ["out", "two"], ["doubled"])],
-             ADDER_IN, ADDER_OUT, [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])])  # fmt: skip
-    _package(root / "models" / "echo", "echo",
-             [helper.make_node("Add", ["n", "one"], ["n1"]), helper.make_node("Identity", ["s"], ["s_out"])],
-             ECHO_IN, ECHO_OUT, [helper.make_tensor("one", TensorProto.INT64, [], [1])])  # fmt: skip
-    (root / "token").write_text(f"{TOKEN}\nsecond line is ignored\n")
-    yield root
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with private_caches(root):
+        adder_and_echo(root / "models", echo_as_zip=False)
+        (root / "token").write_text(f"{TOKEN}\nsecond line is ignored\n")
+        yield root
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -258,21 +228,8 @@ def test_serve_process_quiet_with_workers(repo: Path) -> None:
 def fuzz_server(repo: Path) -> Iterator[str]:
     """A real uvicorn server in a background thread with a small body limit; yields its base URL."""
     registry = ModelRegistry.load([repo / "models"])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(registry, max_request_bytes=4096), log_level="critical", lifespan="off")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve_in_thread(create_app(registry, max_request_bytes=4096), log_level="critical") as port:
+        yield f"http://127.0.0.1:{port}"
     registry.close()
 
 

@@ -1,0 +1,95 @@
+"""What the REST and process tests share: real ONNX packages, private caches, a server in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ADDER_IN = [("x", "float32", ["batch_size", 2]), ("y", "float32", ["batch_size", 2])]
+ADDER_OUT = [("out", "float32", ["batch_size", 2]), ("doubled", "float32", ["batch_size", 2])]
+ECHO_IN = [("n", "int64", ["batch_size"]), ("s", "string", ["batch_size"])]
+ECHO_OUT = [("n1", "int64", ["batch_size"]), ("s_out", "string", ["batch_size"])]
+
+
+def spec(entries: list[tuple[str, str, list[Any]]]) -> list[dict[str, Any]]:
+    return [{"name": n, "dtype": t, "shape": s} for n, t, s in entries]
+
+
+def onnx_package(dest: Path, name: str, nodes: list[Any], inputs: Any, outputs: Any,
+                 inits: list[Any] = (), **kw: Any) -> Path:  # type: ignore[assignment]  # fmt: skip
+    """Package a real ONNX graph (IR 8, opset 17) of ``nodes`` over (name, dtype, shape) triples."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from neuropod.packagers import create_onnx_neuropod
+
+    types = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "string": TensorProto.STRING}
+
+    def info(n: str, t: str, s: list[Any]) -> Any:
+        return helper.make_tensor_value_info(n, types[t], s)
+
+    graph = helper.make_graph(nodes, "g", [info(*i) for i in inputs], [info(*o) for o in outputs], initializer=list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path: Path = create_onnx_neuropod(
+        dest, name, input_spec=spec(inputs), output_spec=spec(outputs), onnx_model=model, **kw
+    )
+    return path
+
+
+def adder_and_echo(models: Path, *, echo_as_zip: bool) -> None:
+    """``adder`` (out = x + y, doubled = 2 * out, FP32) and ``echo`` (n1 = n + 1, s_out = s, INT64 and BYTES)."""
+    from onnx import TensorProto, helper
+
+    onnx_package(models / "adder", "adder",
+                 [helper.make_node("Add", ["x", "y"], ["out"]), helper.make_node("Mul", ["out", "two"], ["doubled"])],
+                 ADDER_IN, ADDER_OUT, [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])])  # fmt: skip
+    onnx_package(models / ("echo.zip" if echo_as_zip else "echo"), "echo",
+                 [helper.make_node("Add", ["n", "one"], ["n1"]), helper.make_node("Identity", ["s"], ["s_out"])],
+                 ECHO_IN, ECHO_OUT, [helper.make_tensor("one", TensorProto.INT64, [], [1])],
+                 package_as_zip=echo_as_zip)  # fmt: skip
+
+
+@contextlib.contextmanager
+def private_caches(root: Path) -> Iterator[None]:
+    """A package cache and XDG_CACHE_HOME (onnxruntime's telemetry files) under ``root``, for a module's fixtures."""
+    old = {k: os.environ.get(k) for k in ("NEUROPOD_CACHE_DIR", "XDG_CACHE_HOME")}
+    os.environ["NEUROPOD_CACHE_DIR"] = str(root / "cache")
+    os.environ["XDG_CACHE_HOME"] = str(root / "xdg")
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, *, log_level: str = "warning") -> Iterator[int]:
+    """A real uvicorn server for ``app`` on a free port, in a background thread; yields the port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        yield sock.getsockname()[1]
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        sock.close()
