@@ -30,7 +30,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from neuropod.errors import PackageError  # noqa: E402
 from neuropod_serving.cli import add_arguments, startup_table  # noqa: E402
 from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response  # noqa: E402
-from neuropod_serving.server import ModelRegistry, create_app, find_packages  # noqa: E402
+from neuropod_serving.server import Engine, ModelRegistry, create_app, find_packages  # noqa: E402
 
 from conftest import adder_and_echo, onnx_package, private_caches, serve_in_thread  # noqa: E402
 
@@ -51,22 +51,27 @@ def repo() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def registry(repo: Path) -> Iterator[ModelRegistry]:
-    reg = ModelRegistry.load([repo / "models", repo / "broken"])
-    yield reg
-    reg.close()
+def engine(repo: Path) -> Iterator[Engine]:
+    eng = Engine(ModelRegistry.load([repo / "models", repo / "broken"]))
+    yield eng
+    eng.close()
 
 
 @pytest.fixture(scope="module")
-def client(registry: ModelRegistry) -> Iterator[TestClient]:
-    with TestClient(create_app(registry, max_request_bytes=4096), raise_server_exceptions=False) as c:
+def registry(engine: Engine) -> ModelRegistry:
+    return engine.registry
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> Iterator[TestClient]:
+    with TestClient(create_app(engine, max_request_bytes=4096), raise_server_exceptions=False) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def server(registry: ModelRegistry) -> Iterator[str]:
+def server(engine: Engine) -> Iterator[str]:
     """A real uvicorn server on a free port, in a background thread; yields host:port."""
-    with serve_in_thread(create_app(registry)) as port:
+    with serve_in_thread(create_app(engine)) as port:
         yield f"127.0.0.1:{port}"
 
 
@@ -111,7 +116,7 @@ def test_cli_arguments_and_startup_table(registry: ModelRegistry) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["a", "--workers", "0"])
     table = startup_table(registry).splitlines()
-    assert table[0].split() == ["MODEL", "PLATFORM", "BACKEND", "DEVICE", "INPUTS"]
+    assert table[0].split() == ["MODEL", "PLATFORM", "BACKEND", "DEVICE", "BATCHED", "INPUTS"]
     adder = next(line for line in table if line.startswith("adder"))
     assert "onnx" in adder and "cpu" in adder and "x: float32[batch_size, 2], y: float32[batch_size, 2]" in adder
 
@@ -132,7 +137,7 @@ def test_triton_health_and_metadata(triton: Any) -> None:
     assert triton.is_model_ready("adder") and triton.is_model_ready("adder", "1")
     assert not triton.is_model_ready("nope")
     meta = triton.get_server_metadata()
-    assert meta["name"] == "neuropod" and meta["extensions"] == ["binary_tensor_data"]
+    assert meta["name"] == "neuropod" and meta["extensions"] == ["binary_tensor_data", "model_repository"]
     model = triton.get_model_metadata("adder")
     assert model["platform"] == "onnx" and model["versions"] == ["1"]
     assert model["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": [-1, 2],
@@ -279,8 +284,8 @@ def test_chunked_body_over_limit_is_413_while_streaming(client: TestClient) -> N
     assert r.status_code == 413 and "while streaming" in r.json()["error"]
 
 
-def test_auth_token(registry: ModelRegistry) -> None:
-    with TestClient(create_app(registry, auth_token="s3cret")) as c:
+def test_auth_token(engine: Engine) -> None:
+    with TestClient(create_app(engine, auth_token="s3cret")) as c:
         assert c.get("/v2/health/live").status_code == 200
         assert c.get("/v2/health/ready").status_code == 200
         for path in ("/v2", "/v2/models/adder", "/v2/models/adder/ready"):

@@ -36,7 +36,7 @@ httpx = pytest.importorskip("httpx")
 
 
 from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response  # noqa: E402
-from neuropod_serving.server import ModelRegistry, create_app  # noqa: E402
+from neuropod_serving.server import Engine, ModelRegistry, create_app  # noqa: E402
 
 from conftest import adder_and_echo, private_caches, serve_in_thread  # noqa: E402
 
@@ -227,10 +227,10 @@ def test_serve_process_quiet_with_workers(repo: Path) -> None:
 @pytest.fixture(scope="module")
 def fuzz_server(repo: Path) -> Iterator[str]:
     """A real uvicorn server in a background thread with a small body limit; yields its base URL."""
-    registry = ModelRegistry.load([repo / "models"])
-    with serve_in_thread(create_app(registry, max_request_bytes=4096), log_level="critical") as port:
+    engine = Engine(ModelRegistry.load([repo / "models"]))
+    with serve_in_thread(create_app(engine, max_request_bytes=4096), log_level="critical") as port:
         yield f"http://127.0.0.1:{port}"
-    registry.close()
+    engine.close()
 
 
 @pytest.fixture(scope="module")

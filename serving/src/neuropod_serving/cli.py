@@ -1,4 +1,4 @@
-"""``neuropod serve PATH...``: serve packages over the Open Inference Protocol (REST).
+"""``neuropod serve PATH...``: serve packages over the Open Inference Protocol (REST and gRPC).
 
 The core's ``neuropod`` command finds this module through the
 ``neuropod.commands`` entry point and calls :func:`add_arguments` and
@@ -9,9 +9,10 @@ The core's ``neuropod`` command finds this module through the
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from neuropod.errors import NeuropodError
 
@@ -35,24 +36,57 @@ def _port(text: str) -> int:
     return value
 
 
+def _port_or_off(text: str) -> int:
+    if text.strip() == "0":
+        return 0
+    return _port(text)
+
+
+def _delay_us(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of microseconds") from None
+    if not 0 <= value <= 10_000_000:
+        raise argparse.ArgumentTypeError(f"must be 0 to 10,000,000 microseconds (10 s), not {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``neuropod serve``."""
     parser.add_argument("paths", nargs="+", metavar="PATH", help="a package (directory or zip) or a folder of packages")
     parser.add_argument("--http-port", type=_port, default=8000, help="REST port (default 8000)")
+    parser.add_argument("--grpc-port", type=_port_or_off, default=8001, help="gRPC port (default 8001; 0: no gRPC)")
+    parser.add_argument(
+        "--metrics-port", type=_port_or_off, default=8002,
+        help="port answering only GET /metrics (default 8002; 0: none; /metrics is on the REST port too)",
+    )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument(
         "--workers", type=_positive, default=1,
         help="above 1, run each model in N out-of-process workers so CPU-bound models are not held to one GIL",
     )  # fmt: skip
     parser.add_argument(
-        "--auth-token-file", type=Path, metavar="FILE",
-        help="require 'Authorization: Bearer <token>' (the file's first line) on every route except health",
+        "--max-batch-size", type=_positive, default=1, metavar="B",
+        help="above 1, batch requests to models whose spec has a batch dimension, up to B rows per run",
     )  # fmt: skip
     parser.add_argument(
-        "--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="B",
-        help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_REQUEST_BYTES:,})",
+        "--max-queue-delay-us", type=_delay_us, default=0, metavar="D",
+        help="with --max-batch-size: wait up to D microseconds after the oldest request for more "
+        "to join its batch (default 0: batch what is waiting)",
     )  # fmt: skip
-    parser.add_argument("--quiet", action="store_true", help="no start-up table and no access log")
+    parser.add_argument(
+        "--auth-token-file", type=Path, metavar="FILE",
+        help="require 'Authorization: Bearer <token>' (the file's first line) on every route except health "
+        "(gRPC: the same in 'authorization' metadata)",
+    )  # fmt: skip
+    parser.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve REST, gRPC and metrics over TLS with this certificate (chain)")
+    parser.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument(
+        "--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="B",
+        help=f"refuse larger request bodies with 413 (gRPC: RESOURCE_EXHAUSTED) (default {DEFAULT_MAX_REQUEST_BYTES:,})",
+    )  # fmt: skip
+    parser.add_argument("--quiet", action="store_true", help="no start-up table and no access log (warnings and errors only)")
 
 
 def read_token(path: Path) -> str:
@@ -71,43 +105,157 @@ def read_token(path: Path) -> str:
     return token
 
 
-def startup_table(registry: object) -> str:
-    """One row per model: name, platform, backend, device and inputs."""
-    from neuropod_serving.server import ModelRegistry
+def read_tls(cert: Path | None, key: Path | None) -> tuple[bytes, bytes] | None:
+    """The PEM certificate chain and key, or None without TLS.
+
+    :raises NeuropodError: only one of the two is given, or one cannot be read.
+    """
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        given, missing = ("--tls-cert", "--tls-key") if cert is not None else ("--tls-key", "--tls-cert")
+        raise NeuropodError(f"{given} needs {missing} too: TLS takes a certificate and its private key")
+    pems = []
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise NeuropodError(f"{flag} {path}: cannot read it ({e})") from None
+        if b"-----BEGIN " not in data:
+            raise NeuropodError(f"{flag} {path} is not PEM (no '-----BEGIN' line)")
+        pems.append(data)
+    return pems[0], pems[1]
+
+
+def startup_table(registry: object, engine: object | None = None) -> str:
+    """One row per model: name, platform, backend, device, batching and inputs."""
+    from neuropod_serving.server import Engine, ModelRegistry
 
     assert isinstance(registry, ModelRegistry)
-    rows = [("MODEL", "PLATFORM", "BACKEND", "DEVICE", "INPUTS")]
+    rows = [("MODEL", "PLATFORM", "BACKEND", "DEVICE", "BATCHED", "INPUTS")]
     for served in registry:
         m = served.model
         inputs = ", ".join(f"{s.name}: {s.dtype}{list(s.shape)}".replace("'", "") for s in m.inputs)
-        rows.append((m.name, m.platform, m.backend.id, m.device, inputs))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(r[:4], widths)), r[4]]).rstrip() for r in rows)
+        if isinstance(engine, Engine):
+            on, why = engine.batched(m.name)
+            batched = "yes" if on else f"no ({why})"
+        else:
+            batched = "no"
+        rows.append((m.name, m.platform, m.backend.id, m.device, batched, inputs))
+    n = len(rows[0]) - 1
+    widths = [max(len(r[i]) for r in rows) for i in range(n)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(r[:n], widths)), r[n]]).rstrip() for r in rows)
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Load every package, print the table, and serve until interrupted."""
     out = out or sys.stdout
     token = read_token(args.auth_token_file) if args.auth_token_file is not None else None
-    from neuropod_serving.server import ModelRegistry, create_app
-
-    # Models load before the port opens: a bad package fails the start, not the first request.
-    registry = ModelRegistry.load(args.paths, workers=args.workers)
-    try:
-        import uvicorn
-
-        app = create_app(registry, auth_token=token, max_request_bytes=args.max_request_bytes)
-        if not args.quiet:
-            print(startup_table(registry), file=out)
-            auth = "bearer token required" if token else "no authentication"
-            print(f"serving {len(registry)} model(s) on http://{args.host}:{args.http_port}/v2 ({auth})", file=out, flush=True)
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.http_port,
-            log_level="warning" if args.quiet else "info",
-            access_log=not args.quiet,
+    tls = read_tls(args.tls_cert, args.tls_key)
+    ports = [p for p in (args.http_port, args.grpc_port, args.metrics_port) if p]
+    if len(set(ports)) != len(ports):
+        raise NeuropodError(
+            f"--http-port {args.http_port}, --grpc-port {args.grpc_port} and --metrics-port {args.metrics_port} "
+            "must differ (0 turns gRPC or the metrics port off)"
         )
+    from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry
+    from neuropod_serving.server.metrics import ServerMetrics
+
+    if not args.quiet:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    # Models load before the ports open: a bad package fails the start, not the first request.
+    registry = ModelRegistry.load(args.paths, workers=args.workers)
+    batching = BatchPolicy(args.max_batch_size, args.max_queue_delay_us / 1e6) if args.max_batch_size > 1 else None
+    engine = Engine(registry, batching=batching, metrics=ServerMetrics())
+    try:
+        if not args.quiet:
+            print(startup_table(registry, engine), file=out)
+        _serve(engine, args, token, tls, out)
     finally:
-        registry.close()
+        engine.close()
     return 0
+
+
+def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[bytes, bytes] | None, out: TextIO) -> None:
+    import asyncio
+    import tempfile
+
+    import uvicorn
+
+    from neuropod_serving.server import create_app
+    from neuropod_serving.server.app import metrics_only
+
+    scheme = "https" if tls else "http"
+    app = create_app(engine, auth_token=token, max_request_bytes=args.max_request_bytes)
+    sockets = [_bind(args.host, args.http_port, "--http-port")]
+    if args.metrics_port:
+        sockets.append(_bind(args.host, args.metrics_port, "--metrics-port"))
+        app = metrics_only(app, port=args.metrics_port)
+
+    async def main() -> None:
+        grpc_server = None
+        with tempfile.TemporaryDirectory(prefix="neuropod-tls-") as tmp:
+            ssl: dict[str, Any] = {}
+            if tls is not None:
+                # uvicorn reads files: copies private to this process, removed at exit.
+                cert, key = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+                cert.write_bytes(tls[0])
+                key.touch(mode=0o600)
+                key.write_bytes(tls[1])
+                ssl = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+            config = uvicorn.Config(
+                app, log_level="warning" if args.quiet else "info", access_log=not args.quiet,
+                lifespan="off", timeout_graceful_shutdown=5, **ssl,
+            )  # fmt: skip
+            server = uvicorn.Server(config)
+            if args.grpc_port:
+                from neuropod_serving.server.grpc_service import start_grpc_server
+
+                grpc_server, _ = await start_grpc_server(
+                    engine, f"{args.host}:{args.grpc_port}", auth_token=token, tls=tls,
+                    max_message_bytes=args.max_request_bytes, access_log=not args.quiet,
+                )  # fmt: skip
+            try:
+                if not args.quiet:
+                    auth = "bearer token required" if token else "no authentication"
+                    where = [f"REST {scheme}://{_show_host(args.host)}:{args.http_port}/v2"]
+                    if args.grpc_port:
+                        where.append(f"gRPC {_show_host(args.host)}:{args.grpc_port}{' (TLS)' if tls else ''}")
+                    if args.metrics_port:
+                        where.append(f"metrics {scheme}://{_show_host(args.host)}:{args.metrics_port}/metrics")
+                    print(f"serving {len(engine.registry)} model(s): {', '.join(where)} ({auth})", file=out, flush=True)
+                await server.serve(sockets=sockets)
+            finally:
+                if grpc_server is not None:
+                    await grpc_server.stop(grace=2)
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _show_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _bind(host: str, port: int, flag: str) -> Any:
+    """A listening socket on host:port, bound now so a port in use fails the start with its flag named."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise NeuropodError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -1,4 +1,5 @@
-"""``neuropod serve``: the model registry and the Open Inference Protocol REST app.
+"""``neuropod serve``: the model registry, the engine (batching, threads,
+metrics) and the Open Inference Protocol front ends (REST app, gRPC servicer).
 
 Importing this package imports no server library: :func:`create_app` imports
 Starlette when called, so the CLI can load models (and fail fast on a bad
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from neuropod_serving.server.batching import BatchPolicy, batch_symbol
+from neuropod_serving.server.engine import Engine
 from neuropod_serving.server.registry import (
     MODEL_VERSION,
     ModelRegistry,
+    RepositoryEntry,
     ServedModel,
     UnknownModelError,
     find_packages,
@@ -25,19 +29,23 @@ DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
 
 
 def create_app(
-    registry: ModelRegistry,
+    engine: Engine,
     *,
     auth_token: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> ASGIApp:
-    """The Starlette app serving ``registry``; see :func:`neuropod_serving.server.app.create_app`."""
+    """The Starlette app serving ``engine``'s models; see :func:`neuropod_serving.server.app.create_app`."""
     from neuropod_serving.server.app import create_app as create
 
-    return create(registry, auth_token=auth_token, max_request_bytes=max_request_bytes)
+    return create(engine, auth_token=auth_token, max_request_bytes=max_request_bytes)
 
 
 __all__ = [
+    "BatchPolicy",
     "DEFAULT_MAX_REQUEST_BYTES",
+    "Engine",
+    "RepositoryEntry",
+    "batch_symbol",
     "MODEL_VERSION",
     "ModelRegistry",
     "ServedModel",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from typing import Any
 
 from starlette.applications import Starlette
@@ -21,14 +22,22 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from neuropod.errors import BackendError, NeuropodError, SpecError, WorkerError
 from neuropod_serving import __version__
-from neuropod_serving.protocol import HEADER_LENGTH, ProtocolError, build_infer_response, parse_infer_request
+from neuropod_serving.protocol import (
+    HEADER_LENGTH,
+    InferRequest,
+    ProtocolError,
+    build_infer_response,
+    parse_infer_request,
+)
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
-from neuropod_serving.server.registry import MODEL_VERSION, ModelRegistry, ServedModel, UnknownModelError
+from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
+from neuropod_serving.server.registry import MODEL_VERSION, ServedModel, UnknownModelError
 
 log = logging.getLogger("neuropod_serving.server")
 
 #: Only what is really implemented: clients probe this list before using an extension.
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "model_repository"]
 # Load balancers and orchestrators probe these without credentials.
 _OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 
@@ -102,17 +111,22 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _infer(served: ServedModel, body: bytes, json_length: str | None) -> tuple[bytes, int | None]:
-    """Decode, run and encode one request; runs in a worker thread."""
-    model = served.model
-    request = parse_infer_request(body, json_length, input_spec=model.inputs)
+#: Bodies up to this size are decoded and encoded on the event loop: a thread
+#: hop costs more than parsing them. Larger ones go to a worker thread.
+INLINE_BODY_BYTES = 64 * 1024
+
+
+def _decode(served: ServedModel, body: bytes, json_length: str | None) -> InferRequest:
+    return parse_infer_request(body, json_length, input_spec=served.model.inputs)
+
+
+def _encode(served: ServedModel, request: InferRequest, outputs: dict[str, Any]) -> tuple[bytes, int | None]:
     requested = list(request.outputs) if request.outputs is not None else None
-    outputs = model.infer(request.inputs, requested)
     # The response lists outputs in the order asked for, else in spec order.
-    names = requested if requested is not None else [s.name for s in model.outputs if s.name in outputs]
+    names = requested if requested is not None else [s.name for s in served.model.outputs if s.name in outputs]
     names += [n for n in outputs if n not in names]
     response = build_infer_response(
-        model.name,
+        served.name,
         {n: outputs[n] for n in names},
         binary=request.binary_outputs(names),
         model_version=MODEL_VERSION,
@@ -121,13 +135,27 @@ def _infer(served: ServedModel, body: bytes, json_length: str | None) -> tuple[b
     return response.content, response.json_length
 
 
+def metrics_only(app: ASGIApp, *, port: int) -> ASGIApp:
+    """``app``, except that connections to ``port`` get only ``GET /metrics`` (404 for the rest),
+    so one uvicorn server answers on the REST port and on the metrics port."""
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        server = scope.get("server")
+        if scope["type"] == "http" and server is not None and server[1] == port and scope["path"] != "/metrics":
+            await _error(404, f"port {port} serves only GET /metrics")(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    return route
+
+
 def create_app(
-    registry: ModelRegistry,
+    engine: Engine,
     *,
     auth_token: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> ASGIApp:
-    """The REST app serving every model in ``registry``.
+    """The REST app serving every model of ``engine``, and its metrics at ``/metrics``.
 
     :param auth_token: when given, every route except the health probes needs
         ``Authorization: Bearer <auth_token>``.
@@ -150,7 +178,7 @@ def create_app(
 
     def served(request: Request) -> ServedModel:
         params = request.path_params
-        return registry.get(params["model"], params.get("version"))
+        return engine.get(params["model"], params.get("version"))
 
     async def metadata(request: Request) -> Response:
         return JSONResponse(served(request).metadata)
@@ -159,15 +187,70 @@ def create_app(
         s = served(request)
         return JSONResponse({"name": s.name, "ready": True})
 
+    metrics = engine.metrics
+
     async def infer(request: Request) -> Response:
-        s = served(request)
-        body = await _read_body(request, max_request_bytes)
-        content, json_length = await run_in_threadpool(_infer, s, body, request.headers.get(HEADER_LENGTH))
+        started = time.perf_counter()
+        name = request.path_params["model"]
+        failure: str | None = "client"
+        try:
+            s = served(request)
+            body = await _read_body(request, max_request_bytes)
+            header_length = request.headers.get(HEADER_LENGTH)
+            small = len(body) <= INLINE_BODY_BYTES
+            decoded = (
+                _decode(s, body, header_length) if small else await run_in_threadpool(_decode, s, body, header_length)
+            )
+            requested = list(decoded.outputs) if decoded.outputs is not None else None
+            failure = "model"
+            try:
+                outputs = await engine.infer(s, decoded.inputs, requested)
+            except SpecError:
+                failure = "client"
+                raise
+            content, json_length = (
+                _encode(s, decoded, outputs) if small else await run_in_threadpool(_encode, s, decoded, outputs)
+            )
+            failure = None
+        finally:
+            if name in engine.registry:
+                metrics.request(name, "rest", time.perf_counter() - started, failure)
         if json_length is None:
             return Response(content, media_type="application/json")
         return Response(
             content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)}
         )
+
+    async def prometheus(request: Request) -> Response:
+        if not isinstance(metrics, ServerMetrics):
+            return _error(404, "this server keeps no metrics")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def repository_index(request: Request) -> Response:
+        await _read_body(request, max_request_bytes)  # '{}' or a filter we do not need: all are listed
+        entries = await run_in_threadpool(engine.registry.index)
+        return JSONResponse([e.to_json() for e in entries])
+
+    async def repository_load(request: Request) -> Response:
+        await _read_body(request, max_request_bytes)
+        name = request.path_params["model"]
+        try:
+            await run_in_threadpool(engine.load, name)
+        except UnknownModelError:
+            raise
+        except NeuropodError as e:
+            # The package is at fault, not a running model: 400 like Triton, naming the model.
+            log.error("loading model %r failed: %s", name, e)
+            return _error(400, f"failed to load model {name!r}: {e}")
+        log.info("loaded model %r", name)
+        return JSONResponse({})
+
+    async def repository_unload(request: Request) -> Response:
+        await _read_body(request, max_request_bytes)
+        name = request.path_params["model"]
+        await run_in_threadpool(engine.unload, name)
+        log.info("unloaded model %r", name)
+        return JSONResponse({})
 
     async def on_protocol_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ProtocolError)
@@ -200,6 +283,10 @@ def create_app(
         Route("/v2/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]),
         Route("/v2/models/{model}/infer", infer, methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
+        Route("/v2/repository/models/{model}/load", repository_load, methods=["POST"]),
+        Route("/v2/repository/models/{model}/unload", repository_unload, methods=["POST"]),
+        Route("/metrics", prometheus, methods=["GET"]),
     ]
     handlers: dict[Any, Any] = {
         ProtocolError: on_protocol_error,

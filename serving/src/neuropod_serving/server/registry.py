@@ -86,11 +86,43 @@ def find_packages(path: str | os.PathLike[str]) -> list[Path]:
     return found
 
 
-class ModelRegistry:
-    """The served models by name. Read-only once built, so requests need no lock."""
+@dataclass(frozen=True)
+class RepositoryEntry:
+    """One package of the repository (the PATHs given at start), loaded or not."""
 
-    def __init__(self, models: Iterable[ServedModel] = ()) -> None:
+    name: str
+    path: Path | None
+    #: "READY" (loaded), "UNAVAILABLE" (found, not loaded) or "UNREADABLE".
+    state: str
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "version": MODEL_VERSION, "state": self.state}
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+class ModelRegistry:
+    """The served models by name, and the repository (PATHs) they were found in.
+
+    Lookups take no lock (a dict read is atomic); loading and unloading are
+    serialized by the :class:`~neuropod_serving.server.engine.Engine` that owns it.
+    """
+
+    def __init__(
+        self,
+        models: Iterable[ServedModel] = (),
+        *,
+        paths: Iterable[str | os.PathLike[str]] = (),
+        loader: Callable[..., NeuropodModel] | None = None,
+        load_options: dict[str, Any] | None = None,
+    ) -> None:
         self._models: dict[str, ServedModel] = {}
+        self.paths = [Path(p) for p in paths]
+        self._loader = loader
+        #: The keyword arguments every model is loaded with (``workers`` among them).
+        self.load_options: dict[str, Any] = dict(load_options or {})
         for served in models:
             self.add(served)
 
@@ -111,26 +143,88 @@ class ModelRegistry:
         :raises PackageError: two packages share a name, or a PATH holds none.
             Models already loaded are closed before it is raised.
         """
-        if loader is None:
-            from neuropod import load_neuropod
-
-            loader = load_neuropod
         if workers > 1:
             load_options = {**load_options, "use_ope": True, "workers": workers}
-        registry = cls()
+        paths = list(paths)
+        registry = cls(paths=paths, loader=loader, load_options=load_options)
         try:
             packages = [pkg for path in paths for pkg in find_packages(path)]
             for pkg in packages:
-                model = loader(pkg, **load_options)
-                try:
-                    registry.add(ServedModel(model, pkg))
-                except BaseException:
-                    model.close()
-                    raise
+                registry._load_path(pkg)
         except BaseException:
             registry.close()
             raise
         return registry
+
+    def _load_path(self, pkg: Path) -> ServedModel:
+        loader = self._loader
+        if loader is None:
+            from neuropod import load_neuropod
+
+            loader = load_neuropod
+        model = loader(pkg, **self.load_options)
+        try:
+            served = ServedModel(model, pkg)
+            self.add(served)
+        except BaseException:
+            model.close()
+            raise
+        return served
+
+    def index(self) -> list[RepositoryEntry]:
+        """Every package under the repository PATHs now (rescanned), and every loaded model."""
+        from neuropod.package import read_package
+
+        entries: list[RepositoryEntry] = []
+        for path in self.paths:
+            try:
+                found = find_packages(path)
+            except PackageError:
+                continue  # a PATH removed since start: nothing to list there
+            for pkg in found:
+                served = next((s for s in self._models.values() if s.path == pkg), None)
+                if served is not None:
+                    entries.append(RepositoryEntry(served.name, pkg, "READY"))
+                    continue
+                try:
+                    name = read_package(pkg).name
+                except NeuropodError as e:
+                    entries.append(RepositoryEntry(pkg.name, pkg, "UNREADABLE", str(e)))
+                    continue
+                loaded = self._models.get(name)
+                reason = f"another package named {name!r} is loaded ({loaded.path})" if loaded else "not loaded"
+                entries.append(RepositoryEntry(name, pkg, "UNAVAILABLE", reason))
+        listed = {e.path for e in entries}
+        entries += [RepositoryEntry(s.name, s.path, "READY") for s in self._models.values() if s.path not in listed]
+        return sorted(entries, key=lambda e: (e.name, str(e.path)))
+
+    def load_model(self, name: str) -> ServedModel:
+        """Load model ``name`` from the repository, replacing the loaded one of that name (a reload).
+
+        :raises UnknownModelError: no package under the repository PATHs has that name.
+        :raises PackageError: several do, or the package fails to load (the old model
+            stays unloaded then: a failed reload serves nothing stale).
+        """
+        candidates = [e for e in self.index() if e.name == name and e.path is not None and e.state != "UNREADABLE"]
+        if not candidates:
+            where = ", ".join(str(p) for p in self.paths) or "(no repository paths)"
+            raise UnknownModelError(f"no package named {name!r} under the repository paths: {where}")
+        paths = {e.path for e in candidates}
+        if len(paths) > 1:
+            raise PackageError(
+                f"several packages are named {name!r}: {', '.join(sorted(map(str, paths)))}; remove or rename all but one"
+            )
+        path = paths.pop()
+        assert path is not None
+        if name in self._models:
+            self.unload_model(name)
+        return self._load_path(path)
+
+    def unload_model(self, name: str) -> None:
+        """Stop serving ``name`` and close it. :raises UnknownModelError: it is not loaded."""
+        served = self.get(name)
+        del self._models[name]
+        served.model.close()
 
     def add(self, served: ServedModel) -> None:
         """Serve one more model. :raises PackageError: its name is taken."""
@@ -148,7 +242,7 @@ class ModelRegistry:
         served = self._models.get(name)
         if served is None:
             known = ", ".join(sorted(self._models)) or "(none)"
-            raise UnknownModelError(f"no model named {name!r} is served here; served models: {known}")
+            raise UnknownModelError(f"no model named {name!r} is loaded here; loaded models: {known}")
         if version is not None and version != MODEL_VERSION:
             raise UnknownModelError(f"model {name!r} has only version {MODEL_VERSION!r}, not {version!r}")
         return served
@@ -157,12 +251,13 @@ class ModelRegistry:
         return name in self._models
 
     def __iter__(self) -> Iterator[ServedModel]:
-        return iter(self._models.values())
+        return iter(list(self._models.values()))
 
     def __len__(self) -> int:
         return len(self._models)
 
     def close(self) -> None:
         """Close every model (frees framework resources and stops OPE workers)."""
-        for served in self._models.values():
+        for served in list(self._models.values()):
             served.model.close()
+        self._models.clear()

@@ -1,0 +1,244 @@
+"""Dynamic batching derived from the problem spec.
+
+A model can be batched when every input and every output has the same symbol
+(Neuropod's ``batch_size``) as its first dim, and nowhere else: then requests
+can be concatenated along that dim, run once, and the outputs split back by
+the rows each request sent. Nothing is configured per model; a model without
+such a symbol is never batched.
+
+The batcher is a thread per model, not an asyncio task, so the REST server
+and the gRPC server (and anything else holding an event loop, or none) hand
+it requests alike and await a ``concurrent.futures.Future``.
+
+Policy (Triton's ``dynamic_batching`` in spirit): the oldest waiting request
+opens a batch; the batch takes every waiting request with the same other dims
+(in arrival order) up to ``max_batch_size`` rows, waiting at most
+``max_queue_delay`` after that oldest request arrived for more to come. While
+``inflight`` batches run, new requests queue, so under load batches grow on
+their own even with a delay of 0. A request with more rows than
+``max_batch_size`` runs alone (never split, never refused).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from neuropod.errors import BackendError, NeuropodError
+from neuropod.spec import TensorSpec
+
+Arrays = dict[str, np.ndarray]
+
+
+def batch_symbol(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> tuple[str | None, str]:
+    """The spec's batch dimension: ``(symbol, "")``, or ``(None, why not)``.
+
+    The symbol must be the first dim of every input and output and appear in
+    no other dim (else concatenating along it would change those dims too).
+    """
+    if not inputs or not outputs:
+        return None, "the model has no inputs or no outputs"
+    first = None
+    for s in (*inputs, *outputs):
+        lead = s.shape[0] if s.shape else None
+        if not isinstance(lead, str):
+            what = "is a scalar" if not s.shape else f"starts with {'None' if lead is None else lead}, not a symbol"
+            return None, f"tensor {s.name!r} {what}"
+        if first is None:
+            first = lead
+        elif lead != first:
+            return None, f"tensor {s.name!r} starts with {lead!r}, not {first!r} like the others"
+        if lead in s.shape[1:]:
+            return None, f"tensor {s.name!r} uses {lead!r} past its first dim"
+    return first, ""
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int
+    max_queue_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, not {self.max_batch_size}")
+        if self.max_queue_delay_s < 0:
+            raise ValueError(f"max_queue_delay_s must be 0 or more, not {self.max_queue_delay_s}")
+
+
+@dataclass
+class _Item:
+    inputs: Arrays
+    requested: list[str] | None
+    rows: int
+    key: tuple[Any, ...]
+    arrived: float
+    future: concurrent.futures.Future[Arrays] = field(default_factory=concurrent.futures.Future)
+
+
+def _key(inputs: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
+    """What must agree for requests to share a batch: names, dims past the first, dtypes
+    (strings by kind only: numpy's '<U3' and '<U7' concatenate fine)."""
+    return tuple(
+        sorted((n, a.shape[1:], a.dtype.kind if a.dtype.kind in "UO" else a.dtype.str) for n, a in inputs.items())
+    )
+
+
+class Batcher:
+    """Batches one model's requests; :meth:`submit` from any thread.
+
+    :param run: runs one (possibly concatenated) set of inputs; the model's ``infer``.
+    :param observe: called after every run with (queue seconds per request,
+        compute seconds, rows), for metrics.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        run: Callable[[Arrays, list[str] | None], Arrays],
+        policy: BatchPolicy,
+        *,
+        inflight: int = 1,
+        observe: Callable[[list[float], float, int], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self._run = run
+        self._observe = observe
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._cv = threading.Condition()
+        self._slots = threading.BoundedSemaphore(inflight)
+        self._pool = concurrent.futures.ThreadPoolExecutor(inflight, thread_name_prefix=f"neuropod-batch-{name}")
+        self._closed = False
+        self._thread = threading.Thread(target=self._collect, name=f"neuropod-batcher-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, inputs: Arrays, requested: list[str] | None) -> concurrent.futures.Future[Arrays]:
+        """Queue one request whose inputs already passed the spec check."""
+        rows = next(iter(inputs.values())).shape[0]
+        item = _Item(inputs, requested, rows, _key(inputs), time.perf_counter())
+        with self._cv:
+            if self._closed:
+                raise NeuropodError(f"model {self.name!r} is unloading")
+            self._queue.append(item)
+            self._cv.notify()
+        return item.future
+
+    def close(self) -> None:
+        """Run what is queued, then stop (joins the threads)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+        self._pool.shutdown(wait=True)
+
+    # -- the collector thread -------------------------------------------------
+
+    def _collect(self) -> None:
+        policy = self.policy
+        while True:
+            self._slots.acquire()
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    self._slots.release()
+                    return
+                first = self._queue[0]
+                deadline = first.arrived + policy.max_queue_delay_s
+                while not self._closed and first.rows < policy.max_batch_size:
+                    if self._rows_waiting(first.key) >= policy.max_batch_size:
+                        break
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                batch = self._take(first.key)
+            try:
+                self._pool.submit(self._run_batch, batch)
+            except RuntimeError as e:  # the pool shut down under us: only at interpreter exit
+                self._fail(batch, NeuropodError(f"model {self.name!r} is shutting down ({e})"))
+                self._slots.release()
+
+    def _rows_waiting(self, key: tuple[Any, ...]) -> int:
+        return sum(item.rows for item in self._queue if item.key == key)
+
+    def _take(self, key: tuple[Any, ...]) -> list[_Item]:
+        """The oldest request, and after it those of the same key that fit in one batch."""
+        limit = self.policy.max_batch_size
+        batch: list[_Item] = [self._queue.popleft()]
+        rows = batch[0].rows
+        if rows >= limit:
+            return batch
+        kept: list[_Item] = []
+        while self._queue:
+            item = self._queue.popleft()
+            if item.key == key and rows + item.rows <= limit:
+                batch.append(item)
+                rows += item.rows
+            else:
+                kept.append(item)
+                if item.key == key:  # the first that does not fit ends this batch (arrival order)
+                    break
+        self._queue.extendleft(reversed(kept))
+        return batch
+
+    # -- a pool thread --------------------------------------------------------
+
+    def _run_batch(self, batch: list[_Item]) -> None:
+        try:
+            started = time.perf_counter()
+            waited = [started - item.arrived for item in batch]
+            try:
+                results = self._run_merged(batch)
+            except BaseException as e:  # noqa: BLE001 - every waiter gets the failure
+                self._fail(batch, e)
+                return
+            if self._observe is not None:
+                self._observe(waited, time.perf_counter() - started, sum(i.rows for i in batch))
+            for item, result in zip(batch, results):
+                if not item.future.done():
+                    item.future.set_result(result)
+        finally:
+            self._slots.release()
+
+    def _run_merged(self, batch: list[_Item]) -> list[Arrays]:
+        if len(batch) == 1:
+            item = batch[0]
+            return [self._run(item.inputs, item.requested)]
+        names = list(batch[0].inputs)
+        merged = {n: np.concatenate([item.inputs[n] for item in batch]) for n in names}
+        wanted: list[str] | None = []
+        for item in batch:
+            if item.requested is None:
+                wanted = None
+                break
+            assert wanted is not None
+            wanted.extend(n for n in item.requested if n not in wanted)
+        outputs = self._run(merged, wanted)
+        total = sum(item.rows for item in batch)
+        for n, arr in outputs.items():
+            if arr.ndim == 0 or arr.shape[0] != total:
+                raise BackendError(
+                    f"model {self.name!r} returned output {n!r} with shape {list(arr.shape)} for a batch of "
+                    f"{total} rows; its spec promises the batch dimension first"
+                )
+        bounds = np.cumsum([item.rows for item in batch])[:-1]
+        parts = {n: np.split(arr, bounds) for n, arr in outputs.items()}
+        results: list[Arrays] = []
+        for i, item in enumerate(batch):
+            names_i = item.requested if item.requested is not None else list(outputs)
+            results.append({n: parts[n][i] for n in names_i})
+        return results
+
+    @staticmethod
+    def _fail(batch: list[_Item], error: BaseException) -> None:
+        for item in batch:
+            if not item.future.done():
+                item.future.set_exception(error)

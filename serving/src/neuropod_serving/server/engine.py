@@ -1,0 +1,232 @@
+"""What every protocol front end shares: the models, how a request runs, metrics.
+
+The REST app and the gRPC servicer decode a request into numpy arrays, call
+:meth:`Engine.infer`, and encode what it returns; they never touch a model
+directly. The engine checks the inputs against the spec (so a bad request is
+a :class:`~neuropod.errors.SpecError` before it can join a batch), runs the
+model in a thread (or on the calling thread when its recent runs took under
+:data:`INLINE_BELOW_S`, where a thread hop would cost more than the model),
+through the model's :class:`~neuropod_serving.server.batching.Batcher` when
+batching is on and the spec allows it, and records metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from neuropod.errors import NeuropodError, SpecError
+from neuropod.spec import SpecValidator
+from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol
+from neuropod_serving.server.metrics import NoMetrics, ServerMetrics
+from neuropod_serving.server.registry import ModelRegistry, ServedModel
+
+log = logging.getLogger("neuropod_serving.server")
+
+#: A model whose recent runs took less than this runs on the event loop's
+#: thread: handing it to a thread and back costs ~50 µs, more than the model.
+INLINE_BELOW_S = 0.0002
+# Weight of the newest run in the moving average of a model's run time.
+_EWMA = 0.2
+
+
+@dataclass
+class _Runner:
+    """How one served model runs: its validator, batcher and recent run time."""
+
+    served: ServedModel
+    validator: SpecValidator
+    required: frozenset[str]
+    batcher: Batcher | None
+    #: Why the model is not batched ("" when it is, or when batching is off).
+    unbatched_reason: str
+    inline_ok: bool
+    ewma_s: float = 1.0  # until measured: assume slow (a thread)
+
+
+class Engine:
+    """The serving core: a registry of models and how their requests run.
+
+    :param batching: the policy for models whose spec has a batch dimension;
+        None (or max_batch_size 1) turns batching off.
+    :param metrics: where to record; nothing is recorded when None.
+    :param threads: threads for unbatched requests (default: 2 per OPE
+        worker, at least 4).
+    """
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        *,
+        batching: BatchPolicy | None = None,
+        metrics: ServerMetrics | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.registry = registry
+        self.batching = batching if batching is not None and batching.max_batch_size > 1 else None
+        self.metrics: ServerMetrics | NoMetrics = metrics if metrics is not None else NoMetrics()
+        workers = max(1, int(registry.load_options.get("workers", 1)))
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            threads or max(4, 2 * workers), thread_name_prefix="neuropod-infer"
+        )
+        self._runners: dict[str, _Runner] = {}
+        self._lock = threading.Lock()
+        for served in registry:
+            self._start(served)
+        self._update_loaded()
+
+    # -- models ----------------------------------------------------------------
+
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        """:raises UnknownModelError: no such model or version is loaded."""
+        return self.registry.get(name, version)
+
+    def batched(self, name: str) -> tuple[bool, str]:
+        """Whether requests to model ``name`` are batched, and if not, why (for the start-up table)."""
+        runner = self._runners[name]
+        if runner.batcher is not None:
+            return True, ""
+        return False, runner.unbatched_reason or "batching is off (--max-batch-size)"
+
+    def _start(self, served: ServedModel) -> None:
+        model = served.model
+        symbol, reason = batch_symbol(model.inputs, model.outputs)
+        batcher = None
+        if self.batching is not None and symbol is not None:
+            name = model.name
+            metrics = self.metrics
+
+            def observe(waited: list[float], seconds: float, rows: int) -> None:
+                for w in waited:
+                    metrics.queued(name, w)
+                metrics.computed(name, seconds, rows)
+
+            workers = max(1, int(self.registry.load_options.get("workers", 1)))
+            batcher = Batcher(name, model.infer, self.batching, inflight=workers, observe=observe)
+        self._runners[served.name] = _Runner(
+            served=served,
+            validator=SpecValidator(model.name, model.inputs, model.outputs),
+            required=frozenset(s.name for s in model.inputs),
+            batcher=batcher,
+            unbatched_reason="" if symbol is not None else f"no batch dimension: {reason}",
+            # Out-of-process workers wait on a pipe: always a thread, so N workers run N requests.
+            inline_ok=_in_process(model),
+        )
+
+    def load(self, name: str) -> ServedModel:
+        """Load (or reload) model ``name`` from the repository; see :meth:`ModelRegistry.load_model`."""
+        with self._lock:
+            self._stop(name)
+            served = self.registry.load_model(name)
+            self._start(served)
+            self._update_loaded()
+            return served
+
+    def unload(self, name: str) -> None:
+        """Stop serving model ``name`` and close it. :raises UnknownModelError: it is not loaded."""
+        with self._lock:
+            self.registry.get(name)
+            self._stop(name)
+            self.registry.unload_model(name)
+            self._update_loaded()
+
+    def _stop(self, name: str) -> None:
+        runner = self._runners.pop(name, None)
+        if runner is not None and runner.batcher is not None:
+            runner.batcher.close()
+
+    def _update_loaded(self) -> None:
+        if isinstance(self.metrics, ServerMetrics):
+            self.metrics.models_loaded.set(len(self.registry))
+
+    def close(self) -> None:
+        """Stop every batcher and thread and close every model."""
+        with self._lock:
+            for name in list(self._runners):
+                self._stop(name)
+            self._executor.shutdown(wait=True)
+            self.registry.close()
+
+    # -- requests ----------------------------------------------------------------
+
+    def check(self, served: ServedModel, inputs: Mapping[str, np.ndarray], requested: list[str] | None) -> None:
+        """The spec check of one request, before it runs or joins a batch.
+
+        :raises SpecError: an unknown, missing or misfitting input, or an unknown requested output.
+        """
+        runner = self._runners[served.name]
+        missing = runner.required.difference(inputs)
+        if missing:
+            raise SpecError(
+                f"model {served.name!r} needs input(s) {', '.join(repr(n) for n in sorted(missing))}, which the "
+                f"request did not send; its inputs are: {', '.join(str(s) for s in served.model.inputs)}"
+            )
+        runner.validator.check_inputs(inputs)
+        if requested is not None:
+            runner.validator.check_requested(requested)
+
+    async def infer(
+        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Run one request (checked here first) and return the outputs it asked for.
+
+        :raises SpecError: the request does not fit the spec.
+        :raises NeuropodError: the model failed (BackendError, WorkerError...).
+        """
+        runner = self._runners.get(served.name)
+        if runner is None or runner.served is not served:
+            raise NeuropodError(f"model {served.name!r} was unloaded while the request waited")
+        self.check(served, inputs, requested)
+        name = served.name
+        if runner.batcher is not None:
+            return await asyncio.wrap_future(runner.batcher.submit(inputs, requested))
+        model = served.model
+        if runner.inline_ok and runner.ewma_s < INLINE_BELOW_S:
+            started = time.perf_counter()
+            try:
+                return model.infer(inputs, requested)
+            finally:
+                self._ran(runner, name, 0.0, time.perf_counter() - started)
+        queued = time.perf_counter()
+        loop = asyncio.get_running_loop()
+
+        def run() -> dict[str, np.ndarray]:
+            started = time.perf_counter()
+            try:
+                return model.infer(inputs, requested)
+            finally:
+                self._ran(runner, name, started - queued, time.perf_counter() - started)
+
+        return await loop.run_in_executor(self._executor, run)
+
+    def infer_sync(
+        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        """:meth:`infer` for a caller without an event loop (a thread of its own)."""
+        runner = self._runners[served.name]
+        self.check(served, inputs, requested)
+        if runner.batcher is not None:
+            return runner.batcher.submit(inputs, requested).result()
+        started = time.perf_counter()
+        try:
+            return served.model.infer(inputs, requested)
+        finally:
+            self._ran(runner, served.name, 0.0, time.perf_counter() - started)
+
+    def _ran(self, runner: _Runner, name: str, queued: float, seconds: float) -> None:
+        runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
+        self.metrics.queued(name, queued)
+        self.metrics.computed(name, seconds, None)
+
+
+def _in_process(model: Any) -> bool:
+    """Whether the model runs in this process (not in OPE workers or a backend environment)."""
+    return not type(model).__module__.startswith("neuropod.ope")
