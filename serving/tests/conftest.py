@@ -29,7 +29,10 @@ def onnx_package(dest: Path, name: str, nodes: list[Any], inputs: Any, outputs: 
 
     from neuropod.packagers import create_onnx_neuropod
 
-    types = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "string": TensorProto.STRING}
+    types = {
+        "float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE, "int32": TensorProto.INT32,
+        "int64": TensorProto.INT64, "uint8": TensorProto.UINT8, "bool": TensorProto.BOOL, "string": TensorProto.STRING,
+    }  # fmt: skip
 
     def info(n: str, t: str, s: list[Any]) -> Any:
         return helper.make_tensor_value_info(n, types[t], s)
