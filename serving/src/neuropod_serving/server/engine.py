@@ -163,15 +163,22 @@ class Engine:
         :raises SpecError: an unknown, missing or misfitting input, or an unknown requested output.
         """
         runner = self._runners[served.name]
+        self._check_missing(runner, inputs)
+        runner.validator.check_inputs(inputs)
+        if requested is not None:
+            runner.validator.check_requested(requested)
+
+    @staticmethod
+    def _check_missing(runner: _Runner, inputs: Mapping[str, np.ndarray]) -> None:
+        if len(inputs) >= len(runner.required) and runner.required.issubset(inputs):
+            return
         missing = runner.required.difference(inputs)
         if missing:
+            served = runner.served
             raise SpecError(
                 f"model {served.name!r} needs input(s) {', '.join(repr(n) for n in sorted(missing))}, which the "
                 f"request did not send; its inputs are: {', '.join(str(s) for s in served.model.inputs)}"
             )
-        runner.validator.check_inputs(inputs)
-        if requested is not None:
-            runner.validator.check_requested(requested)
 
     async def infer(
         self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
@@ -184,10 +191,12 @@ class Engine:
         runner = self._runners.get(served.name)
         if runner is None or runner.served is not served:
             raise NeuropodError(f"model {served.name!r} was unloaded while the request waited")
-        self.check(served, inputs, requested)
-        name = served.name
         if runner.batcher is not None:
+            self.check(served, inputs, requested)
             return await asyncio.wrap_future(runner.batcher.submit(inputs, requested))
+        # Unbatched, the model's own infer checks the spec: only what it does not check here.
+        self._check_missing(runner, inputs)
+        name = served.name
         model = served.model
         if runner.inline_ok and runner.ewma_s < INLINE_BELOW_S:
             started = time.perf_counter()
@@ -212,9 +221,10 @@ class Engine:
     ) -> dict[str, np.ndarray]:
         """:meth:`infer` for a caller without an event loop (a thread of its own)."""
         runner = self._runners[served.name]
-        self.check(served, inputs, requested)
         if runner.batcher is not None:
+            self.check(served, inputs, requested)
             return runner.batcher.submit(inputs, requested).result()
+        self._check_missing(runner, inputs)
         started = time.perf_counter()
         try:
             return served.model.infer(inputs, requested)
