@@ -504,7 +504,7 @@ def cmd_cache_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 #: Commands other distributions add through the ``neuropod.commands`` entry
 #: point group, and what to install when one is missing.
-KNOWN_PLUGIN_COMMANDS = {"serve": "neuropod-serving[server]"}
+KNOWN_PLUGIN_COMMANDS = {"serve": "neuropod-serving"}
 
 
 def _plugin_commands() -> dict[str, Any]:
@@ -531,7 +531,7 @@ def _add_plugin_commands(sub: Any, argv: Sequence[str]) -> None:
             continue
         ep = found.get(name)
         if ep is None:
-            s = sub.add_parser(name, help=f"(needs: pip install '{KNOWN_PLUGIN_COMMANDS[name]}')")
+            s = sub.add_parser(name, help=f"(needs: pip install {KNOWN_PLUGIN_COMMANDS[name]})")
             s.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             s.set_defaults(func=_missing_command(name))
             continue
@@ -554,7 +554,7 @@ def _missing_command(name: str) -> Any:
         from neuropod.errors import PluginNotInstalledError
 
         raise PluginNotInstalledError(
-            f"`neuropod {name}` comes with another distribution: pip install '{KNOWN_PLUGIN_COMMANDS[name]}'"
+            f"`neuropod {name}` comes with another distribution: pip install {KNOWN_PLUGIN_COMMANDS[name]}"
         )
 
     return fail
