@@ -7,7 +7,7 @@
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
     nox -s tests_tensorrt          the TensorRT plugin (GPU tests skip without a GPU and TensorRT)
-    nox -s tests_serving           neuropod-serving (the protocol codec and `neuropod serve` REST)
+    nox -s tests_serving           neuropod-serving: `neuropod serve` (REST, gRPC, batching, metrics) with tritonclient
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
@@ -143,8 +143,9 @@ def tests_tensorrt(session: nox.Session) -> None:
 
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def tests_serving(session: nox.Session) -> None:
-    """neuropod-serving: the Open Inference Protocol codec, and `neuropod serve` (REST) with real
-    ONNX packages driven by tritonclient over HTTP."""
+    """neuropod-serving: the Open Inference Protocol codecs and `neuropod serve` (REST and gRPC,
+    batching, metrics, repository, TLS) with real ONNX packages, driven by the official
+    tritonclient over HTTP and gRPC."""
     session.install(
         f"{CORE}[test]", f"{SERVING}[server,test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]",
         f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
