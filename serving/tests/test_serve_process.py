@@ -98,6 +98,7 @@ class _Served:
 def _start(repo: Path, *extra: str) -> _Served:
     port = _free_port()
     cmd = [sys.executable, "-m", "neuropod", "serve", str(repo / "models"), "--http-port", str(port),
+           "--grpc-port", str(_free_port()), "--metrics-port", "0",
            "--auth-token-file", str(repo / "token"), *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     served = _Served(proc, f"http://127.0.0.1:{port}")
