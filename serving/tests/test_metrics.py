@@ -86,9 +86,10 @@ def test_counts_and_histograms(repo: Path) -> None:
     good, bad = 7, 3
     engine = Engine(ModelRegistry.load([repo / "models"]), metrics=ServerMetrics())
     try:
-        with serve_in_thread(create_app(engine)) as port, httpx.Client(
-            base_url=f"http://127.0.0.1:{port}", timeout=10
-        ) as http:
+        with (
+            serve_in_thread(create_app(engine)) as port,
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http,
+        ):
             before, types = _scrape(http)
             # Every family is declared before any request, so dashboards see zeros, not gaps.
             assert types["neuropod_requests"] == "counter"
@@ -155,9 +156,10 @@ def test_batch_sizes_add_up_to_the_rows_sent(repo: Path) -> None:
     )
     rows = [1 + i % 4 for i in range(24)]
     try:
-        with serve_in_thread(create_app(engine)) as port, httpx.Client(
-            base_url=f"http://127.0.0.1:{port}", timeout=10
-        ) as http:
+        with (
+            serve_in_thread(create_app(engine)) as port,
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http,
+        ):
 
             def send(i: int) -> None:
                 x, y = _xy(rows[i], 100 + i)
