@@ -9,6 +9,7 @@ a slow model never blocks the event loop (health checks keep answering).
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import time
 from typing import Any
@@ -135,6 +136,19 @@ def _encode(served: ServedModel, request: InferRequest, outputs: dict[str, Any])
     return response.content, response.json_length
 
 
+def _repository_body(body: bytes) -> dict[str, Any]:
+    """A repository request's JSON object ({} for an empty body). :raises ProtocolError: not a JSON object."""
+    if not body.strip():
+        return {}
+    try:
+        value = json.loads(body)
+    except ValueError as e:
+        raise ProtocolError(f"a repository request body is a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"a repository request body is a JSON object, not {type(value).__name__}")
+    return value
+
+
 def metrics_only(app: ASGIApp, *, port: int) -> ASGIApp:
     """``app``, except that connections to ``port`` get only ``GET /metrics`` (404 for the rest),
     so one uvicorn server answers on the REST port and on the metrics port."""
@@ -227,12 +241,22 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def repository_index(request: Request) -> Response:
-        await _read_body(request, max_request_bytes)  # '{}' or a filter we do not need: all are listed
+        ready = _repository_body(await _read_body(request, max_request_bytes)).get("ready", False)
+        if not isinstance(ready, bool):
+            raise ProtocolError(f"'ready' in a repository index request is true or false, not {ready!r}")
         entries = await run_in_threadpool(engine.registry.index)
-        return JSONResponse([e.to_json() for e in entries])
+        return JSONResponse([e.to_json() for e in entries if e.state == "READY" or not ready])
 
     async def repository_load(request: Request) -> Response:
-        await _read_body(request, max_request_bytes)
+        params = _repository_body(await _read_body(request, max_request_bytes)).get("parameters")
+        params = params if isinstance(params, dict) else {}
+        overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
+        if overrides:
+            # Triton loads these instead of the repository's files; ignoring them would serve something else.
+            raise ProtocolError(
+                f"this server loads packages from its repository paths only; {', '.join(overrides)} "
+                "parameter(s) of a load request are not supported"
+            )
         name = request.path_params["model"]
         try:
             await run_in_threadpool(engine.load, name)
