@@ -406,12 +406,15 @@ def decode_tensor(
     binary: memoryview | None = None,
     spec: TensorSpec | None = None,
     where: str = "tensor",
+    size_name: str = "binary_data_size",
 ) -> np.ndarray[Any, Any]:
     """One OIP tensor object as a numpy array.
 
     :param binary: this tensor's own raw bytes, for an object with
         ``parameters.binary_data_size`` (whose size the caller has checked).
     :param spec: when given, the datatype must be this spec entry's dtype.
+    :param size_name: what errors call the size of ``binary`` (gRPC's raw
+        contents are not a ``binary_data_size``).
     """
     if not isinstance(obj, Mapping):
         raise ProtocolError(f"{where} must be an object with name, datatype, shape and data, not {_kind(obj)}")
@@ -430,12 +433,12 @@ def decode_tensor(
         raise ProtocolError(f"tensor {name!r}: shape {shape} has {count} elements, more than an int64 can count")
     if binary is not None:
         if datatype == "BYTES":
-            return _bytes_from_binary(binary, shape, count, name)
+            return _bytes_from_binary(binary, shape, count, name, size_name)
         itemsize = _WIRE_DTYPES[datatype].itemsize
         if len(binary) != count * itemsize:
             raise ProtocolError(
                 f"tensor {name!r}: shape {shape} of {datatype} needs {count * itemsize} bytes "
-                f"({count} x {itemsize}), but binary_data_size is {len(binary)}"
+                f"({count} x {itemsize}), but {size_name} is {len(binary)}"
             )
         array = np.frombuffer(binary, dtype=_WIRE_DTYPES[datatype]).reshape(shape)
         if datatype == "BOOL" and count and array.view(np.uint8).max() > 1:
@@ -503,24 +506,26 @@ def _bytes_from_json(data: object, shape: list[int], count: int, name: str) -> n
     return _object_array(texts, shape)
 
 
-def _bytes_from_binary(raw: memoryview, shape: list[int], count: int, name: str) -> np.ndarray[Any, Any]:
+def _bytes_from_binary(
+    raw: memoryview, shape: list[int], count: int, name: str, size_name: str = "binary_data_size"
+) -> np.ndarray[Any, Any]:
     # Each element costs at least its 4-byte length, which bounds the loop by the body.
     if count * _LENGTH.size > len(raw):
         raise ProtocolError(
             f"tensor {name!r}: shape {shape} holds {count} BYTES elements, which need at least "
-            f"{count * _LENGTH.size} bytes, but binary_data_size is {len(raw)}"
+            f"{count * _LENGTH.size} bytes, but {size_name} is {len(raw)}"
         )
     texts: list[str] = []
     pos = 0
     for i in range(count):
         if pos + _LENGTH.size > len(raw):
-            raise ProtocolError(f"tensor {name!r}: BYTES element {i} runs past binary_data_size ({len(raw)})")
+            raise ProtocolError(f"tensor {name!r}: BYTES element {i} runs past {size_name} ({len(raw)})")
         (size,) = _LENGTH.unpack_from(raw, pos)
         pos += _LENGTH.size
         if pos + size > len(raw):
             raise ProtocolError(
                 f"tensor {name!r}: BYTES element {i} says it is {size} bytes long, "
-                f"which runs past binary_data_size ({len(raw)})"
+                f"which runs past {size_name} ({len(raw)})"
             )
         try:
             texts.append(str(raw[pos : pos + size], "utf-8"))
@@ -530,7 +535,7 @@ def _bytes_from_binary(raw: memoryview, shape: list[int], count: int, name: str)
     if pos != len(raw):
         raise ProtocolError(
             f"tensor {name!r}: {count} BYTES elements of shape {shape} fill {pos} bytes, "
-            f"but binary_data_size is {len(raw)}"
+            f"but {size_name} is {len(raw)}"
         )
     return _object_array(texts, shape)
 
