@@ -27,7 +27,7 @@ from neuropod.errors import NeuropodError, SpecError
 from neuropod.spec import SpecValidator
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol
 from neuropod_serving.server.metrics import NoMetrics, ServerMetrics
-from neuropod_serving.server.registry import ModelRegistry, ServedModel
+from neuropod_serving.server.registry import ModelRegistry, ServedModel, UnknownModelError
 
 log = logging.getLogger("neuropod_serving.server")
 
@@ -186,11 +186,25 @@ class Engine:
         """Run one request (checked here first) and return the outputs it asked for.
 
         :raises SpecError: the request does not fit the spec.
+        :raises UnknownModelError: the model was unloaded before or while it ran.
         :raises NeuropodError: the model failed (BackendError, WorkerError...).
         """
         runner = self._runners.get(served.name)
         if runner is None or runner.served is not served:
-            raise NeuropodError(f"model {served.name!r} was unloaded while the request waited")
+            raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited")
+        try:
+            return await self._infer(runner, served, inputs, requested)
+        except SpecError:
+            raise
+        except NeuropodError as e:
+            # Closed under the request (its batcher stopped, or the model): not the model's failure.
+            if self._runners.get(served.name) is not runner:
+                raise UnknownModelError(f"model {served.name!r} was unloaded while the request ran") from e
+            raise
+
+    async def _infer(
+        self, runner: _Runner, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None
+    ) -> dict[str, np.ndarray]:
         if runner.batcher is not None:
             self.check(served, inputs, requested)
             return await asyncio.wrap_future(runner.batcher.submit(inputs, requested))
