@@ -219,7 +219,7 @@ def create_app(
             failure = "model"
             try:
                 outputs = await engine.infer(s, decoded.inputs, requested)
-            except SpecError:
+            except (SpecError, UnknownModelError):  # unloaded meanwhile: a 404 like any later request
                 failure = "client"
                 raise
             content, json_length = (
