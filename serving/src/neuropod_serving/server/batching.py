@@ -193,6 +193,12 @@ class Batcher:
 
     def _run_batch(self, batch: list[_Item]) -> None:
         try:
+            # RUNNING futures cannot be cancelled, so set_result below cannot race with a
+            # cancel (InvalidStateError would leave the rest of the batch unanswered);
+            # requests already cancelled (a client that gave up) are not run at all.
+            batch = [item for item in batch if item.future.set_running_or_notify_cancel()]
+            if not batch:
+                return
             started = time.perf_counter()
             waited = [started - item.arrived for item in batch]
             try:
