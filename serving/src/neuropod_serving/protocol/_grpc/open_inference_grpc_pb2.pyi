@@ -5,6 +5,7 @@
 #             with grpcio-tools 1.75.0 (libprotoc 31.1), so the gencode asks for protobuf >= 6.31.1
 #   regenerate: see README.md in this folder.
 # ruff: noqa
+# mypy: ignore-errors
 
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor

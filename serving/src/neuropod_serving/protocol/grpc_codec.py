@@ -1,0 +1,363 @@
+"""The Open Inference Protocol's gRPC messages <-> numpy arrays, for the server and the client.
+
+The gRPC twin of :mod:`neuropod_serving.protocol.codec`, and built on it: the
+datatype tables, the spec check, the shape and size checks and the BYTES
+element reader are the codec's own, so REST and gRPC refuse the same faults
+with the same words.
+
+Tensors travel in ``raw_input_contents`` / ``raw_output_contents`` (one entry
+per tensor, in the order of ``inputs`` / ``outputs``): numbers little-endian,
+row-major, BOOL one byte each, BYTES elements a 4-byte little-endian length
+then the bytes. That is what tritonclient.grpc sends and the only form it
+decodes, so everything built here uses it. Parsing also accepts the typed
+``contents`` fields (``fp32_contents``...), which other clients may send.
+
+Importing this module imports protobuf and registers the ``inference.*``
+messages in protobuf's default pool; import it only where gRPC is used (the
+pool cannot hold tritonclient.grpc's copies of the same messages as well).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from neuropod import _json
+from neuropod.spec import TensorSpec
+from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
+from neuropod_serving.protocol.codec import (
+    SHAPE_PARAMETER,
+    InferRequest,
+    InferResponse,
+    ProtocolError,
+    _shape,
+    decode_tensor,
+    encode_tensor,
+    spec_dtype,
+)
+
+#: gRPC metadata key under which a neuropod server's ModelMetadata reply carries
+#: the exact spec shapes (symbol names), as JSON ``{"inputs": {name: shape},
+#: "outputs": {...}}``: the proto's TensorMetadata has no ``parameters`` field
+#: for ``neuropod_shape`` as REST has, and other clients ignore a trailer they
+#: do not know.
+SHAPES_METADATA_KEY = "neuropod-shapes"
+
+# Which typed field of InferTensorContents holds each datatype (FP16 has none: raw only).
+_CONTENTS_FIELD: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+_CONTENTS_FIELDS = tuple(dict.fromkeys(_CONTENTS_FIELD.values()))
+
+
+# --- inference requests ------------------------------------------------------
+
+
+def parse_model_infer_request(
+    request: pb.ModelInferRequest, *, input_spec: Iterable[TensorSpec] | None = None
+) -> InferRequest:
+    """Decode a ModelInferRequest into numpy arrays, requested outputs, id and parameters.
+
+    :param input_spec: the model's input spec: when given, an input the model
+        does not have, or whose datatype disagrees with its dtype, is refused
+        here. Shapes are left to the model's own spec check.
+    :returns: an :class:`InferRequest` whose ``outputs`` maps each requested
+        output to None (gRPC outputs are always raw), or is None when the
+        request named none (all of them).
+    :raises ProtocolError: for every fault, naming the tensor.
+    """
+    specs = None if input_spec is None else {s.name: s for s in input_spec}
+    inputs = _decode_tensors(request.inputs, request.raw_input_contents, "input", specs)
+    outputs: dict[str, bool | None] | None = None
+    if request.outputs:
+        outputs = {}
+        for i, out in enumerate(request.outputs):
+            if not out.name:
+                raise ProtocolError(f"request outputs[{i}]: 'name' must be a non-empty string")
+            if out.name in outputs:
+                raise ProtocolError(f"output {out.name!r} is requested twice; ask for each output once")
+            outputs[out.name] = None
+    return InferRequest(
+        inputs=inputs,
+        outputs=outputs,
+        id=request.id or None,
+        parameters=parameters_from_proto(request.parameters),
+    )
+
+
+def build_model_infer_request(
+    model_name: str,
+    inputs: Mapping[str, np.ndarray[Any, Any]],
+    *,
+    outputs: Sequence[str] | None = None,
+    model_version: str | None = None,
+    id: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+) -> pb.ModelInferRequest:
+    """Encode a ModelInferRequest (the client's side of :func:`parse_model_infer_request`).
+
+    :param outputs: the outputs to ask for, in order; None asks for all.
+    :raises ProtocolError: an array the protocol cannot carry, naming the tensor.
+    """
+    tensors, raws = _encode_tensors(inputs, pb.ModelInferRequest.InferInputTensor)
+    request = pb.ModelInferRequest(
+        model_name=model_name,
+        model_version=model_version or "",
+        id=id or "",
+        inputs=tensors,
+        outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in outputs or ()],
+        raw_input_contents=raws,
+    )
+    _fill_parameters(request.parameters, parameters or {})
+    return request
+
+
+# --- inference responses -----------------------------------------------------
+
+
+def build_model_infer_response(
+    model_name: str,
+    outputs: Mapping[str, np.ndarray[Any, Any]],
+    *,
+    model_version: str | None = None,
+    id: str | None = None,
+) -> pb.ModelInferResponse:
+    """Encode a ModelInferResponse, every tensor in ``raw_output_contents``, in the order of ``outputs``.
+
+    :raises ProtocolError: an output the protocol cannot carry, naming it.
+    """
+    tensors, raws = _encode_tensors(outputs, pb.ModelInferResponse.InferOutputTensor)
+    return pb.ModelInferResponse(
+        model_name=model_name,
+        model_version=model_version or "",
+        id=id or "",
+        outputs=tensors,
+        raw_output_contents=raws,
+    )
+
+
+def parse_model_infer_response(response: pb.ModelInferResponse) -> InferResponse:
+    """Decode a ModelInferResponse (raw or typed contents) into numpy arrays.
+
+    :raises ProtocolError: for every fault, naming the tensor.
+    """
+    return InferResponse(
+        outputs=_decode_tensors(response.outputs, response.raw_output_contents, "output", None),
+        model_name=response.model_name or None,
+        model_version=response.model_version or None,
+        id=response.id or None,
+        parameters=parameters_from_proto(response.parameters),
+    )
+
+
+# --- metadata ----------------------------------------------------------------
+
+
+def model_metadata_response(metadata: Mapping[str, Any]) -> pb.ModelMetadataResponse:
+    """The ModelMetadataResponse of a REST model metadata body (``ServedModel.metadata``).
+
+    Each tensor's ``parameters`` (``neuropod_shape``) has no place in the
+    proto's TensorMetadata; :func:`shapes_metadata` carries it beside the reply.
+    """
+    tensor = pb.ModelMetadataResponse.TensorMetadata
+    return pb.ModelMetadataResponse(
+        name=metadata["name"],
+        versions=metadata.get("versions", []),
+        platform=metadata.get("platform", ""),
+        inputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in metadata.get("inputs", [])],
+        outputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in metadata.get("outputs", [])],
+    )
+
+
+def shapes_metadata(metadata: Mapping[str, Any]) -> str:
+    """The value of the :data:`SHAPES_METADATA_KEY` trailer for a REST model metadata body:
+    each tensor's exact spec shape, which the proto's TensorMetadata cannot hold."""
+    shapes = {
+        key: {t["name"]: _json.loads(t["parameters"][SHAPE_PARAMETER]) for t in metadata.get(key, [])
+              if SHAPE_PARAMETER in (t.get("parameters") or {})}
+        for key in ("inputs", "outputs")
+    }  # fmt: skip
+    return json.dumps(shapes, separators=(",", ":"))
+
+
+def model_metadata_from_response(response: pb.ModelMetadataResponse, shapes: str | None = None) -> dict[str, Any]:
+    """The REST form of a ModelMetadataResponse, ready for
+    :func:`~neuropod_serving.protocol.codec.specs_from_model_metadata`.
+
+    :param shapes: the :data:`SHAPES_METADATA_KEY` trailer, when the server sent
+        one (a neuropod server): each tensor gets its ``neuropod_shape`` back,
+        so the exact spec (symbol names) is rebuilt. Without it, -1 dims mean
+        any size.
+    :raises ProtocolError: ``shapes`` is not the JSON a neuropod server sends.
+    """
+    exact: dict[str, Any] = {"inputs": {}, "outputs": {}}
+    if shapes is not None:
+        try:
+            parsed = _json.loads(shapes)
+        except ValueError as e:
+            raise ProtocolError(f"the {SHAPES_METADATA_KEY} trailer is not JSON ({e})") from None
+        if not isinstance(parsed, dict) or not all(isinstance(parsed.get(k, {}), dict) for k in exact):
+            raise ProtocolError(f"the {SHAPES_METADATA_KEY} trailer must be an object of inputs and outputs")
+        exact.update({k: parsed.get(k, {}) for k in exact})
+
+    def tensor(t: pb.ModelMetadataResponse.TensorMetadata, key: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+        if t.name in exact[key]:
+            out["parameters"] = {SHAPE_PARAMETER: json.dumps(exact[key][t.name])}
+        return out
+
+    return {
+        "name": response.name,
+        "versions": list(response.versions),
+        "platform": response.platform,
+        "inputs": [tensor(t, "inputs") for t in response.inputs],
+        "outputs": [tensor(t, "outputs") for t in response.outputs],
+    }
+
+
+# --- parameters --------------------------------------------------------------
+
+
+def parameters_from_proto(parameters: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
+    """A ``map<string, InferParameter>`` as a plain dict of bool, int, float and str."""
+    out: dict[str, Any] = {}
+    for key, value in parameters.items():
+        choice = value.WhichOneof("parameter_choice")
+        out[key] = None if choice is None else getattr(value, choice)
+    return out
+
+
+def _fill_parameters(target: Any, parameters: Mapping[str, Any]) -> None:
+    for key, value in parameters.items():
+        param = target[key]
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, int) and -(2**63) <= value < 2**63:
+            param.int64_param = value
+        elif isinstance(value, int) and 0 <= value < 2**64:
+            param.uint64_param = value
+        elif isinstance(value, float):
+            param.double_param = value
+        elif isinstance(value, str):
+            param.string_param = value
+        else:
+            raise ProtocolError(
+                f"parameter {key!r}: gRPC parameters are bool, int64, uint64, float or str, not {value!r}"
+            )
+
+
+# --- tensors -----------------------------------------------------------------
+
+
+def _encode_tensors(arrays: Mapping[str, np.ndarray[Any, Any]], kind: Any) -> tuple[list[Any], list[bytes]]:
+    tensors: list[Any] = []
+    raws: list[bytes] = []
+    for name, array in arrays.items():
+        obj, raw = encode_tensor(name, array, binary=True)
+        tensors.append(kind(name=name, datatype=obj["datatype"], shape=obj["shape"]))
+        assert raw is not None  # binary=True always gives the raw bytes
+        raws.append(raw)
+    return tensors, raws
+
+
+def _decode_tensors(
+    tensors: Sequence[Any], raws: Sequence[bytes], kind: str, specs: Mapping[str, TensorSpec] | None
+) -> dict[str, np.ndarray[Any, Any]]:
+    field = f"raw_{kind}_contents"
+    if raws and len(raws) != len(tensors):
+        raise ProtocolError(
+            f"{field} has {len(raws)} entries but the message has {len(tensors)} {kind}s: "
+            f"with raw contents, every {kind} needs exactly one entry, in the order of the {kind}s"
+        )
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for i, t in enumerate(tensors):
+        name = t.name
+        if not name:
+            raise ProtocolError(f"{kind}s[{i}]: 'name' must be a non-empty string")
+        if name in arrays:
+            raise ProtocolError(f"{kind} {name!r} appears twice; each {kind} is sent once")
+        spec = None
+        if specs is not None:
+            spec = specs.get(name)
+            if spec is None:
+                raise ProtocolError(
+                    f"{kind} {name!r} is not one of this model's {kind}s: {', '.join(specs) or '(none)'}"
+                )
+        obj: dict[str, Any] = {"name": name, "datatype": t.datatype, "shape": list(t.shape)}
+        where = f"{kind}s[{i}]"
+        if raws:
+            if t.HasField("contents"):
+                raise ProtocolError(
+                    f"{kind} {name!r} has typed contents while the message uses {field}; "
+                    "send every tensor one way (raw contents, which tritonclient sends, or typed contents)"
+                )
+            arrays[name] = decode_tensor(
+                obj, binary=memoryview(raws[i]), spec=spec, where=where, size_name=f"the size of {field}[{i}]"
+            )
+        else:
+            obj["data"] = _typed_contents(t, kind)
+            arrays[name] = decode_tensor(obj, spec=spec, where=where)
+    return arrays
+
+
+def _typed_contents(tensor: Any, kind: str) -> list[Any]:
+    """A tensor's typed contents as the codec's JSON ``data`` (a flat list), checked for the right field and count."""
+    name = tensor.name
+    datatype = tensor.datatype
+    spec_dtype(datatype, tensor=name)  # an unknown datatype is named as such, not as a missing field
+    contents = tensor.contents
+    filled = [f for f in _CONTENTS_FIELDS if len(getattr(contents, f))]
+    field = _CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise ProtocolError(f"{kind} {name!r}: {datatype} has no typed contents field; send it as raw contents")
+    wrong = [f for f in filled if f != field]
+    if wrong:
+        raise ProtocolError(
+            f"{kind} {name!r}: {datatype} contents go in {field}, but the message filled {', '.join(wrong)}"
+        )
+    values = getattr(contents, field)
+    count = math.prod(_shape(list(tensor.shape), name))
+    if len(values) != count:
+        raise ProtocolError(
+            f"{kind} {name!r}: shape {list(tensor.shape)} holds {count} elements, but {field} has {len(values)}"
+            + ("" if tensor.HasField("contents") else " (the message has neither raw nor typed contents for it)")
+        )
+    if datatype != "BYTES":
+        return list(values)
+    texts: list[str] = []
+    for i, raw in enumerate(values):
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ProtocolError(
+                f"{kind} {name!r}: BYTES element {i} is not UTF-8 text ({e.reason} at byte {e.start})"
+            ) from None
+    return texts
+
+
+__all__ = [
+    "SHAPES_METADATA_KEY",
+    "build_model_infer_request",
+    "build_model_infer_response",
+    "model_metadata_from_response",
+    "model_metadata_response",
+    "parameters_from_proto",
+    "parse_model_infer_request",
+    "parse_model_infer_response",
+    "shapes_metadata",
+]
