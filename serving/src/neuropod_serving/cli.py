@@ -108,7 +108,8 @@ def read_token(path: Path) -> str:
 def read_tls(cert: Path | None, key: Path | None) -> tuple[bytes, bytes] | None:
     """The PEM certificate chain and key, or None without TLS.
 
-    :raises NeuropodError: only one of the two is given, or one cannot be read.
+    :raises NeuropodError: only one of the two is given, one cannot be read, or they
+        are not a PEM certificate and its unencrypted private key.
     """
     if cert is None and key is None:
         return None
@@ -124,7 +125,29 @@ def read_tls(cert: Path | None, key: Path | None) -> tuple[bytes, bytes] | None:
         if b"-----BEGIN " not in data:
             raise NeuropodError(f"{flag} {path} is not PEM (no '-----BEGIN' line)")
         pems.append(data)
+    _check_tls(cert, key)
     return pems[0], pems[1]
+
+
+def _check_tls(cert: Path, key: Path) -> None:
+    """Load the pair as a TLS server would, so a bad one fails the start naming its flag
+    (not later, inside uvicorn or gRPC, as a bare OpenSSL 'PEM lib' error)."""
+    import ssl
+
+    def encrypted() -> bytes:  # OpenSSL would otherwise prompt on the terminal
+        raise NeuropodError(f"--tls-key {key} is encrypted; give an unencrypted key (openssl pkey -in KEY -out PLAIN)")
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_verify_locations(cafile=str(cert))
+    except ssl.SSLError:
+        raise NeuropodError(f"--tls-cert {cert} holds no readable PEM certificate") from None
+    try:
+        context.load_cert_chain(cert, key, password=encrypted)
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise NeuropodError(f"--tls-key {key} is not the private key of --tls-cert {cert}") from None
+        raise NeuropodError(f"--tls-key {key} holds no readable PEM private key") from None
 
 
 def startup_table(registry: object, engine: object | None = None) -> str:
