@@ -1,0 +1,602 @@
+"""neuropod serve against MLServer and against a bare floor, side by side in one run (issue 12).
+
+    python bench/bench_serve.py --mlserver-venv VENV [--duration 2] [--repeats 3] [--json out.json]
+
+Servers (all on 127.0.0.1, free ports, pinned to CPU core 0 with taskset):
+
+* ``neuropod serve`` (``--quiet``: no access log) with both models;
+* the same with dynamic batching (``--max-batch-size 32``, ``--max-queue-delay-us``
+  0 and ``--batch-delay-us``), tiny model only;
+* MLServer 1.7 from its own venv (``--mlserver-venv``, with mlserver, onnxruntime
+  and ``uvloop<0.22``) running our onnxruntime runtime (serve_mlserver_onnx.py),
+  once with ``parallel_workers: 0`` and once with its default (one worker
+  process); ``debug: false``, so no access log either;
+* the floor (serve_floor.py): bare Starlette+uvicorn and grpc.aio endpoints that
+  parse the same request and return a response of the same bytes, no model.
+
+Load (pinned to core 1), closed loop at each concurrency:
+
+* REST: ``wrk -t1 -c N`` with serve_wrk.lua, posting Triton's binary tensor
+  extension (``Inference-Header-Content-Length``). MLServer's REST has no binary
+  extension, so it gets the same tensors as JSON; neuropod serve is measured
+  with that JSON body too, so there is a like-for-like row.
+* gRPC: serve_grpc_load.py (grpc.aio, processes x in-flight calls), the request
+  built with our generated ``inference.*`` messages, tensors in
+  ``raw_input_contents``.
+
+Models: ``tiny`` (out = x + y, float32 [batch_size, 2], one row per request) and
+``small_inputs_100``: the original Neuropod's many-small-tensors case
+(dummy_small_input_model: 100 float32 inputs of [10, 5]), here their sum.
+
+Each measurement is a warm-up then ``--duration`` seconds; every round measures
+every (protocol, model, concurrency, server) once, servers in a rotating order,
+and the table shows medians over ``--repeats`` rounds. Targets (issue 12):
+neuropod >= 2x the faster MLServer's requests/s with a lower p99 in every cell;
+>= 0.7 of the floor's requests/s on the tiny model; batching >= 3x requests/s on
+the tiny model at concurrency 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from neuropod.packagers import create_onnx_neuropod
+from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response
+
+HERE = Path(__file__).resolve().parent
+SERVER_CORE, LOAD_CORE = "0", "1"
+TINY, MANY = "tiny", "small_inputs_100"
+CONCURRENCIES = (1, 8, 32)
+BATCH = 32
+
+
+# --- models -------------------------------------------------------------------
+
+
+@dataclass
+class Model:
+    name: str
+    onnx: bytes
+    output: str
+    inputs: dict[str, np.ndarray]
+    expected: np.ndarray
+    package: Path | None = None
+
+
+def _onnx(nodes: list[Any], inputs: list[Any], outputs: list[Any]) -> bytes:
+    model = helper.make_model(helper.make_graph(nodes, "bench", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def build_models(tmp: Path) -> dict[str, Model]:
+    """Both models as neuropod packages (the project's packager) and as plain .onnx for MLServer."""
+    vi, f = helper.make_tensor_value_info, TensorProto.FLOAT
+    rng = np.random.default_rng(0)
+    tiny_spec = [{"name": n, "dtype": "float32", "shape": ["batch_size", 2]} for n in ("x", "y")]
+    xy = {n: rng.standard_normal((1, 2)).astype(np.float32) for n in ("x", "y")}
+    tiny = Model(
+        TINY,
+        _onnx([helper.make_node("Add", ["x", "y"], ["out"])], [vi(n, f, ["batch_size", 2]) for n in ("x", "y")],
+              [vi("out", f, ["batch_size", 2])]),
+        "out", xy, xy["x"] + xy["y"],
+    )  # fmt: skip
+    tiny.package = create_onnx_neuropod(
+        tmp / "tiny", TINY, tiny_spec, [{"name": "out", "dtype": "float32", "shape": ["batch_size", 2]}], onnx_model=tiny.onnx
+    )
+    names = [f"small_input{i}" for i in range(100)]
+    many_in = {n: rng.standard_normal((10, 5)).astype(np.float32) for n in names}
+    many = Model(
+        MANY,
+        _onnx([helper.make_node("Sum", names, ["output"])], [vi(n, f, [10, 5]) for n in names], [vi("output", f, [10, 5])]),
+        "output", many_in, np.sum(np.stack(list(many_in.values())), axis=0, dtype=np.float32),
+    )  # fmt: skip
+    many.package = create_onnx_neuropod(
+        tmp / "many", MANY, [{"name": n, "dtype": "float32", "shape": [10, 5]} for n in names],
+        [{"name": "output", "dtype": "float32", "shape": [10, 5]}], onnx_model=many.onnx,
+    )  # fmt: skip
+    return {TINY: tiny, MANY: many}
+
+
+# --- requests -----------------------------------------------------------------
+
+
+@dataclass
+class Bodies:
+    """Prepared request files for one model."""
+
+    binary: Path
+    binary_header: int
+    json: Path
+    grpc: Path
+
+
+def write_bodies(model: Model, tmp: Path) -> Bodies:
+    binary = build_infer_request(model.inputs, binary=True, binary_outputs=True)
+    plain = build_infer_request(model.inputs, binary=False, binary_outputs=False)
+    assert binary.json_length is not None and plain.json_length is None
+    out = Bodies(tmp / f"{model.name}.bin", binary.json_length, tmp / f"{model.name}.json", tmp / f"{model.name}.grpc")
+    out.binary.write_bytes(binary.content)
+    out.json.write_bytes(plain.content)
+    out.grpc.write_bytes(grpc_request(model).SerializeToString())
+    return out
+
+
+def grpc_request(model: Model) -> Any:
+    from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=model.name)
+    for name, array in model.inputs.items():
+        t = request.inputs.add()
+        t.name, t.datatype = name, "FP32"
+        t.shape.extend(array.shape)
+        request.raw_input_contents.append(array.tobytes())
+    return request
+
+
+# --- servers ------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """One server process (and whatever it starts), in its own process group on the server core."""
+
+    label: str
+    kind: str  # "neuropod", "mlserver", "floor"
+    models: tuple[str, ...]
+    http_port: int
+    grpc_port: int
+    command: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                ["taskset", "-c", SERVER_CORE, *self.command], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env={**os.environ, **self.env}, cwd=self.cwd, start_new_session=True,
+            )  # fmt: skip
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        urls = [f"http://127.0.0.1:{self.http_port}/v2/health/ready"]
+        if self.kind != "floor":
+            urls += [f"http://127.0.0.1:{self.http_port}/v2/models/{m}/ready" for m in self.models]
+        pending = list(urls)
+        while pending:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.label} exited with status {self.proc.returncode} while starting:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.label} was not ready after {timeout:.0f} s:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(pending[0], timeout=2) as r:
+                    if r.status == 200:
+                        pending.pop(0)
+                        continue
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Stop the whole process group: SIGINT (a clean shutdown), then SIGKILL after 10 s."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait in ((signal.SIGINT, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            # The leader is gone; anything it left in its group goes too.
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            break
+        self.proc = None
+
+
+def neuropod_server(label: str, models: list[Model], tmp: Path, grpc: bool, extra: list[str] = ()) -> Server:  # type: ignore[assignment]
+    http, grpc_port = free_port(), free_port() if grpc else 0
+    cmd = [sys.executable, "-m", "neuropod", "serve", *(str(m.package) for m in models), "--quiet",
+           "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", "0", *extra]  # fmt: skip
+    return Server(label, "neuropod", tuple(m.name for m in models), http, grpc_port, cmd, tmp / f"{_slug(label)}.log")
+
+
+def mlserver_server(label: str, models: list[Model], tmp: Path, venv: Path, parallel_workers: int | None) -> Server:
+    """MLServer with our ONNX runtime; ``parallel_workers`` None keeps MLServer's default."""
+    repo = tmp / f"mlserver-{_slug(label)}"
+    repo.mkdir()
+    http, grpc = free_port(), free_port()
+    settings: dict[str, Any] = {
+        "debug": False, "host": "127.0.0.1", "http_port": http, "grpc_port": grpc, "metrics_port": free_port(),
+        "metrics_dir": str(repo / ".metrics"), "environments_dir": str(repo / ".envs"),
+    }  # fmt: skip
+    if parallel_workers is not None:
+        settings["parallel_workers"] = parallel_workers
+    (repo / "settings.json").write_text(json.dumps(settings, indent=1))
+    for m in models:
+        folder = repo / m.name
+        folder.mkdir()
+        (folder / "model.onnx").write_bytes(m.onnx)
+        (folder / "model-settings.json").write_text(json.dumps({
+            "name": m.name, "implementation": "serve_mlserver_onnx.OnnxRuntime",
+            "parameters": {"uri": "./model.onnx", "version": "1"},
+        }, indent=1))  # fmt: skip
+    cmd = [str(venv / "bin" / "mlserver"), "start", str(repo)]
+    env = {"PYTHONPATH": str(HERE)}
+    return Server(label, "mlserver", tuple(m.name for m in models), http, grpc, cmd, tmp / f"{_slug(label)}.log", env, repo)
+
+
+def floor_server(models: list[Model], tmp: Path, grpc: bool) -> Server:
+    http, grpc_port = free_port(), free_port() if grpc else 0
+    cmd = [sys.executable, str(HERE / "serve_floor.py"), "--http-port", str(http), "--grpc-port", str(grpc_port),
+           *(f"--output={m.name}={m.output}" for m in models)]  # fmt: skip
+    return Server("floor", "floor", tuple(m.name for m in models), http, grpc_port, cmd, tmp / "floor.log")
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in label)
+
+
+# --- checks -------------------------------------------------------------------
+
+
+def check_rest(server: Server, model: Model, body: Path, header: int | None) -> None:
+    """One request: the server answers 200 with the expected output (the floor: the first input)."""
+    headers = {"Content-Type": "application/json"} if header is None else {
+        "Content-Type": "application/octet-stream", HEADER_LENGTH: str(header)}  # fmt: skip
+    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/models/{model.name}/infer",
+                                 data=body.read_bytes(), headers=headers, method="POST")  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            content, length = r.read(), r.headers.get(HEADER_LENGTH)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{server.label}: REST {model.name} answered {e.code}: {e.read()[:500]!r}") from None
+    out = parse_infer_response(content, length).outputs[model.output]
+    _compare(server, "REST", model, out)
+
+
+def check_grpc(server: Server, model: Model) -> None:
+    import grpc
+
+    from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=pb.ModelInferRequest.SerializeToString,
+                                   response_deserializer=pb.ModelInferResponse.FromString)  # fmt: skip
+        try:
+            reply = call(grpc_request(model), timeout=30)
+        except grpc.RpcError as e:
+            raise RuntimeError(f"{server.label}: gRPC {model.name} failed: {e.code()} {e.details()}") from None
+    names = [o.name for o in reply.outputs]
+    if model.output not in names or len(reply.raw_output_contents) != len(names):
+        raise RuntimeError(f"{server.label}: gRPC {model.name}: outputs {names}, {len(reply.raw_output_contents)} raw")
+    i = names.index(model.output)
+    out = np.frombuffer(reply.raw_output_contents[i], np.float32).reshape(tuple(reply.outputs[i].shape))
+    _compare(server, "gRPC", model, out)
+
+
+def _compare(server: Server, protocol: str, model: Model, out: np.ndarray) -> None:
+    expected = next(iter(model.inputs.values())) if server.kind == "floor" else model.expected
+    if out.shape != expected.shape or not np.allclose(out, expected, rtol=1e-5, atol=1e-5):
+        raise RuntimeError(f"{server.label}: {protocol} {model.name} returned {out!r}, expected {expected!r}")
+
+
+# --- load ---------------------------------------------------------------------
+
+
+def _run_load(cmd: list[str], marker: str, timeout: float) -> dict[str, Any]:
+    proc = subprocess.Popen(["taskset", "-c", LOAD_CORE, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    line = next((ln for ln in out.splitlines() if ln.startswith(marker)), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"load generator failed ({proc.returncode}): {' '.join(cmd)}\n{out[-2000:]}\n{err[-2000:]}")
+    result: dict[str, Any] = json.loads(line[len(marker):])
+    return result
+
+
+def wrk(url: str, body: Path, header: int | None, connections: int, seconds: int) -> dict[str, Any]:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "--latency",
+           "-s", str(HERE / "serve_wrk.lua"), url, "--", str(body), "" if header is None else str(header)]  # fmt: skip
+    return _run_load(cmd, "WRK_RESULT ", seconds + 30)
+
+
+def rest_load(server: Server, model: Model, body: Path, header: int | None, c: int, args: argparse.Namespace) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{server.http_port}/v2/models/{model.name}/infer"
+    wrk(url, body, header, c, args.warmup)
+    r = wrk(url, body, header, c, args.duration)
+    errors = sum(r["errors"].values())
+    if errors:
+        raise RuntimeError(f"{server.label}: {errors} failed REST requests under load ({r['errors']}):\n{server.tail()}")
+    return {"rps": r["rps"], "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3}
+
+
+def grpc_load(server: Server, body: Path, c: int, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, str(HERE / "serve_grpc_load.py"), "--target", f"127.0.0.1:{server.grpc_port}",
+           "--request", str(body), "--concurrency", str(c), "--processes", str(args.grpc_processes),
+           "--warmup", str(args.warmup), "--duration", str(args.duration)]  # fmt: skip
+    r = _run_load(cmd, "GRPC_RESULT ", args.warmup + args.duration + 60)
+    if r["errors"]["rpc"]:
+        raise RuntimeError(f"{server.label}: {r['errors']['rpc']} failed gRPC calls under load:\n{server.tail()}")
+    return {"rps": r["rps"], "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3}
+
+
+# --- the plan -----------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One measurement: a server under one protocol/model/concurrency (``variant``: the REST body)."""
+
+    protocol: str  # "rest" or "grpc"
+    model: str
+    concurrency: int
+    server: str  # row label
+    rounds: list[dict[str, float]] = field(default_factory=list)
+
+    def median(self, key: str) -> float:
+        return statistics.median(r[key] for r in self.rounds) if self.rounds else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mlserver-venv", type=Path, help="a venv with mlserver 1.7, onnxruntime and uvloop<0.22 "
+                        "(without it MLServer is not measured)")  # fmt: skip
+    parser.add_argument("--duration", type=int, default=2, help="seconds measured per cell and round (default 2)")
+    parser.add_argument("--warmup", type=int, default=1, help="seconds of warm-up before each measurement (default 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; the table shows medians (default 3)")
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)), help="default 1,8,32")
+    parser.add_argument("--protocols", default="rest,grpc", help="rest, grpc or both (default)")
+    parser.add_argument("--batch-delay-us", type=int, default=500,
+                        help="the small --max-queue-delay-us tried beside 0 (default 500)")  # fmt: skip
+    parser.add_argument("--grpc-processes", type=int, default=2, help="gRPC load processes (default 2)")
+    parser.add_argument("--json", type=Path, help="write the results here as JSON")
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    protocols = [p.strip() for p in args.protocols.split(",")]
+    if shutil.which("wrk") is None and "rest" in protocols:
+        raise SystemExit("bench_serve: wrk is not installed (Debian: apt-get install wrk)")
+    if shutil.which("taskset") is None:
+        raise SystemExit("bench_serve: taskset is not installed (Debian: util-linux)")
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("bench_serve: needs two CPU cores (server on core 0, load on core 1)")
+    mlserver = args.mlserver_venv
+    if mlserver is not None and not (mlserver / "bin" / "mlserver").is_file():
+        raise SystemExit(f"bench_serve: {mlserver}/bin/mlserver not found: --mlserver-venv must be a venv with mlserver")
+
+    # SIGTERM stops the servers too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name, ExitStack() as stack:
+        tmp = Path(tmp_name)
+        os.environ.setdefault("NEUROPOD_CACHE_DIR", str(tmp / "cache"))
+        os.environ.setdefault("NEUROPOD_HOME", str(tmp / "home"))
+        models = build_models(tmp)
+        bodies = {name: write_bodies(m, tmp) for name, m in models.items()}
+        grpc = "grpc" in protocols
+        both = list(models.values())
+        servers = [neuropod_server("neuropod", both, tmp, grpc)]
+        batched = []
+        for delay in (0, args.batch_delay_us):
+            s = neuropod_server(f"neuropod batch {BATCH}, delay {delay} us", [models[TINY]], tmp, grpc,
+                                ["--max-batch-size", str(BATCH), "--max-queue-delay-us", str(delay)])  # fmt: skip
+            batched.append(s)
+        servers += batched
+        if mlserver is not None:
+            servers.append(mlserver_server("mlserver parallel_workers=0", both, tmp, mlserver, 0))
+            servers.append(mlserver_server("mlserver default (1 worker)", both, tmp, mlserver, None))
+        floor = floor_server(both, tmp, grpc)
+        servers.append(floor)
+        for s in servers:
+            stack.callback(s.stop)
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        print(f"servers pinned to core {SERVER_CORE}, load generators to core {LOAD_CORE} (taskset); "
+              f"{args.repeats} rounds x {args.duration} s per cell after {args.warmup} s warm-up; medians shown")  # fmt: skip
+
+        # Every server answers correctly before anything is timed.
+        for s in servers:
+            for name in s.models:
+                m, b = models[name], bodies[name]
+                if "rest" in protocols and s.kind != "mlserver":
+                    check_rest(s, m, b.binary, b.binary_header)
+                if "rest" in protocols and s.kind != "floor":
+                    check_rest(s, m, b.json, None)
+                if grpc:
+                    check_grpc(s, m)
+
+        # The plan: (cell, how to measure it).
+        plan: list[tuple[Cell, Any]] = []
+        by_label = {s.label: s for s in servers}
+
+        def add(protocol: str, model: str, c: int, label: str, server: Server, variant: str = "binary") -> None:
+            m, b = models[model], bodies[model]
+            cell = Cell(protocol, model, c, label)
+            if protocol == "grpc":
+                run = lambda: grpc_load(server, b.grpc, c, args)  # noqa: E731
+            elif variant == "json":
+                run = lambda: rest_load(server, m, b.json, None, c, args)  # noqa: E731
+            else:
+                run = lambda: rest_load(server, m, b.binary, b.binary_header, c, args)  # noqa: E731
+            plan.append((cell, run))
+
+        for protocol in protocols:
+            for model in (TINY, MANY):
+                for c in concurrencies:
+                    add(protocol, model, c, "neuropod", by_label["neuropod"])
+                    if protocol == "rest":
+                        add(protocol, model, c, "neuropod (JSON)", by_label["neuropod"], "json")
+                    for s in servers:
+                        if s.kind == "mlserver":
+                            add(protocol, model, c, s.label + (" (JSON)" if protocol == "rest" else ""), s,
+                                "json" if protocol == "rest" else "binary")  # fmt: skip
+                    add(protocol, model, c, "floor", floor)
+                    if model == TINY and c == max(concurrencies):
+                        for s in batched:
+                            add(protocol, model, c, s.label, s)
+        started = time.monotonic()
+        for r in range(args.repeats):
+            for cell, run in _rotated(plan, r):
+                cell.rounds.append(run())
+            print(f"round {r + 1}/{args.repeats} done ({time.monotonic() - started:.0f} s)", flush=True)
+        cells = [cell for cell, _ in plan]
+        targets = report(cells, protocols, concurrencies, mlserver is not None)
+        if args.json:
+            write_json(args.json, cells, targets, args)
+        return 0 if all(t["pass"] for t in targets) else 1
+
+
+def _rotated(plan: list[tuple[Cell, Any]], r: int) -> list[tuple[Cell, Any]]:
+    """The plan with the servers of each (protocol, model, concurrency) group in a rotated order for round ``r``."""
+    groups: dict[tuple[str, str, int], list[tuple[Cell, Any]]] = {}
+    for item in plan:
+        c = item[0]
+        groups.setdefault((c.protocol, c.model, c.concurrency), []).append(item)
+    out = []
+    for items in groups.values():
+        k = r % len(items)
+        out += items[k:] + items[:k]
+    return out
+
+
+# --- the report ---------------------------------------------------------------
+
+
+PROTOCOL_TITLES = {"rest": "REST (binary tensors; MLServer has no binary extension: JSON)", "grpc": "gRPC (raw_input_contents)"}
+
+
+def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], have_mlserver: bool) -> list[dict[str, Any]]:
+    def get(protocol: str, model: str, c: int, label: str) -> Cell | None:
+        return next((x for x in cells if (x.protocol, x.model, x.concurrency, x.server) == (protocol, model, c, label)), None)
+
+    targets: list[dict[str, Any]] = []
+    vs_ml: list[tuple[float, bool, str]] = []
+    vs_floor: list[tuple[float, str]] = []
+    batching: list[tuple[float, str]] = []
+    for protocol in protocols:
+        for model in (TINY, MANY):
+            for c in concurrencies:
+                group = [x for x in cells if (x.protocol, x.model, x.concurrency) == (protocol, model, c)]
+                print(f"\n{PROTOCOL_TITLES[protocol]} | model {model} | concurrency {c}")
+                print(f"  {'server':<40} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+                for x in group:
+                    print(f"  {x.server:<40} {x.median('rps'):9,.0f} {x.median('p50_ms'):8.2f} {x.median('p99_ms'):8.2f}")
+                np_cell, fl = get(protocol, model, c, "neuropod"), get(protocol, model, c, "floor")
+                assert np_cell is not None and fl is not None
+                rps = np_cell.median("rps")
+                notes = []
+                where = f"{protocol} {model} c={c}"
+                mls = [x for x in group if x.server.startswith("mlserver")]
+                if mls:
+                    for ml in mls:
+                        notes.append(f"neuropod / {ml.server.split(' (JSON)')[0]}: {rps / ml.median('rps'):.2f}x")
+                    best = max(mls, key=lambda x: x.median("rps"))
+                    p99_ok = np_cell.median("p99_ms") < min(x.median("p99_ms") for x in mls)
+                    vs_ml.append((rps / best.median("rps"), p99_ok, where))
+                    if protocol == "rest":
+                        js = get(protocol, model, c, "neuropod (JSON)")
+                        assert js is not None
+                        notes.append(f"neuropod JSON / faster mlserver: {js.median('rps') / best.median('rps'):.2f}x")
+                frac = rps / fl.median("rps")
+                notes.append(f"neuropod / floor: {frac:.2f}")
+                if model == TINY:
+                    vs_floor.append((frac, where))
+                for x in group:
+                    if x.server.startswith("neuropod batch"):
+                        gain = x.median("rps") / rps
+                        notes.append(f"{x.server} / unbatched: {gain:.2f}x req/s, p99 {x.median('p99_ms'):.2f} "
+                                     f"vs {np_cell.median('p99_ms'):.2f} ms")  # fmt: skip
+                        batching.append((gain, f"{where} {x.server}"))
+                for n in notes:
+                    print(f"  {n}")
+
+    print()
+    if have_mlserver:
+        worst = min(vs_ml)
+        ok = all(r >= 2 and p for r, p, _ in vs_ml)
+        p99_misses = [w for _, p, w in vs_ml if not p]
+        targets.append({"target": "neuropod >= 2x the faster MLServer's req/s and a lower p99, every cell", "pass": ok,
+                        "worst_ratio": worst[0], "worst_cell": worst[2], "p99_not_lower": p99_misses})  # fmt: skip
+        print(f"{'PASS' if ok else 'MISS'}  neuropod >= 2x MLServer req/s with lower p99 in all {len(vs_ml)} cells: "
+              f"lowest ratio {worst[0]:.2f}x ({worst[2]}); p99 not lower in {len(p99_misses)} "
+              f"{'' if not p99_misses else '(' + ', '.join(p99_misses) + ')'}")  # fmt: skip
+    else:
+        print("----  neuropod vs MLServer: not measured (no --mlserver-venv)")
+    worst_f = min(vs_floor)
+    ok = worst_f[0] >= 0.7
+    targets.append({"target": "neuropod >= 0.7 of the floor's req/s on the tiny model", "pass": ok,
+                    "worst_fraction": worst_f[0], "worst_cell": worst_f[1]})  # fmt: skip
+    print(f"{'PASS' if ok else 'MISS'}  neuropod >= 0.7 of the floor (tiny): lowest {worst_f[0]:.2f} ({worst_f[1]})")
+    if batching:
+        best_b = max(batching)
+        ok = best_b[0] >= 3
+        targets.append({"target": f"batching >= 3x req/s, tiny, concurrency {max(concurrencies)}", "pass": ok,
+                        "best_gain": best_b[0], "best_config": best_b[1], "all": batching})  # fmt: skip
+        print(f"{'PASS' if ok else 'MISS'}  batching >= 3x req/s (tiny, c={max(concurrencies)}): best {best_b[0]:.2f}x "
+              f"({best_b[1]}); all: " + ", ".join(f"{g:.2f}x" for g, _ in batching))  # fmt: skip
+    return targets
+
+
+def write_json(path: Path, cells: list[Cell], targets: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    data = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "server_core": SERVER_CORE, "load_core": LOAD_CORE},
+        "settings": {"duration_s": args.duration, "warmup_s": args.warmup, "repeats": args.repeats,
+                     "batch_delay_us": args.batch_delay_us, "grpc_processes": args.grpc_processes},
+        "cells": [{"protocol": c.protocol, "model": c.model, "concurrency": c.concurrency, "server": c.server,
+                   "rps": c.median("rps"), "p50_ms": c.median("p50_ms"), "p99_ms": c.median("p99_ms"),
+                   "rounds": c.rounds} for c in cells],
+        "targets": targets,
+    }  # fmt: skip
+    path.write_text(json.dumps(data, indent=1))
+    print(f"results written to {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
