@@ -1,0 +1,295 @@
+"""The gRPC half of the Open Inference Protocol: ``inference.GRPCInferenceService`` on grpc.aio.
+
+Messages go through :mod:`neuropod_serving.protocol.grpc_codec` and requests
+through the same :class:`~neuropod_serving.server.engine.Engine` as REST, so
+both protocols check, batch, count and refuse alike. The six methods are
+registered here with grpcio's generic handlers (no generated ``_pb2_grpc``):
+
+============================  ==========================================
+what went wrong               status (details: the same text as REST's)
+============================  ==========================================
+bad tensor, spec mismatch     INVALID_ARGUMENT, naming the tensor
+unknown model or version      NOT_FOUND
+missing or wrong token        UNAUTHENTICATED (not on ServerLive/Ready)
+message over the limit        RESOURCE_EXHAUSTED (refused by grpcio)
+the model failed              INTERNAL, naming the model; logged
+============================  ==========================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from neuropod.errors import NeuropodError, SpecError
+from neuropod_serving import __version__
+from neuropod_serving.protocol import ProtocolError
+from neuropod_serving.protocol import grpc_codec as codec
+from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
+from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
+from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.registry import MODEL_VERSION, UnknownModelError
+
+log = logging.getLogger("neuropod_serving.server")
+access = logging.getLogger("neuropod_serving.access")
+
+SERVICE = "inference.GRPCInferenceService"
+#: Extensions this gRPC service implements: the OIP proto defines none of
+#: Triton's (binary tensors are REST's; its proto has no repository RPCs).
+EXTENSIONS: list[str] = []
+#: Requests whose raw contents pass this many bytes are decoded (and their
+#: replies encoded) in a thread, so a large BYTES tensor never stalls the loop.
+INLINE_BYTES = 256 * 1024
+
+_STATUS_OF_PROTOCOL_ERROR = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class _Refused(Exception):
+    """End the RPC with ``code`` and ``details`` (raised inside a handler)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+class _Servicer:
+    """The six RPCs of GRPCInferenceService over one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.metrics = engine.metrics
+
+    async def server_live(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        # Models load before the port opens, so a listening server is ready.
+        return pb.ServerReadyResponse(ready=True)
+
+    async def server_metadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="neuropod", version=__version__, extensions=EXTENSIONS)
+
+    async def model_ready(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        self.engine.get(request.name, request.version or None)
+        return pb.ModelReadyResponse(ready=True)
+
+    async def model_metadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        metadata = self.engine.get(request.name, request.version or None).metadata
+        # The exact spec shapes (symbol names) ride in a trailer: TensorMetadata has no parameters.
+        context.set_trailing_metadata(((codec.SHAPES_METADATA_KEY, codec.shapes_metadata(metadata)),))
+        return codec.model_metadata_response(metadata)
+
+    async def model_infer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        started = time.perf_counter()
+        engine = self.engine
+        name = request.model_name
+        failure: str | None = "client"
+        try:
+            served = engine.get(name, request.model_version or None)
+            large = sum(len(raw) for raw in request.raw_input_contents) > INLINE_BYTES
+            if large:
+                decoded = await asyncio.to_thread(
+                    codec.parse_model_infer_request, request, input_spec=served.model.inputs
+                )
+            else:
+                decoded = codec.parse_model_infer_request(request, input_spec=served.model.inputs)
+            requested = list(decoded.outputs) if decoded.outputs is not None else None
+            failure = "model"
+            try:
+                outputs = await engine.infer(served, decoded.inputs, requested)
+            except SpecError:
+                failure = "client"
+                raise
+            # Outputs in the order asked for, else in spec order (as REST answers).
+            names = requested if requested is not None else [s.name for s in served.model.outputs if s.name in outputs]
+            names += [n for n in outputs if n not in names]
+            ordered = {n: outputs[n] for n in names}
+            try:
+                if large:
+                    response = await asyncio.to_thread(
+                        codec.build_model_infer_response,
+                        served.name,
+                        ordered,
+                        model_version=MODEL_VERSION,
+                        id=decoded.id,
+                    )
+                else:
+                    response = codec.build_model_infer_response(
+                        served.name, ordered, model_version=MODEL_VERSION, id=decoded.id
+                    )
+            except ProtocolError as e:
+                # An output the protocol cannot carry is the model's fault, not the request's.
+                raise NeuropodError(f"its outputs cannot be sent: {e}") from e
+            failure = None
+            return response
+        finally:
+            if name in engine.registry:
+                self.metrics.request(name, "grpc", time.perf_counter() - started, failure)
+
+
+def _wrap(
+    method: str,
+    handler: Handler,
+    *,
+    model_of: Callable[[Any], str] | None,
+    expected_auth: bytes | None,
+    access_log: bool,
+) -> Handler:
+    """``handler`` with authentication, errors mapped to status codes, and the access log."""
+
+    async def rpc(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        details = ""
+        try:
+            if expected_auth is not None:
+                _authenticate(context, expected_auth)
+            return await handler(request, context)
+        except _Refused as e:
+            code, details = e.code, e.details
+        except (ProtocolError, SpecError, UnknownModelError) as e:
+            code = (
+                grpc.StatusCode.NOT_FOUND
+                if isinstance(e, UnknownModelError)
+                else _STATUS_OF_PROTOCOL_ERROR.get(getattr(e, "status", 400), grpc.StatusCode.INVALID_ARGUMENT)
+            )
+            details = str(e)
+        except NeuropodError as e:
+            # The model failed, not the request: log it with its cause for the
+            # operator, answer INTERNAL naming the model, and keep serving.
+            model = model_of(request) if model_of is not None else "?"
+            log.error("model %r failed: %s", model, e, exc_info=e)
+            code, details = grpc.StatusCode.INTERNAL, f"model {model!r} failed: {e}"
+        except Exception as e:
+            log.exception("gRPC %s failed", method)
+            code, details = grpc.StatusCode.INTERNAL, f"{method} failed: {type(e).__name__}: {e}"
+        finally:
+            if access_log and access.isEnabledFor(logging.INFO):
+                access.info(
+                    '%s "%s %s" %s %.2fms',
+                    context.peer(), method, (model_of(request) if model_of is not None else "") or "-",
+                    code.name, (time.perf_counter() - started) * 1000,
+                )  # fmt: skip
+        await context.abort(code, details)
+
+    return rpc
+
+
+def _authenticate(context: grpc.aio.ServicerContext, expected: bytes) -> None:
+    given = b""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            given = value.encode() if isinstance(value, str) else bytes(value)
+            break
+    # compare_digest: the time taken must not tell an attacker how much of a guess was right.
+    if not hmac.compare_digest(given, expected):
+        reason = "no authorization metadata" if not given else "the bearer token does not match"
+        raise _Refused(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"this server needs 'authorization: Bearer <token>' in the call's metadata ({reason})",
+        )
+
+
+def _handlers(engine: Engine, *, auth_token: str | None, access_log: bool) -> dict[str, grpc.RpcMethodHandler]:
+    servicer = _Servicer(engine)
+    expected = None if auth_token is None else f"Bearer {auth_token}".encode()
+    by_name = lambda r: r.name  # noqa: E731
+    methods: list[tuple[str, Handler, Any, Any, Callable[[Any], str] | None, bool]] = [
+        # name, handler, request class, response class, model name of a request, open to all
+        ("ServerLive", servicer.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse, None, True),
+        ("ServerReady", servicer.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse, None, True),
+        ("ModelReady", servicer.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse, by_name, False),
+        ("ServerMetadata", servicer.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse, None, False),
+        ("ModelMetadata", servicer.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse, by_name, False),
+        (
+            "ModelInfer",
+            servicer.model_infer,
+            pb.ModelInferRequest,
+            pb.ModelInferResponse,
+            lambda r: r.model_name,
+            False,
+        ),
+    ]
+    return {
+        name: grpc.unary_unary_rpc_method_handler(
+            _wrap(name, handler, model_of=model_of, expected_auth=None if open_ else expected, access_log=access_log),
+            request_deserializer=request_class.FromString,
+            response_serializer=response_class.SerializeToString,
+        )
+        for name, handler, request_class, response_class, model_of, open_ in methods
+    }
+
+
+async def start_grpc_server(
+    engine: Engine,
+    address: str,
+    *,
+    auth_token: str | None = None,
+    tls: tuple[bytes, bytes] | None = None,
+    max_message_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    access_log: bool = True,
+) -> tuple[grpc.aio.Server, int]:
+    """Start serving ``engine``'s models over gRPC on ``address`` (``host:port``; port 0 picks a free one).
+
+    Call it on the event loop that is to run the server; stop it with
+    ``await server.stop(grace)``.
+
+    :param auth_token: when given, every method except ServerLive and
+        ServerReady needs ``authorization: Bearer <auth_token>`` metadata.
+    :param tls: the PEM certificate chain and private key: serve over TLS.
+    :param max_message_bytes: larger requests are refused with
+        RESOURCE_EXHAUSTED before they reach a handler.
+    :param access_log: one INFO line per call on the ``neuropod_serving.access`` logger.
+    :returns: the started server and the port it is bound to.
+    :raises NeuropodError: the address cannot be bound.
+    """
+    if max_message_bytes < 1:
+        raise ValueError(f"max_message_bytes must be at least 1, not {max_message_bytes}")
+    if auth_token is not None and not auth_token:
+        raise ValueError("auth_token is empty: pass None to serve without authentication")
+    handlers = _handlers(engine, auth_token=auth_token, access_log=access_log)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", -1),
+            # grpcio sets SO_REUSEPORT by default: a second server on a port in use would
+            # silently share it instead of failing the start.
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    # Registered methods skip the per-call lookup by name (grpcio >= 1.62).
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(SERVICE, handlers)
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            cert, key = tls
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    except RuntimeError as e:
+        port, reason = 0, str(e)
+    else:
+        reason = "is the port in use?"
+    if not port:
+        await server.stop(None)
+        raise NeuropodError(f"gRPC: cannot listen on {address} ({reason})")
+    await server.start()
+    return server, port
+
+
+__all__ = ["EXTENSIONS", "SERVICE", "start_grpc_server"]
