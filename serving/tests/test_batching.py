@@ -562,7 +562,7 @@ def test_engine_without_batch_symbol_serves_unbatched(repo: Path) -> None:
     for policy in (None, BatchPolicy(1)):
         engine = Engine(ModelRegistry.load([repo / "models" / "adder"]), batching=policy)
         try:
-            assert engine.batched("adder") == (False, "batching is off (--max-batch-size)")
+            assert engine.batched("adder") == (False, "batching off: no --max-batch-size")
         finally:
             engine.close()
 

@@ -184,7 +184,7 @@ def test_serve_process_with_token(repo: Path) -> None:
     assert served.proc.returncode in (0, -signal.SIGTERM), err
     assert took < 10
     lines = out.splitlines()
-    assert lines[0].split() == ["MODEL", "PLATFORM", "BACKEND", "DEVICE", "INPUTS"], out
+    assert lines[0].split() == ["MODEL", "PLATFORM", "BACKEND", "DEVICE", "BATCHED", "INPUTS"], out
     assert any(line.startswith("adder") and "onnx" in line and "x: float32[batch_size, 2]" in line for line in lines), (
         out
     )

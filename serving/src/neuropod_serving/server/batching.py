@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,8 @@ from neuropod.errors import BackendError, NeuropodError
 from neuropod.spec import TensorSpec
 
 Arrays = dict[str, np.ndarray]
+
+log = logging.getLogger("neuropod_serving.server")
 
 
 def batch_symbol(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> tuple[str | None, str]:
@@ -207,7 +210,10 @@ class Batcher:
                 self._fail(batch, e)
                 return
             if self._observe is not None:
-                self._observe(waited, time.perf_counter() - started, sum(i.rows for i in batch))
+                try:
+                    self._observe(waited, time.perf_counter() - started, sum(i.rows for i in batch))
+                except Exception:  # metrics must never leave a batch unanswered
+                    log.exception("recording metrics of model %r failed", self.name)
             for item, result in zip(batch, results):
                 if not item.future.done():
                     item.future.set_result(result)

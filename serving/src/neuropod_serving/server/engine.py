@@ -94,7 +94,7 @@ class Engine:
         runner = self._runners[name]
         if runner.batcher is not None:
             return True, ""
-        return False, runner.unbatched_reason or "batching is off (--max-batch-size)"
+        return False, runner.unbatched_reason or "batching off: no --max-batch-size"
 
     def _start(self, served: ServedModel) -> None:
         model = served.model
