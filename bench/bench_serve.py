@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -278,6 +279,64 @@ def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label)
 
 
+class CpuSampler:
+    """CPU time of a server's whole process group, sampled every 50 ms in a thread, so the
+    share of a core it used inside a load generator's window can be read afterwards."""
+
+    def __init__(self, server: Server) -> None:
+        assert server.proc is not None
+        self.pgid = server.proc.pid
+        self.pids = _group_pids(self.pgid)
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while True:
+            total = 0
+            for pid in self.pids:
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    total += int(fields[11]) + int(fields[12])  # utime, stime
+                except (OSError, IndexError, ValueError):
+                    pass
+            self.samples.append((time.monotonic(), total / tick))
+            if self._stop.wait(0.05):
+                return
+
+    def share(self, t0: float, t1: float) -> float:
+        """Cores used between t0 and t1 (monotonic seconds), from the samples nearest them."""
+        if not self.samples or t1 <= t0:
+            return float("nan")
+        a = min(self.samples, key=lambda x: abs(x[0] - t0))
+        b = min(self.samples, key=lambda x: abs(x[0] - t1))
+        return (b[1] - a[1]) / (b[0] - a[0]) if b[0] > a[0] else float("nan")
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:
+                    pids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return pids
+
+
 # --- checks -------------------------------------------------------------------
 
 
@@ -327,6 +386,8 @@ def _compare(server: Server, protocol: str, model: Model, out: np.ndarray) -> No
 
 
 def _run_load(cmd: list[str], marker: str, timeout: float) -> dict[str, Any]:
+    """Run a load generator on the load core; its result line as a dict, with ``window`` (monotonic t0, t1)."""
+    started = time.monotonic()
     proc = subprocess.Popen(["taskset", "-c", LOAD_CORE, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -334,10 +395,14 @@ def _run_load(cmd: list[str], marker: str, timeout: float) -> dict[str, Any]:
         proc.kill()
         proc.wait()
         raise
+    ended = time.monotonic()
+    window = next((ln.split()[1:] for ln in out.splitlines() if ln.startswith("GRPC_WINDOW ")), None)
     line = next((ln for ln in out.splitlines() if ln.startswith(marker)), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"load generator failed ({proc.returncode}): {' '.join(cmd)}\n{out[-2000:]}\n{err[-2000:]}")
     result: dict[str, Any] = json.loads(line[len(marker):])
+    # wrk measures from its start to its end (connecting takes microseconds on loopback).
+    result["window"] = (float(window[0]), float(window[1])) if window else (started + 0.02, ended - 0.02)
     return result
 
 
@@ -350,21 +415,25 @@ def wrk(url: str, body: Path, header: int | None, connections: int, seconds: int
 def rest_load(server: Server, model: Model, body: Path, header: int | None, c: int, args: argparse.Namespace) -> dict[str, Any]:
     url = f"http://127.0.0.1:{server.http_port}/v2/models/{model.name}/infer"
     wrk(url, body, header, c, args.warmup)
-    r = wrk(url, body, header, c, args.duration)
+    with CpuSampler(server) as cpu:
+        r = wrk(url, body, header, c, args.duration)
     errors = sum(r["errors"].values())
     if errors:
         raise RuntimeError(f"{server.label}: {errors} failed REST requests under load ({r['errors']}):\n{server.tail()}")
-    return {"rps": r["rps"], "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3}
+    return {"rps": r["rps"], "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3,
+            "server_cpu": cpu.share(*r["window"]), "load_cpu": None}  # fmt: skip
 
 
 def grpc_load(server: Server, body: Path, c: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, str(HERE / "serve_grpc_load.py"), "--target", f"127.0.0.1:{server.grpc_port}",
            "--request", str(body), "--concurrency", str(c), "--processes", str(args.grpc_processes),
            "--warmup", str(args.warmup), "--duration", str(args.duration)]  # fmt: skip
-    r = _run_load(cmd, "GRPC_RESULT ", args.warmup + args.duration + 60)
+    with CpuSampler(server) as cpu:
+        r = _run_load(cmd, "GRPC_RESULT ", args.warmup + args.duration + 60)
     if r["errors"]["rpc"]:
         raise RuntimeError(f"{server.label}: {r['errors']['rpc']} failed gRPC calls under load:\n{server.tail()}")
-    return {"rps": r["rps"], "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3}
+    return {"rps": r["rps"], "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3,
+            "server_cpu": cpu.share(*r["window"]), "load_cpu": r["load_cpu"]}  # fmt: skip
 
 
 # --- the plan -----------------------------------------------------------------
@@ -381,7 +450,8 @@ class Cell:
     rounds: list[dict[str, float]] = field(default_factory=list)
 
     def median(self, key: str) -> float:
-        return statistics.median(r[key] for r in self.rounds) if self.rounds else float("nan")
+        values = [r[key] for r in self.rounds if r.get(key) is not None and r[key] == r[key]]  # NaN != NaN
+        return statistics.median(values) if values else float("nan")
 
 
 def main() -> int:
@@ -410,6 +480,8 @@ def main() -> int:
     if mlserver is not None and not (mlserver / "bin" / "mlserver").is_file():
         raise SystemExit(f"bench_serve: {mlserver}/bin/mlserver not found: --mlserver-venv must be a venv with mlserver")
 
+    # This process (sampling, waiting) stays off the server's core.
+    os.sched_setaffinity(0, {int(LOAD_CORE)})
     # SIGTERM stops the servers too, as Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name, ExitStack() as stack:
@@ -524,9 +596,11 @@ def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], ha
             for c in concurrencies:
                 group = [x for x in cells if (x.protocol, x.model, x.concurrency) == (protocol, model, c)]
                 print(f"\n{PROTOCOL_TITLES[protocol]} | model {model} | concurrency {c}")
-                print(f"  {'server':<40} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+                print(f"  {'server':<40} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'server CPU':>10} {'load CPU':>8}")
                 for x in group:
-                    print(f"  {x.server:<40} {x.median('rps'):9,.0f} {x.median('p50_ms'):8.2f} {x.median('p99_ms'):8.2f}")
+                    load = "" if protocol == "rest" else f"{x.median('load_cpu'):8.0%}"
+                    print(f"  {x.server:<40} {x.median('rps'):9,.0f} {x.median('p50_ms'):8.2f} {x.median('p99_ms'):8.2f}"
+                          f" {x.median('server_cpu'):10.0%} {load:>8}")  # fmt: skip
                 np_cell, fl = get(protocol, model, c, "neuropod"), get(protocol, model, c, "floor")
                 assert np_cell is not None and fl is not None
                 rps = np_cell.median("rps")
@@ -583,6 +657,17 @@ def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], ha
     return targets
 
 
+def _no_nan(value: Any) -> Any:
+    """NaN (not measured) as null: JSON has no NaN."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return value
+
+
 def write_json(path: Path, cells: list[Cell], targets: list[dict[str, Any]], args: argparse.Namespace) -> None:
     data = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
@@ -591,10 +676,11 @@ def write_json(path: Path, cells: list[Cell], targets: list[dict[str, Any]], arg
                      "batch_delay_us": args.batch_delay_us, "grpc_processes": args.grpc_processes},
         "cells": [{"protocol": c.protocol, "model": c.model, "concurrency": c.concurrency, "server": c.server,
                    "rps": c.median("rps"), "p50_ms": c.median("p50_ms"), "p99_ms": c.median("p99_ms"),
+                   "server_cpu": c.median("server_cpu"), "load_cpu": c.median("load_cpu"),
                    "rounds": c.rounds} for c in cells],
         "targets": targets,
     }  # fmt: skip
-    path.write_text(json.dumps(data, indent=1))
+    path.write_text(json.dumps(_no_nan(data), indent=1))
     print(f"results written to {path}")
 
 

@@ -12,8 +12,11 @@ protobuf, so the server is what is measured.
 
 All processes warm up together, then count the calls that complete inside
 one shared window of ``--duration`` seconds (CLOCK_MONOTONIC is the same
-in every process). Prints one line, ``GRPC_RESULT {json}``: requests/s,
-p50/p90/p99 and mean latency in microseconds, errors.
+in every process). Prints ``GRPC_WINDOW t0 t1`` (that window, in
+``time.monotonic()`` seconds) when it starts, then ``GRPC_RESULT {json}``:
+requests/s, p50/p90/p99 and mean latency in microseconds, errors, and the
+CPU the load processes used in the window (``load_cpu``, in cores: near 1.0
+means the load generator, not the server, may be the limit).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _child(target: str, request: bytes, slots: int, ready_w: int, go_r: int, out
 
     import grpc
 
-    async def run() -> tuple[array, int]:
+    async def run() -> tuple[array, int, float]:
         async with grpc.aio.insecure_channel(target) as channel:
             await asyncio.wait_for(channel.channel_ready(), 30)
             call = channel.unary_unary(METHOD)
@@ -64,16 +67,23 @@ def _child(target: str, request: bytes, slots: int, ready_w: int, go_r: int, out
                         else:
                             errors += 1
 
-            await asyncio.gather(*(loop() for _ in range(slots)))
-            return latencies, errors
+            async def cpu_in_window() -> float:
+                # This process's CPU time (every thread, grpc's own included) inside the window.
+                await asyncio.sleep(max(0.0, t0 - clock()))
+                before = time.process_time()
+                await asyncio.sleep(max(0.0, t1 - clock()))
+                return time.process_time() - before
+
+            cpu, *_ = await asyncio.gather(cpu_in_window(), *(loop() for _ in range(slots)))
+            return latencies, errors, cpu
 
     try:
         import uvloop
 
-        latencies, errors = uvloop.run(run())
+        latencies, errors, cpu = uvloop.run(run())
     except ImportError:
-        latencies, errors = asyncio.run(run())
-    data = struct.pack("q", errors) + latencies.tobytes()
+        latencies, errors, cpu = asyncio.run(run())
+    data = struct.pack("qd", errors, cpu) + latencies.tobytes()
     view = memoryview(data)
     while view:
         view = view[os.write(out_w, view) :]
@@ -129,19 +139,22 @@ def main() -> None:
     t1 = t0 + args.duration
     for _, _, go_w, _ in children:
         os.write(go_w, struct.pack("dd", t0, t1))
+    print(f"GRPC_WINDOW {t0} {t1}", flush=True)
     latencies = array("d")
-    errors = 0
+    errors, cpu = 0, 0.0
     for pid, _, _, out_r in children:
         chunks = []
         while chunk := os.read(out_r, 1 << 20):
             chunks.append(chunk)
         data = b"".join(chunks)
         _, status = os.waitpid(pid, 0)
-        if status != 0 or len(data) < 8:
+        head = struct.calcsize("qd")
+        if status != 0 or len(data) < head:
             failed = True
             continue
-        errors += struct.unpack("q", data[:8])[0]
-        latencies.frombytes(data[8:])
+        e, c = struct.unpack("qd", data[:head])
+        errors, cpu = errors + e, cpu + c
+        latencies.frombytes(data[head:])
     if failed:
         raise SystemExit("serve_grpc_load: a load process failed (see above)")
     values = sorted(latencies)
@@ -155,6 +168,7 @@ def main() -> None:
         "mean_us": sum(values) / len(values) * 1e6 if values else float("nan"),
         "max_us": values[-1] * 1e6 if values else float("nan"),
         "errors": {"rpc": errors},
+        "load_cpu": cpu / args.duration,
         "processes": procs,
     }
     print("GRPC_RESULT " + json.dumps(result), flush=True)
