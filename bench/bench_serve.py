@@ -685,4 +685,11 @@ def write_json(path: Path, cells: list[Cell], targets: list[dict[str, Any]], arg
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("bench_serve: interrupted; every server was stopped", file=sys.stderr)
+        sys.exit(130)
+    except RuntimeError as e:  # a server failed to start, answered wrongly or failed under load
+        print(f"bench_serve: {e}", file=sys.stderr)
+        sys.exit(2)
