@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,9 @@ from neuropod import _json
 from neuropod.spec import TensorSpec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol.codec import (
+    _MAX_DIMS,
+    _WIRE_DTYPES,
+    DATATYPES,
     SHAPE_PARAMETER,
     InferRequest,
     InferResponse,
@@ -63,6 +67,16 @@ _CONTENTS_FIELD: dict[str, str] = {
     "BYTES": "bytes_contents",
 }
 _CONTENTS_FIELDS = tuple(dict.fromkeys(_CONTENTS_FIELD.values()))
+
+# Fast paths for numbers (BOOL's bytes need their 0/1 check, BYTES its reader):
+# wire dtype by datatype, and datatype by numpy dtype where the host's is the
+# wire's (little-endian), so that tobytes() is already what goes out.
+_FAST_DECODE = {datatype: wire for datatype, wire in _WIRE_DTYPES.items() if datatype != "BOOL"}
+_FAST_ENCODE: dict[np.dtype[Any], str] = (
+    {np.dtype(dtype): datatype for datatype, dtype in DATATYPES.items() if dtype != "string"}
+    if sys.byteorder == "little"
+    else {}
+)
 
 
 # --- inference requests ------------------------------------------------------
@@ -268,6 +282,12 @@ def _encode_tensors(arrays: Mapping[str, np.ndarray[Any, Any]], kind: Any) -> tu
     tensors: list[Any] = []
     raws: list[bytes] = []
     for name, array in arrays.items():
+        datatype = _FAST_ENCODE.get(array.dtype) if isinstance(array, np.ndarray) else None
+        if datatype is not None:
+            # tobytes() is row-major whatever the strides; the dtype is already the wire's.
+            tensors.append(kind(name=name, datatype=datatype, shape=array.shape))
+            raws.append(array.tobytes())
+            continue
         obj, raw = encode_tensor(name, array, binary=True)
         tensors.append(kind(name=name, datatype=obj["datatype"], shape=obj["shape"]))
         assert raw is not None  # binary=True always gives the raw bytes
@@ -284,6 +304,7 @@ def _decode_tensors(
             f"{field} has {len(raws)} entries but the message has {len(tensors)} {kind}s: "
             f"with raw contents, every {kind} needs exactly one entry, in the order of the {kind}s"
         )
+    raws = list(raws)  # indexing a protobuf repeated field costs more than a list's
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for i, t in enumerate(tensors):
         name = t.name
@@ -298,7 +319,23 @@ def _decode_tensors(
                 raise ProtocolError(
                     f"{kind} {name!r} is not one of this model's {kind}s: {', '.join(specs) or '(none)'}"
                 )
-        obj: dict[str, Any] = {"name": name, "datatype": t.datatype, "shape": list(t.shape)}
+        datatype = t.datatype
+        if raws:
+            # The common case without building the codec's tensor object; anything
+            # unusual (or wrong) goes the full way below, which words the error.
+            wire = _FAST_DECODE.get(datatype)
+            if wire is not None and (spec is None or spec.dtype == DATATYPES[datatype]):
+                shape = tuple(t.shape)
+                raw = raws[i]
+                if (
+                    len(shape) <= _MAX_DIMS
+                    and min(shape, default=0) >= 0
+                    and math.prod(shape) * wire.itemsize == len(raw)
+                    and not t.HasField("contents")
+                ):
+                    arrays[name] = np.frombuffer(raw, dtype=wire).reshape(shape)
+                    continue
+        obj: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(t.shape)}
         where = f"{kind}s[{i}]"
         if raws:
             if t.HasField("contents"):
