@@ -394,6 +394,8 @@ def test_codec_round_trip_and_faults() -> None:
         "u": np.array([2**64 - 1, 0], dtype=np.uint64),
         "s": np.array(["h\u00e9", "", "a\0"], dtype=object),
         "b": np.array([True, False]),
+        "transposed": np.arange(6, dtype=np.float32).reshape(2, 3).T,  # not C-contiguous
+        "big_endian": np.arange(3, dtype=">i4"),
     }
     request = codec.build_model_infer_request("m", arrays, outputs=["o1", "o2"], id="7", parameters={"big": 2**63})
     parsed = codec.parse_model_infer_request(pb.ModelInferRequest.FromString(request.SerializeToString()))
@@ -402,7 +404,7 @@ def test_codec_round_trip_and_faults() -> None:
     for got in (parsed.inputs, response.outputs):
         assert list(got) == list(arrays)
         for name, array in arrays.items():
-            assert got[name].dtype == array.dtype and got[name].tolist() == array.tolist(), name
+            assert got[name].dtype == array.dtype.newbyteorder("<") and got[name].tolist() == array.tolist(), name
 
     def tensor(**kw: Any) -> Any:
         return pb.ModelInferRequest.InferInputTensor(**kw)
