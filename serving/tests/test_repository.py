@@ -252,9 +252,9 @@ def test_unreadable_package_is_listed_with_a_reason(server: Server) -> None:
     (server.models / "garbled").mkdir()
     (server.models / "garbled" / "config.json").write_text("{this is not json")
     entry = _index(server)["garbled"]
-    assert entry["state"] != "READY" and entry.get("reason"), entry
+    assert entry["state"] == "UNAVAILABLE" and "cannot read the package" in entry["reason"], entry
     r = server.http.post("/v2/repository/models/garbled/load", json={})
-    assert r.status_code in (400, 404) and "garbled" in r.json()["error"], r.text
+    assert r.status_code == 400 and "garbled" in r.json()["error"] and "config.json" in r.json()["error"], r.text
     _adder_ok(server)
 
 

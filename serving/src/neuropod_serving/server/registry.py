@@ -92,9 +92,12 @@ class RepositoryEntry:
 
     name: str
     path: Path | None
-    #: "READY" (loaded), "UNAVAILABLE" (found, not loaded) or "UNREADABLE".
+    #: "READY" (loaded) or "UNAVAILABLE" (found, not loaded: see ``reason``),
+    #: states of the repository extension.
     state: str
     reason: str = ""
+    #: False when the package could not even be read (its name is then the file's).
+    readable: bool = True
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "version": MODEL_VERSION, "state": self.state}
@@ -189,7 +192,7 @@ class ModelRegistry:
                 try:
                     name = read_package(pkg).name
                 except NeuropodError as e:
-                    entries.append(RepositoryEntry(pkg.name, pkg, "UNREADABLE", str(e)))
+                    entries.append(RepositoryEntry(pkg.name, pkg, "UNAVAILABLE", f"cannot read the package: {e}", False))
                     continue
                 loaded = self._models.get(name)
                 reason = f"another package named {name!r} is loaded ({loaded.path})" if loaded else "not loaded"
@@ -205,7 +208,11 @@ class ModelRegistry:
         :raises PackageError: several do, or the package fails to load (the old model
             stays unloaded then: a failed reload serves nothing stale).
         """
-        candidates = [e for e in self.index() if e.name == name and e.path is not None and e.state != "UNREADABLE"]
+        candidates = [e for e in self.index() if e.name == name and e.path is not None]
+        broken = [e for e in candidates if not e.readable]
+        if broken and len(candidates) == len(broken):
+            raise PackageError(broken[0].reason)
+        candidates = [e for e in candidates if e.readable]
         if not candidates:
             where = ", ".join(str(p) for p in self.paths) or "(no repository paths)"
             raise UnknownModelError(f"no package named {name!r} under the repository paths: {where}")
