@@ -467,6 +467,7 @@ def main() -> int:
                         help="the small --max-queue-delay-us tried beside 0 (default 500)")  # fmt: skip
     parser.add_argument("--grpc-processes", type=int, default=2, help="gRPC load processes (default 2)")
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed (default: report only)")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     protocols = [p.strip() for p in args.protocols.split(",")]
@@ -561,7 +562,7 @@ def main() -> int:
         targets = report(cells, protocols, concurrencies, mlserver is not None)
         if args.json:
             write_json(args.json, cells, targets, args)
-        return 0 if all(t["pass"] for t in targets) else 1
+        return 1 if args.strict and not all(t["pass"] for t in targets) else 0
 
 
 def _rotated(plan: list[tuple[Cell, Any]], r: int) -> list[tuple[Cell, Any]]:
