@@ -297,7 +297,10 @@ def create_app(
         log.error("model %r failed: %s", name, exc, exc_info=exc)
         return _error(500, f"model {name!r} failed: {exc}")
 
+    # Starlette tries routes in order, a regex each: infer, the hot path, first.
     routes = [
+        Route("/v2/models/{model}/infer", infer, methods=["POST"]),
+        Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
@@ -305,8 +308,6 @@ def create_app(
         Route("/v2/models/{model}/versions/{version}", metadata, methods=["GET"]),
         Route("/v2/models/{model}/ready", model_ready, methods=["GET"]),
         Route("/v2/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]),
-        Route("/v2/models/{model}/infer", infer, methods=["POST"]),
-        Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
         Route("/v2/repository/index", repository_index, methods=["POST"]),
         Route("/v2/repository/models/{model}/load", repository_load, methods=["POST"]),
         Route("/v2/repository/models/{model}/unload", repository_unload, methods=["POST"]),
