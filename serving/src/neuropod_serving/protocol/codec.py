@@ -58,6 +58,8 @@ _WIRE_DTYPES: dict[str, np.dtype[Any]] = {
 _NATIVE_DTYPES: dict[str, np.dtype[Any]] = {
     datatype: np.dtype(dtype) for datatype, dtype in DATATYPES.items() if dtype != "string"
 }
+# Datatypes whose binary form numpy reads as it is (BOOL needs its 0/1 check).
+_FAST_DECODE: dict[object, np.dtype[Any]] = {d: w for d, w in _WIRE_DTYPES.items() if d != "BOOL"}
 # numpy 1.x allows 32 dims (2.x allows 64); the lower bound keeps both working.
 _MAX_DIMS = 32
 # An element count must fit the int64 every OIP implementation stores it in.
@@ -603,6 +605,23 @@ def _decode_tensors(
                     f"{kind} {name!r} is not one of this model's {kind}s: {', '.join(specs) or '(none)'}"
                 )
             spec = specs[name]
+        params = obj.get("parameters")
+        size = params.get("binary_data_size") if type(params) is dict else None
+        if type(size) is int and "data" not in obj:
+            # The common binary case without the full checks; anything unusual
+            # (or wrong) goes the full way below, which words the error.
+            datatype: Any = obj.get("datatype")
+            wire = _FAST_DECODE.get(datatype) if type(datatype) is str else None
+            shape = obj.get("shape")
+            if (
+                wire is not None and type(shape) is list and len(shape) <= _MAX_DIMS
+                and all(type(d) is int and d >= 0 for d in shape)
+                and (spec is None or spec.dtype == DATATYPES[datatype])
+                and 0 <= size == math.prod(shape) * wire.itemsize and pos + size <= len(binary)
+            ):  # fmt: skip
+                arrays[name] = np.frombuffer(binary[pos : pos + size], dtype=wire).reshape(shape)
+                pos += size
+                continue
         size = _parameters(obj, f"{kind} {name!r}").get("binary_data_size")
         raw = None
         if size is not None:
