@@ -31,7 +31,7 @@ from neuropod_serving.protocol import (
     parse_infer_request,
 )
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
-from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from neuropod_serving.server.registry import MODEL_VERSION, ServedModel, UnknownModelError
 
@@ -184,7 +184,7 @@ class _RawInfer:
             failure = "model"
             try:
                 outputs = await engine.infer(s, decoded.inputs, requested)
-            except (SpecError, UnknownModelError):  # unloaded meanwhile: a 404 like any later request
+            except CLIENT_ERRORS:
                 failure = "client"
                 raise
             content, json_length = (
@@ -255,14 +255,11 @@ def _decode(served: ServedModel, body: bytes, json_length: str | None) -> InferR
 
 
 def _encode(served: ServedModel, request: InferRequest, outputs: dict[str, Any]) -> tuple[bytes, int | None]:
-    requested = list(request.outputs) if request.outputs is not None else None
-    # The response lists outputs in the order asked for, else in spec order.
-    names = requested if requested is not None else [s.name for s in served.model.outputs if s.name in outputs]
-    names += [n for n in outputs if n not in names]
+    # Engine.infer put the outputs in the order they are sent.
     response = build_infer_response(
         served.name,
-        {n: outputs[n] for n in names},
-        binary=request.binary_outputs(names),
+        outputs,
+        binary=request.binary_outputs(outputs),
         model_version=MODEL_VERSION,
         id=request.id,
     )

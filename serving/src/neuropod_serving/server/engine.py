@@ -36,6 +36,9 @@ log = logging.getLogger("neuropod_serving.server")
 INLINE_BELOW_S = 0.0002
 # Weight of the newest run in the moving average of a model's run time.
 _EWMA = 0.2
+#: What :meth:`Engine.infer` raises when the request is at fault, not the model:
+#: front ends count these as client failures (4xx, INVALID_ARGUMENT/NOT_FOUND).
+CLIENT_ERRORS = (SpecError, UnknownModelError)
 
 
 @dataclass
@@ -73,9 +76,10 @@ class Engine:
         self.registry = registry
         self.batching = batching if batching is not None and batching.max_batch_size > 1 else None
         self.metrics: ServerMetrics | NoMetrics = metrics if metrics is not None else NoMetrics()
-        workers = max(1, int(registry.load_options.get("workers", 1)))
+        #: OPE workers per model (1 in-process): batches in flight, and the thread pool's size.
+        self._workers = max(1, int(registry.load_options.get("workers", 1)))
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            threads or max(4, 2 * workers), thread_name_prefix="neuropod-infer"
+            threads or max(4, 2 * self._workers), thread_name_prefix="neuropod-infer"
         )
         self._runners: dict[str, _Runner] = {}
         self._lock = threading.Lock()
@@ -109,8 +113,7 @@ class Engine:
                     metrics.queued(name, w)
                 metrics.computed(name, seconds, rows)
 
-            workers = max(1, int(self.registry.load_options.get("workers", 1)))
-            batcher = Batcher(name, model.infer, self.batching, inflight=workers, observe=observe)
+            batcher = Batcher(name, model.infer, self.batching, inflight=self._workers, observe=observe)
         self._runners[served.name] = _Runner(
             served=served,
             validator=SpecValidator(model.name, model.inputs, model.outputs),
@@ -170,8 +173,6 @@ class Engine:
 
     @staticmethod
     def _check_missing(runner: _Runner, inputs: Mapping[str, np.ndarray]) -> None:
-        if len(inputs) >= len(runner.required) and runner.required.issubset(inputs):
-            return
         missing = runner.required.difference(inputs)
         if missing:
             served = runner.served
@@ -183,7 +184,8 @@ class Engine:
     async def infer(
         self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
     ) -> dict[str, np.ndarray]:
-        """Run one request (checked here first) and return the outputs it asked for.
+        """Run one request (checked here first) and return the outputs it asked for, in the
+        order asked for (else in spec order), as both protocols answer.
 
         :raises SpecError: the request does not fit the spec.
         :raises UnknownModelError: the model was unloaded before or while it ran.
@@ -193,7 +195,7 @@ class Engine:
         if runner is None or runner.served is not served:
             raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited")
         try:
-            return await self._infer(runner, served, inputs, requested)
+            return _ordered(served, await self._infer(runner, served, inputs, requested), requested)
         except SpecError:
             raise
         except NeuropodError as e:
@@ -210,45 +212,34 @@ class Engine:
             return await asyncio.wrap_future(runner.batcher.submit(inputs, requested))
         # Unbatched, the model's own infer checks the spec: only what it does not check here.
         self._check_missing(runner, inputs)
-        name = served.name
-        model = served.model
-        if runner.inline_ok and runner.ewma_s < INLINE_BELOW_S:
-            started = time.perf_counter()
-            try:
-                return model.infer(inputs, requested)
-            finally:
-                self._ran(runner, name, 0.0, time.perf_counter() - started)
         queued = time.perf_counter()
+        if runner.inline_ok and runner.ewma_s < INLINE_BELOW_S:
+            return self._run(runner, inputs, requested, queued)
         loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._run, runner, inputs, requested, queued)
 
-        def run() -> dict[str, np.ndarray]:
-            started = time.perf_counter()
-            try:
-                return model.infer(inputs, requested)
-            finally:
-                self._ran(runner, name, started - queued, time.perf_counter() - started)
-
-        return await loop.run_in_executor(self._executor, run)
-
-    def infer_sync(
-        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
+    def _run(
+        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float
     ) -> dict[str, np.ndarray]:
-        """:meth:`infer` for a caller without an event loop (a thread of its own)."""
-        runner = self._runners[served.name]
-        if runner.batcher is not None:
-            self.check(served, inputs, requested)
-            return runner.batcher.submit(inputs, requested).result()
-        self._check_missing(runner, inputs)
+        """One unbatched run, timed from ``queued`` (when the request was handed over)."""
         started = time.perf_counter()
         try:
-            return served.model.infer(inputs, requested)
+            return runner.served.model.infer(inputs, requested)
         finally:
-            self._ran(runner, served.name, 0.0, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
+            name = runner.served.name
+            self.metrics.queued(name, started - queued)
+            self.metrics.computed(name, seconds, None)
 
-    def _ran(self, runner: _Runner, name: str, queued: float, seconds: float) -> None:
-        runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
-        self.metrics.queued(name, queued)
-        self.metrics.computed(name, seconds, None)
+
+def _ordered(
+    served: ServedModel, outputs: dict[str, np.ndarray], requested: list[str] | None
+) -> dict[str, np.ndarray]:
+    names = requested if requested is not None else [s.name for s in served.model.outputs if s.name in outputs]
+    if list(outputs) == names:
+        return outputs
+    return {n: outputs[n] for n in [*names, *(n for n in outputs if n not in names)]}
 
 
 def _in_process(model: Any) -> bool:

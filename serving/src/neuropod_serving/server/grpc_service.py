@@ -33,7 +33,7 @@ from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
-from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.registry import MODEL_VERSION, UnknownModelError
 
 log = logging.getLogger("neuropod_serving.server")
@@ -111,25 +111,21 @@ class _Servicer:
             failure = "model"
             try:
                 outputs = await engine.infer(served, decoded.inputs, requested)
-            except SpecError:
+            except CLIENT_ERRORS:
                 failure = "client"
                 raise
-            # Outputs in the order asked for, else in spec order (as REST answers).
-            names = requested if requested is not None else [s.name for s in served.model.outputs if s.name in outputs]
-            names += [n for n in outputs if n not in names]
-            ordered = {n: outputs[n] for n in names}
             try:
                 if large:
                     response = await asyncio.to_thread(
                         codec.build_model_infer_response,
                         served.name,
-                        ordered,
+                        outputs,
                         model_version=MODEL_VERSION,
                         id=decoded.id,
                     )
                 else:
                     response = codec.build_model_infer_response(
-                        served.name, ordered, model_version=MODEL_VERSION, id=decoded.id
+                        served.name, outputs, model_version=MODEL_VERSION, id=decoded.id
                     )
             except ProtocolError as e:
                 # An output the protocol cannot carry is the model's fault, not the request's.
