@@ -228,7 +228,9 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
                 ssl = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
             config = uvicorn.Config(
                 app, log_level="warning" if args.quiet else "info", access_log=not args.quiet,
-                lifespan="off", timeout_graceful_shutdown=5, **ssl,
+                lifespan="off", timeout_graceful_shutdown=5, http=_http_protocol(),
+                # X-Forwarded-For only changes the client address the access log shows.
+                proxy_headers=not args.quiet, **ssl,
             )  # fmt: skip
             server = uvicorn.Server(config)
             if args.grpc_port:
@@ -261,6 +263,15 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _http_protocol() -> Any:
+    """uvicorn's httptools protocol sending each response in one write, else uvicorn's choice."""
+    try:
+        from neuropod_serving.server.http import OneWriteProtocol
+    except ImportError:  # no httptools: uvicorn falls back to h11
+        return "auto"
+    return OneWriteProtocol
 
 
 def _show_host(host: str) -> str:

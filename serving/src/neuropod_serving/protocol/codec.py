@@ -19,7 +19,7 @@ import math
 import struct
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -65,6 +65,12 @@ _MAX_DIMS = 32
 # An element count must fit the int64 every OIP implementation stores it in.
 _MAX_ELEMENTS = 2**63 - 1
 _LENGTH = struct.Struct("<I")
+# Numpy dtypes whose bytes are already their wire form (little-endian), by dtype.
+_FAST_ENCODE: dict[np.dtype[Any], str] = {w: d for d, w in _WIRE_DTYPES.items()}
+# One encoder for every body: json.dumps with options builds a new one per call.
+# allow_nan: NaN and Infinity are what Triton's and Python's JSON write for them.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_encode_str = json.encoder.encode_basestring
 
 
 class ProtocolError(NeuropodError):
@@ -268,20 +274,20 @@ def parse_infer_request(
     body: bytes | bytearray | memoryview,
     json_length: int | str | None = None,
     *,
-    input_spec: Iterable[TensorSpec] | None = None,
+    input_spec: Iterable[TensorSpec] | Mapping[str, TensorSpec] | None = None,
 ) -> InferRequest:
     """Decode an inference request body.
 
     :param body: the whole HTTP body.
     :param json_length: the ``Inference-Header-Content-Length`` header (as sent,
         a string, or an int), or None when the request had none (plain JSON).
-    :param input_spec: the model's input spec: when given, an input the model
+    :param input_spec: the model's input spec (or a dict of it by name): when given, an input the model
         does not have, or whose datatype disagrees with its dtype, is refused
         here. Shapes are left to the model's own spec check.
     :raises ProtocolError: for every fault in the body, naming the tensor.
     """
     header, binary = _split(body, json_length, "request")
-    specs = None if input_spec is None else {s.name: s for s in input_spec}
+    specs = specs_by_name(input_spec)
     inputs = _decode_tensors(header, "inputs", binary, specs, required=True)
     outputs: dict[str, bool | None] | None = None
     if header.get("outputs") is not None:
@@ -546,7 +552,9 @@ def _bytes_from_binary(
 
 
 def _split(body: bytes | bytearray | memoryview, json_length: int | str | None, what: str) -> tuple[dict[str, Any], memoryview]:
-    view = memoryview(body).cast("B")
+    view = memoryview(body)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
     length = len(view) if json_length is None else _header_length(json_length, len(view))
     if length > _json.MAX_BYTES:
         raise ProtocolError(
@@ -606,20 +614,20 @@ def _decode_tensors(
                 )
             spec = specs[name]
         params = obj.get("parameters")
-        size = params.get("binary_data_size") if type(params) is dict else None
-        if type(size) is int and "data" not in obj:
+        if type(params) is dict and "data" not in obj:
             # The common binary case without the full checks; anything unusual
             # (or wrong) goes the full way below, which words the error.
+            size = params.get("binary_data_size")
             datatype: Any = obj.get("datatype")
             wire = _FAST_DECODE.get(datatype) if type(datatype) is str else None
             shape = obj.get("shape")
             if (
-                wire is not None and type(shape) is list and len(shape) <= _MAX_DIMS
-                and all(type(d) is int and d >= 0 for d in shape)
+                wire is not None and type(size) is int and type(shape) is list and len(shape) <= _MAX_DIMS
                 and (spec is None or spec.dtype == DATATYPES[datatype])
-                and 0 <= size == math.prod(shape) * wire.itemsize and pos + size <= len(binary)
+                and pos + size <= len(binary) and _plain_dims(shape)
+                and 0 <= size == math.prod(shape) * wire.itemsize
             ):  # fmt: skip
-                arrays[name] = np.frombuffer(binary[pos : pos + size], dtype=wire).reshape(shape)
+                arrays[name] = np.frombuffer(binary, dtype=wire, count=size // wire.itemsize, offset=pos).reshape(shape)
                 pos += size
                 continue
         size = _parameters(obj, f"{kind} {name!r}").get("binary_data_size")
@@ -647,19 +655,44 @@ def _decode_tensors(
 
 
 def _build(header: dict[str, Any], key: str, tensors: Mapping[str, np.ndarray[Any, Any]], binary: set[str]) -> Body:
-    objs: list[dict[str, Any]] = []
-    raws: list[bytes] = []
+    parts: list[str] = []
+    raws: list[Any] = []
     for name, array in tensors.items():
+        datatype = _FAST_ENCODE.get(array.dtype) if type(array) is np.ndarray and name in binary else None
+        if datatype is not None and type(name) is str and array.flags.c_contiguous:
+            # The common case, formatted directly: a binary numeric tensor whose
+            # memory is already its wire form (sent without a copy).
+            parts.append(
+                f'{{"name":{_encode_str(name)},"datatype":"{datatype}","shape":[{",".join(map(str, array.shape))}],'
+                f'"parameters":{{"binary_data_size":{array.nbytes}}}}}'
+            )
+            raws.append(array.data if array.ndim else array.tobytes())
+            continue
         obj, raw = encode_tensor(name, array, binary=name in binary)
-        objs.append(obj)
+        parts.append(_ENCODER.encode(obj))
         if raw is not None:
             raws.append(raw)
-    header[key] = objs
-    # allow_nan: NaN and Infinity are what Triton's and Python's JSON write for them.
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    head = _ENCODER.encode(header)
+    tensor_list = f'"{key}":[{",".join(parts)}]}}'
+    text = (head[:-1] + ("," if len(head) > 2 else "") + tensor_list).encode("utf-8")
     if not raws:
         return Body(text, None)
     return Body(b"".join([text, *raws]), len(text))
+
+
+def specs_by_name(spec: Iterable[TensorSpec] | Mapping[str, TensorSpec] | None) -> Mapping[str, TensorSpec] | None:
+    """A spec (a sequence of tensors, or already a dict of them by name) as a dict by name."""
+    if spec is None or type(spec) is dict:
+        return spec
+    return {s.name: s for s in cast("Iterable[TensorSpec]", spec)}
+
+
+def _plain_dims(shape: list[Any]) -> bool:
+    """Whether every dim is an int >= 0 (not a bool, float or -1)."""
+    for d in shape:  # noqa: SIM110 - a plain loop: all() over a generator costs more per request
+        if type(d) is not int or d < 0:
+            return False
+    return True
 
 
 def _shape(shape: object, name: str) -> list[int]:

@@ -42,6 +42,7 @@ from neuropod_serving.protocol.codec import (
     decode_tensor,
     encode_tensor,
     spec_dtype,
+    specs_by_name,
 )
 
 #: gRPC metadata key under which a neuropod server's ModelMetadata reply carries
@@ -83,11 +84,11 @@ _FAST_ENCODE: dict[np.dtype[Any], str] = (
 
 
 def parse_model_infer_request(
-    request: pb.ModelInferRequest, *, input_spec: Iterable[TensorSpec] | None = None
+    request: pb.ModelInferRequest, *, input_spec: Iterable[TensorSpec] | Mapping[str, TensorSpec] | None = None
 ) -> InferRequest:
     """Decode a ModelInferRequest into numpy arrays, requested outputs, id and parameters.
 
-    :param input_spec: the model's input spec: when given, an input the model
+    :param input_spec: the model's input spec (or a dict of it by name): when given, an input the model
         does not have, or whose datatype disagrees with its dtype, is refused
         here. Shapes are left to the model's own spec check.
     :returns: an :class:`InferRequest` whose ``outputs`` maps each requested
@@ -95,7 +96,7 @@ def parse_model_infer_request(
         request named none (all of them).
     :raises ProtocolError: for every fault, naming the tensor.
     """
-    specs = None if input_spec is None else {s.name: s for s in input_spec}
+    specs = specs_by_name(input_spec)
     inputs = _decode_tensors(request.inputs, request.raw_input_contents, "input", specs)
     outputs: dict[str, bool | None] | None = None
     if request.outputs:

@@ -251,7 +251,7 @@ INLINE_BODY_BYTES = 64 * 1024
 
 
 def _decode(served: ServedModel, body: bytes, json_length: str | None) -> InferRequest:
-    return parse_infer_request(body, json_length, input_spec=served.model.inputs)
+    return parse_infer_request(body, json_length, input_spec=served.input_specs)
 
 
 def _encode(served: ServedModel, request: InferRequest, outputs: dict[str, Any]) -> tuple[bytes, int | None]:

@@ -52,6 +52,8 @@ class _Runner:
     #: Why the model is not batched ("" when it is, or when batching is off).
     unbatched_reason: str
     inline_ok: bool
+    #: The spec's output names, in order: the order outputs go out when none were asked for.
+    output_names: list[str]
     ewma_s: float = 1.0  # until measured: assume slow (a thread)
 
 
@@ -122,6 +124,7 @@ class Engine:
             unbatched_reason="" if symbol is not None else f"no batch dimension: {reason}",
             # Out-of-process workers wait on a pipe: always a thread, so N workers run N requests.
             inline_ok=_in_process(model),
+            output_names=[s.name for s in model.outputs],
         )
 
     def load(self, name: str) -> ServedModel:
@@ -147,8 +150,7 @@ class Engine:
             runner.batcher.close()
 
     def _update_loaded(self) -> None:
-        if isinstance(self.metrics, ServerMetrics):
-            self.metrics.models_loaded.set(len(self.registry))
+        self.metrics.loaded(len(self.registry))
 
     def close(self) -> None:
         """Stop every batcher and thread and close every model."""
@@ -173,6 +175,8 @@ class Engine:
 
     @staticmethod
     def _check_missing(runner: _Runner, inputs: Mapping[str, np.ndarray]) -> None:
+        if inputs.keys() >= runner.required:
+            return
         missing = runner.required.difference(inputs)
         if missing:
             served = runner.served
@@ -195,7 +199,13 @@ class Engine:
         if runner is None or runner.served is not served:
             raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited")
         try:
-            return _ordered(served, await self._infer(runner, served, inputs, requested), requested)
+            if runner.batcher is None and runner.inline_ok and runner.ewma_s < INLINE_BELOW_S:
+                # The common small-model case, without a coroutine or thread in between.
+                self._check_missing(runner, inputs)
+                outputs = self._run(runner, inputs, requested, None)
+            else:
+                outputs = await self._infer(runner, served, inputs, requested)
+            return _ordered(runner, outputs, requested)
         except SpecError:
             raise
         except NeuropodError as e:
@@ -213,32 +223,29 @@ class Engine:
         # Unbatched, the model's own infer checks the spec: only what it does not check here.
         self._check_missing(runner, inputs)
         queued = time.perf_counter()
-        if runner.inline_ok and runner.ewma_s < INLINE_BELOW_S:
-            return self._run(runner, inputs, requested, queued)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._run, runner, inputs, requested, queued)
 
     def _run(
-        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float
+        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float | None
     ) -> dict[str, np.ndarray]:
-        """One unbatched run, timed from ``queued`` (when the request was handed over)."""
+        """One unbatched run, timed from ``queued`` (when the request was handed to a thread;
+        None when it runs where it arrived, without waiting)."""
         started = time.perf_counter()
         try:
             return runner.served.model.infer(inputs, requested)
         finally:
             seconds = time.perf_counter() - started
             runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
-            name = runner.served.name
-            self.metrics.queued(name, started - queued)
-            self.metrics.computed(name, seconds, None)
+            self.metrics.ran(runner.served.name, 0.0 if queued is None else started - queued, seconds)
 
 
-def _ordered(
-    served: ServedModel, outputs: dict[str, np.ndarray], requested: list[str] | None
-) -> dict[str, np.ndarray]:
-    names = requested if requested is not None else [s.name for s in served.model.outputs if s.name in outputs]
-    if list(outputs) == names:
+def _ordered(runner: _Runner, outputs: dict[str, np.ndarray], requested: list[str] | None) -> dict[str, np.ndarray]:
+    names = requested if requested is not None else runner.output_names
+    if len(outputs) == len(names) and all(a == b for a, b in zip(outputs, names)):
         return outputs
+    if requested is None:
+        names = [n for n in names if n in outputs]
     return {n: outputs[n] for n in [*names, *(n for n in outputs if n not in names)]}
 
 

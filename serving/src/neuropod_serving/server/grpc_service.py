@@ -103,10 +103,10 @@ class _Servicer:
             large = sum(len(raw) for raw in request.raw_input_contents) > INLINE_BYTES
             if large:
                 decoded = await asyncio.to_thread(
-                    codec.parse_model_infer_request, request, input_spec=served.model.inputs
+                    codec.parse_model_infer_request, request, input_spec=served.input_specs
                 )
             else:
-                decoded = codec.parse_model_infer_request(request, input_spec=served.model.inputs)
+                decoded = codec.parse_model_infer_request(request, input_spec=served.input_specs)
             requested = list(decoded.outputs) if decoded.outputs is not None else None
             failure = "model"
             try:

@@ -20,6 +20,9 @@ Names follow Prometheus' conventions (base units, ``_total`` counters):
 
 from __future__ import annotations
 
+import threading
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
 #: Seconds: 50 µs to 10 s, dense where a small model's latency lies.
@@ -31,82 +34,152 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class _Histogram:
+    """Bucket counts and a sum; cumulated only when scraped."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        # Prometheus buckets are "le": the first bound >= value.
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        from prometheus_client.utils import floatToGoString
+
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts):
+            running += count
+            out.append((bound, running))
+        return out
+
+
 class ServerMetrics:
-    """The counters and histograms of one server; thread-safe (prometheus-client locks)."""
+    """The counters and histograms of one server; thread-safe.
+
+    Requests are counted in plain Python numbers under one lock (about a
+    microsecond a request; prometheus-client's own metric objects cost
+    several per observation) and turned into Prometheus metric families only
+    when ``/metrics`` is scraped, by a collector on a private registry.
+    """
 
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry
 
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter(
-            "neuropod_requests", "Inference requests received", ["model", "protocol"], registry=r
-        )
-        self.failures = Counter(
-            "neuropod_request_failures",
-            "Inference requests that failed, by who caused it: client (bad request) or model",
-            ["model", "protocol", "reason"],
-            registry=r,
-        )
-        self.request_duration = Histogram(
-            "neuropod_request_duration_seconds",
-            "Time from a request reaching the server's handler to its reply being encoded",
-            ["model", "protocol"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_duration = Histogram(
-            "neuropod_queue_duration_seconds",
-            "Time a request waited for a batch or a free thread before its model ran",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.compute_duration = Histogram(
-            "neuropod_compute_duration_seconds",
-            "Time of one model run (one per batch when batching)",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.batch_size = Histogram(
-            "neuropod_batch_size",
-            "Rows along the batch dimension per model run",
-            ["model"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
-        self.models_loaded = Gauge("neuropod_models_loaded", "Models loaded and ready", registry=r)
-        # Children by label tuple: labels() costs a lock and a dict lookup each call.
-        self._children: dict[tuple[Any, ...], Any] = {}
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+        self._lock = threading.Lock()
+        self._requests: dict[tuple[str, str], int] = {}
+        self._failures: dict[tuple[str, str, str], int] = {}
+        self._request_duration: dict[tuple[str, str], _Histogram] = {}
+        self._queue_duration: dict[str, _Histogram] = {}
+        self._compute_duration: dict[str, _Histogram] = {}
+        self._batch_size: dict[str, _Histogram] = {}
+        self._loaded = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
 
     def request(self, model: str, protocol: str, seconds: float, failure: str | None = None) -> None:
         """One request done: ``failure`` is None, ``"client"`` or ``"model"``."""
-        self._child(self.requests, model, protocol).inc()
-        self._child(self.request_duration, model, protocol).observe(seconds)
-        if failure is not None:
-            self._child(self.failures, model, protocol, failure).inc()
+        key = (model, protocol)
+        with self._lock:
+            self._requests[key] = self._requests.get(key, 0) + 1
+            hist = self._request_duration.get(key)
+            if hist is None:
+                hist = self._request_duration[key] = _Histogram(LATENCY_BUCKETS)
+            hist.observe(seconds)
+            if failure is not None:
+                fkey = (model, protocol, failure)
+                self._failures[fkey] = self._failures.get(fkey, 0) + 1
 
     def queued(self, model: str, seconds: float) -> None:
-        self._child(self.queue_duration, model).observe(seconds)
+        with self._lock:
+            _observe(self._queue_duration, model, LATENCY_BUCKETS, seconds)
+
+    def ran(self, model: str, queued: float, seconds: float) -> None:
+        """One unbatched run: :meth:`queued` and :meth:`computed` in one."""
+        with self._lock:
+            _observe(self._queue_duration, model, LATENCY_BUCKETS, queued)
+            _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
 
     def computed(self, model: str, seconds: float, rows: int | None) -> None:
-        self._child(self.compute_duration, model).observe(seconds)
-        if rows is not None:
-            self._child(self.batch_size, model).observe(rows)
+        with self._lock:
+            _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
+            if rows is not None:
+                _observe(self._batch_size, model, BATCH_BUCKETS, rows)
+
+    def loaded(self, count: int) -> None:
+        """How many models are loaded now."""
+        self._loaded = count
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+    def families(self) -> list[Any]:
+        """Every metric as prometheus-client metric families (a snapshot, taken under the lock)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        requests = CounterMetricFamily("neuropod_requests", "Inference requests received", labels=["model", "protocol"])
+        failures = CounterMetricFamily(
+            "neuropod_request_failures",
+            "Inference requests that failed, by who caused it: client (bad request) or model",
+            labels=["model", "protocol", "reason"],
+        )
+        request_duration = HistogramMetricFamily(
+            "neuropod_request_duration_seconds",
+            "Time from a request reaching the server's handler to its reply being encoded",
+            labels=["model", "protocol"],
+        )
+        histograms = [
+            (self._queue_duration, HistogramMetricFamily(
+                "neuropod_queue_duration_seconds",
+                "Time a request waited for a batch or a free thread before its model ran",
+                labels=["model"],
+            )),
+            (self._compute_duration, HistogramMetricFamily(
+                "neuropod_compute_duration_seconds", "Time of one model run (one per batch when batching)",
+                labels=["model"],
+            )),
+            (self._batch_size, HistogramMetricFamily(
+                "neuropod_batch_size", "Rows along the batch dimension per model run", labels=["model"]
+            )),
+        ]  # fmt: skip
+        with self._lock:
+            for key, count in self._requests.items():
+                requests.add_metric(list(key), count)
+            for fkey, count in self._failures.items():
+                failures.add_metric(list(fkey), count)
+            for key, hist in self._request_duration.items():
+                request_duration.add_metric(list(key), hist.buckets(), hist.total)
+            for by_model, family in histograms:
+                for model, hist in by_model.items():
+                    family.add_metric([model], hist.buckets(), hist.total)
+            loaded = GaugeMetricFamily("neuropod_models_loaded", "Models loaded and ready", value=self._loaded)
+        return [requests, failures, request_duration, *(f for _, f in histograms), loaded]
+
+
+def _observe(by_model: dict[str, _Histogram], model: str, bounds: tuple[float, ...], value: float) -> None:
+    hist = by_model.get(model)
+    if hist is None:
+        hist = by_model[model] = _Histogram(bounds)
+    hist.observe(value)
+
+
+class _Collector:
+    """What the private registry scrapes: :meth:`ServerMetrics.families`."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.metrics.families()
 
 
 class NoMetrics:
@@ -118,5 +191,11 @@ class NoMetrics:
     def queued(self, model: str, seconds: float) -> None:
         pass
 
+    def ran(self, model: str, queued: float, seconds: float) -> None:
+        pass
+
     def computed(self, model: str, seconds: float, rows: int | None) -> None:
+        pass
+
+    def loaded(self, count: int) -> None:
         pass

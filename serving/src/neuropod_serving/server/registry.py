@@ -15,6 +15,7 @@ from typing import Any
 
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.model import NeuropodModel
+from neuropod.spec import TensorSpec
 from neuropod_serving.protocol import model_metadata
 
 #: The one version every served model has: a package carries no version of
@@ -36,15 +37,16 @@ class ServedModel:
     path: Path
     #: The body of ``GET /v2/models/{name}``, built once.
     metadata: dict[str, Any] = field(init=False)
+    #: The model's name, and its input spec by name (what every request is decoded against).
+    name: str = field(init=False)
+    input_specs: dict[str, TensorSpec] = field(init=False)
 
     def __post_init__(self) -> None:
         self.metadata = model_metadata(
             self.model.name, self.model.inputs, self.model.outputs, platform=self.model.platform, versions=[MODEL_VERSION]
         )
-
-    @property
-    def name(self) -> str:
-        return self.model.name
+        self.name = self.model.name
+        self.input_specs = {s.name: s for s in self.model.inputs}
 
 
 def is_package(path: Path) -> bool:
