@@ -599,7 +599,31 @@ def _decode_tensors(
         entries = _list(header.get(key), f"{kind}s")
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     pos = 0
+    available = len(binary)
     for i, obj in enumerate(entries):
+        if type(obj) is dict:
+            # The common binary case, checked without building any message;
+            # anything unusual (or wrong) goes the full way below, which words the error.
+            name: Any = obj.get("name")
+            params = obj.get("parameters")
+            datatype: Any = obj.get("datatype")
+            shape = obj.get("shape")
+            if (
+                type(name) is str and type(params) is dict and type(datatype) is str and type(shape) is list
+                and name and name not in arrays and "data" not in obj
+            ):  # fmt: skip
+                spec = specs.get(name) if specs is not None else None
+                wire = _FAST_DECODE.get(datatype)
+                size = params.get("binary_data_size")
+                if (
+                    wire is not None and type(size) is int and (specs is None or spec is not None)
+                    and (spec is None or spec.dtype == DATATYPES[datatype])
+                    and 0 <= size <= available - pos and len(shape) <= _MAX_DIMS and _plain_dims(shape)
+                    and size == math.prod(shape) * wire.itemsize
+                ):  # fmt: skip
+                    arrays[name] = np.ndarray(shape, dtype=wire, buffer=binary, offset=pos)
+                    pos += size
+                    continue
         where = f"{key}[{i}]"
         if not isinstance(obj, Mapping):
             raise ProtocolError(f"{where} must be an object with name, datatype, shape and data, not {_kind(obj)}")
@@ -613,23 +637,6 @@ def _decode_tensors(
                     f"{kind} {name!r} is not one of this model's {kind}s: {', '.join(specs) or '(none)'}"
                 )
             spec = specs[name]
-        params = obj.get("parameters")
-        if type(params) is dict and "data" not in obj:
-            # The common binary case without the full checks; anything unusual
-            # (or wrong) goes the full way below, which words the error.
-            size = params.get("binary_data_size")
-            datatype: Any = obj.get("datatype")
-            wire = _FAST_DECODE.get(datatype) if type(datatype) is str else None
-            shape = obj.get("shape")
-            if (
-                wire is not None and type(size) is int and type(shape) is list and len(shape) <= _MAX_DIMS
-                and (spec is None or spec.dtype == DATATYPES[datatype])
-                and pos + size <= len(binary) and _plain_dims(shape)
-                and 0 <= size == math.prod(shape) * wire.itemsize
-            ):  # fmt: skip
-                arrays[name] = np.frombuffer(binary, dtype=wire, count=size // wire.itemsize, offset=pos).reshape(shape)
-                pos += size
-                continue
         size = _parameters(obj, f"{kind} {name!r}").get("binary_data_size")
         raw = None
         if size is not None:
