@@ -7,15 +7,18 @@ uvicorn (uvloop + httptools, no access log) that reads the body, parses the
 JSON header and makes numpy arrays of the binary tensors (Triton's binary
 tensor extension), and answers with a binary response of the same size and
 shape as neuropod serve's (the first input's bytes as the model's output).
-The gRPC side does the same on grpc.aio with the project's generated
+The gRPC side does the same on grpcio with the project's generated
 ``inference.*`` messages: parse ``ModelInferRequest``, arrays from
-``raw_input_contents``, reply with ``raw_output_contents``. Both run in one
-uvloop event loop, as ``neuropod serve`` runs its two.
+``raw_input_contents``, reply with ``raw_output_contents``; by default on
+grpcio's threaded server (16 threads) beside the uvloop event loop, as
+``neuropod serve`` runs them, or with ``--grpc-kind asyncio`` on grpc.aio in
+that loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import socket
 from typing import Any
@@ -63,12 +66,12 @@ def rest_app(outputs: dict[str, str]) -> Any:
     )
 
 
-async def start_grpc(port: int, outputs: dict[str, str]) -> Any:
+def _grpc_handler(outputs: dict[str, str], asynchronous: bool) -> Any:
     import grpc
 
     from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 
-    async def model_infer(request: Any, context: Any) -> Any:
+    def model_infer(request: Any, context: Any) -> Any:
         arrays = [
             np.frombuffer(raw, dtype=_DTYPES[t.datatype]).reshape(tuple(t.shape))
             for t, raw in zip(request.inputs, request.raw_input_contents)
@@ -81,25 +84,44 @@ async def start_grpc(port: int, outputs: dict[str, str]) -> Any:
         reply.raw_output_contents.append(arrays[0].tobytes())
         return reply
 
-    async def server_ready(request: Any, context: Any) -> Any:
+    def server_ready(request: Any, context: Any) -> Any:
         return pb.ServerReadyResponse(ready=True)
 
     def unary(fn: Any, req: Any, resp: Any) -> Any:
+        if asynchronous:
+            sync_fn = fn
+
+            async def fn(request: Any, context: Any) -> Any:
+                return sync_fn(request, context)
+
         return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
                                                    response_serializer=resp.SerializeToString)  # fmt: skip
 
-    handler = grpc.method_handlers_generic_handler(
+    return grpc.method_handlers_generic_handler(
         "inference.GRPCInferenceService",
         {
             "ModelInfer": unary(model_infer, pb.ModelInferRequest, pb.ModelInferResponse),
             "ServerReady": unary(server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
         },
     )
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((handler,))
+
+
+async def start_grpc(port: int, outputs: dict[str, str], kind: str) -> Any:
+    """The bare gRPC endpoint: grpcio's threaded server (as neuropod serve uses) or its asyncio one."""
+    import grpc
+
+    if kind == "threads":
+        from concurrent import futures
+
+        server = grpc.server(futures.ThreadPoolExecutor(16))
+    else:
+        server = grpc.aio.server()
+    server.add_generic_rpc_handlers((_grpc_handler(outputs, kind == "asyncio"),))
     if server.add_insecure_port(f"127.0.0.1:{port}") != port:
         raise SystemExit(f"serve_floor: cannot listen on 127.0.0.1:{port} (gRPC)")
-    await server.start()
+    started = server.start()
+    if started is not None:
+        await started
     return server
 
 
@@ -107,6 +129,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--http-port", type=int, required=True)
     parser.add_argument("--grpc-port", type=int, default=0, help="0: no gRPC")
+    parser.add_argument("--grpc-kind", choices=("threads", "asyncio"), default="threads",
+                        help="grpcio's threaded server (as neuropod serve's) or its asyncio one")  # fmt: skip
     parser.add_argument("--output", action="append", default=[], metavar="MODEL=OUTPUT",
                         help="the output name answered for MODEL (repeat per model)")  # fmt: skip
     args = parser.parse_args()
@@ -122,12 +146,16 @@ def main() -> None:
     config = uvicorn.Config(rest_app(outputs), http="httptools", access_log=False, log_level="warning", lifespan="off")
 
     async def serve() -> None:
-        grpc_server = await start_grpc(args.grpc_port, outputs) if args.grpc_port else None
+        grpc_server = await start_grpc(args.grpc_port, outputs, args.grpc_kind) if args.grpc_port else None
         try:
             await uvicorn.Server(config).serve(sockets=[sock])
         finally:
             if grpc_server is not None:
-                await grpc_server.stop(grace=1)
+                stopped = grpc_server.stop(grace=1)
+                if args.grpc_kind == "asyncio":
+                    await stopped
+                else:
+                    await asyncio.to_thread(stopped.wait)
 
     uvloop.run(serve())
 

@@ -603,6 +603,71 @@ def test_engine_bad_request_is_a_spec_error_before_batching(repo: Path) -> None:
         engine.close()
 
 
+def test_engine_infer_blocking_merges_requests_from_threads(repo: Path) -> None:
+    # The gRPC server's way in: each request on a thread of its own, waiting for its batch there.
+    engine, rec = _held_engine(repo, BatchPolicy(8, 0.002))
+    try:
+        adder = engine.get("adder")
+        requests = [_adder_inputs(1 + i % 2, seed=500 + i) for i in range(24)]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            futures = [pool.submit(engine.infer_blocking, adder, r) for r in requests]
+            assert rec.entered.wait(10)
+            time.sleep(0.05)  # the other threads reach the batcher while the first run is held
+            rec.release.set()
+            answers = [f.result(30) for f in futures]
+        for inputs, got in zip(requests, answers):
+            _check_adder(inputs, got)
+        assert len(rec.runs) < len(requests) and max(rec.rows) <= 8
+        with pytest.raises(SpecError, match=r"needs input\(s\) 'y'"):
+            engine.infer_blocking(adder, {"x": np.ones((1, 2), np.float32)})
+    finally:
+        rec.release.set()
+        engine.close()
+
+
+def test_grpc_concurrent_clients_are_batched(repo: Path) -> None:
+    grpc = pytest.importorskip("grpc")
+    from neuropod_serving.protocol import grpc_codec
+    from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
+    from neuropod_serving.server.grpc_service import start_grpc_server
+
+    engine = Engine(ModelRegistry.load([repo / "models"]), batching=BatchPolicy(8, 10.0), metrics=ServerMetrics())
+    n = 16
+    try:
+        server, port = start_grpc_server(engine, "127.0.0.1:0", access_log=False)
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                infer = channel.unary_unary(
+                    "/inference.GRPCInferenceService/ModelInfer",
+                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                    response_deserializer=pb.ModelInferResponse.FromString,
+                )
+                start = threading.Barrier(n)
+
+                def call(i: int) -> tuple[Arrays, Arrays]:
+                    inputs = _adder_inputs(1, 600 + i)
+                    request = pb.ModelInferRequest(model_name="adder")
+                    for name, array in inputs.items():
+                        t = request.inputs.add()
+                        t.name, t.datatype = name, "FP32"
+                        t.shape.extend(array.shape)
+                        request.raw_input_contents.append(array.tobytes())
+                    start.wait()
+                    return inputs, grpc_codec.parse_model_infer_response(infer(request, timeout=60)).outputs
+
+                with ThreadPoolExecutor(n) as pool:
+                    answers = list(pool.map(call, range(n)))
+        finally:
+            server.stop(None)
+        for inputs, got in answers:
+            _check_adder(inputs, got)
+        hist = _batch_size_histogram(engine.metrics.render().decode(), "adder")  # type: ignore[union-attr]
+        assert hist["sum"] == n and 0 < hist["count"] < n, hist
+        assert hist["le=1.0"] < hist["count"], hist
+    finally:
+        engine.close()
+
+
 # --- REST with the real server --------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """The gRPC service against real ONNX models, driven by tritonclient.grpc and by grpc.aio.
 
-The server is the real :func:`start_grpc_server` on 127.0.0.1, in a thread
-with its own event loop. tritonclient.grpc cannot be imported next to our own
+The server is the real :func:`start_grpc_server` on 127.0.0.1, on its own threads.
+tritonclient.grpc cannot be imported next to our own
 ``inference.*`` messages, so it runs in a subprocess (grpc_triton_client.py)
 that executes a plan of calls and writes back what each returned; one plan
 per server keeps the suite fast. The plain grpc.aio client with our own
@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,22 +89,12 @@ def engine(root: Path) -> Iterator[Engine]:
 
 @contextlib.contextmanager
 def grpc_in_thread(engine: Engine, **options: Any) -> Iterator[int]:
-    """The real gRPC server on 127.0.0.1 (a free port), its event loop in a thread; yields the port."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    """The real gRPC server on 127.0.0.1 (a free port, its own threads); yields the port."""
+    server, port = start_grpc_server(engine, "127.0.0.1:0", **options)
     try:
-        server, port = asyncio.run_coroutine_threadsafe(
-            start_grpc_server(engine, "127.0.0.1:0", **options), loop
-        ).result(30)
-        try:
-            yield port
-        finally:
-            asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
+        yield port
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
+        server.stop(None)
 
 
 def run_plan(tmp: Path, port: int, calls: list[dict[str, Any]], arrays: dict[str, np.ndarray] | None = None,

@@ -199,6 +199,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
+#: How long a thread may keep the GIL while another waits (Python's default is 5 ms).
+#: A server's threads hold it in short bursts, and a model run lets it go: with
+#: the default, a gRPC thread whose run has just finished can wait milliseconds
+#: to get it back. Measured on the tiny model, gRPC at concurrency 8, one core:
+#: about 2,100 requests/s at 5 ms, 2,400 at 1 ms, 2,500 at 0.2 ms, 2,600 at 0.05 ms.
+GIL_SWITCH_S = 0.0001
+
+
 def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[bytes, bytes] | None, out: TextIO) -> None:
     import asyncio
     import tempfile
@@ -208,6 +216,7 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
     from neuropod_serving.server import create_app
     from neuropod_serving.server.app import metrics_only
 
+    sys.setswitchinterval(GIL_SWITCH_S)
     scheme = "https" if tls else "http"
     app = create_app(engine, auth_token=token, max_request_bytes=args.max_request_bytes)
     sockets = [_bind(args.host, args.http_port, "--http-port")]
@@ -236,7 +245,7 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
             if args.grpc_port:
                 from neuropod_serving.server.grpc_service import start_grpc_server
 
-                grpc_server, _ = await start_grpc_server(
+                grpc_server, _ = start_grpc_server(
                     engine, f"{args.host}:{args.grpc_port}", auth_token=token, tls=tls,
                     max_message_bytes=args.max_request_bytes, access_log=not args.quiet,
                 )  # fmt: skip
@@ -252,7 +261,7 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
                 await server.serve(sockets=sockets)
             finally:
                 if grpc_server is not None:
-                    await grpc_server.stop(grace=2)
+                    await asyncio.to_thread(grpc_server.stop, 2)
 
     try:
         import uvloop
