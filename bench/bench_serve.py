@@ -35,7 +35,9 @@ batching does where the model's run, not the request, is the cost.
 
 Each measurement is a warm-up then ``--duration`` seconds; every round measures
 every (protocol, model, concurrency, server) once, servers in a rotating order,
-and the table shows medians over ``--repeats`` rounds. Targets (issue 12):
+and the table shows medians over ``--repeats`` rounds; a ratio is the median of
+the rounds' ratios (each round measures a group's servers seconds apart).
+Targets (issue 12):
 neuropod >= 2x the faster MLServer's requests/s with a lower p99 in every cell;
 >= 0.7 of the floor's requests/s on the tiny model; batching >= 3x requests/s on
 the tiny model at concurrency 32.
@@ -497,6 +499,12 @@ class Cell:
         values = [r[key] for r in self.rounds if r.get(key) is not None and r[key] == r[key]]  # NaN != NaN
         return statistics.median(values) if values else float("nan")
 
+    def over(self, other: Cell) -> float:
+        """This cell's requests/s over ``other``'s: the median of the rounds' ratios. Both were
+        measured seconds apart in each round, so a ratio does not mix the machine's slow and
+        fast minutes as a ratio of medians (taken from different rounds) can."""
+        return statistics.median(a["rps"] / b["rps"] for a, b in zip(self.rounds, other.rounds))
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -558,7 +566,8 @@ def main() -> int:
         for s in servers:
             s.wait_ready()
         print(f"servers pinned to core {SERVER_CORE}, load generators to core {LOAD_CORE} (taskset); "
-              f"{args.repeats} rounds x {args.duration} s per cell after {args.warmup} s warm-up; medians shown")  # fmt: skip
+              f"{args.repeats} rounds x {args.duration} s per cell after {args.warmup} s warm-up; medians shown, "
+              "ratios are medians of the rounds' ratios")  # fmt: skip
 
         # Every server answers correctly before anything is timed.
         for s in servers:
@@ -652,27 +661,26 @@ def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], ha
                 _print_group(group, protocol, model, c)
                 np_cell, fl = get(protocol, model, c, "neuropod"), get(protocol, model, c, "floor")
                 assert np_cell is not None and fl is not None
-                rps = np_cell.median("rps")
                 notes = []
                 where = f"{protocol} {model} c={c}"
                 mls = [x for x in group if x.server.startswith("mlserver")]
                 if mls:
                     for ml in mls:
-                        notes.append(f"neuropod / {ml.server.split(' (JSON)')[0]}: {rps / ml.median('rps'):.2f}x")
+                        notes.append(f"neuropod / {ml.server.split(' (JSON)')[0]}: {np_cell.over(ml):.2f}x")
                     best = max(mls, key=lambda x: x.median("rps"))
                     p99_ok = np_cell.median("p99_ms") < min(x.median("p99_ms") for x in mls)
-                    vs_ml.append((rps / best.median("rps"), p99_ok, where))
+                    vs_ml.append((np_cell.over(best), p99_ok, where))
                     if protocol == "rest":
                         js = get(protocol, model, c, "neuropod (JSON)")
                         assert js is not None
-                        notes.append(f"neuropod JSON / faster mlserver: {js.median('rps') / best.median('rps'):.2f}x")
-                frac = rps / fl.median("rps")
+                        notes.append(f"neuropod JSON / faster mlserver: {js.over(best):.2f}x")
+                frac = np_cell.over(fl)
                 notes.append(f"neuropod / floor: {frac:.2f}")
                 if model == TINY:
                     vs_floor.append((frac, where))
                 for x in group:
                     if x.server.startswith("neuropod batch"):
-                        gain = x.median("rps") / rps
+                        gain = x.over(np_cell)
                         notes.append(f"{x.server} / unbatched: {gain:.2f}x req/s, p99 {x.median('p99_ms'):.2f} "
                                      f"vs {np_cell.median('p99_ms'):.2f} ms")  # fmt: skip
                         batching.append((gain, f"{where} {x.server}"))
@@ -690,7 +698,7 @@ def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], ha
         _print_group(group, protocol, MLP, c)
         for x in group:
             if x.server.startswith("neuropod batch"):
-                gain = x.median("rps") / base.median("rps")
+                gain = x.over(base)
                 print(f"  {x.server} / unbatched: {gain:.2f}x req/s, p99 {x.median('p99_ms'):.2f} "
                       f"vs {base.median('p99_ms'):.2f} ms")  # fmt: skip
                 mlp_gains.append((gain, f"{protocol} {x.server}"))
