@@ -488,3 +488,30 @@ def test_random_well_formed_json_raises_nothing_but_protocol_error(
         parse_infer_request(text + tail, len(text))
     except ProtocolError:
         pass
+
+
+# --- orjson and Python's json read request JSON alike ---------------------------------------
+
+_JSON_DOCS = [
+    '{"a": [1.5, -0.0058760265819728374, 1e-7, 3]}',
+    '{"big": 18446744073709551616, "neg": -9223372036854775809}',  # past 64 bits: must stay exact ints
+    '{"max": 18446744073709551615, "min": -9223372036854775808}',
+    '{"x": 1234567890123456789.5, "e": 1e-1234567890123456789}',
+    '{"nan": NaN, "inf": [Infinity, -Infinity]}',  # Python's json reads these; orjson does not
+    '{"s": "\\ud800 lone surrogate", "u": "\\u00e9 \u00e9"}',
+    '{"dup": 1, "dup": 2}',
+    '[[[[[]]]]]',
+]
+
+
+@pytest.mark.parametrize("text", _JSON_DOCS)
+def test_request_json_reads_as_pythons_json_does(text: str) -> None:
+    import json
+    import math
+
+    from neuropod_serving.protocol import codec
+
+    got, want = codec._loads(memoryview(text.encode("utf-8", "surrogatepass")), text), json.loads(text)
+    assert repr(got) == repr(want)  # same types (int stays int), same values, NaN included
+    if isinstance(want, dict) and "nan" in want:
+        assert math.isnan(got["nan"])

@@ -14,6 +14,7 @@ long as they do; Python's reference counting sees to that.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -564,7 +565,8 @@ def _split(body: bytes | bytearray | memoryview, json_length: int | str | None, 
         )
     try:
         text = str(view[:length], "utf-8")
-        header = _json.loads(text)
+        _json.check_bounds(text)
+        header = _loads(view[:length], text)
     except UnicodeDecodeError as e:
         raise ProtocolError(f"the {what}'s JSON is not UTF-8 ({e.reason} at byte {e.start})") from None
     except ValueError as e:
@@ -572,6 +574,51 @@ def _split(body: bytes | bytearray | memoryview, json_length: int | str | None, 
     if not isinstance(header, dict):
         raise ProtocolError(f"the {what} must be a JSON object, not {_kind(header)}")
     return header, view[length:]
+
+
+def _loads(raw: memoryview, text: str) -> Any:
+    """The JSON ``text`` (whose bounds were checked), by orjson when it takes it: about 5x
+    Python's json on a body of numbers (100 tensors of [10, 5]: 2.0 -> 0.4 ms)."""
+    orjson = _orjson_module()
+    if orjson is not None and not _long_integer(text):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            # NaN/Infinity, integers past 64 bits, lone surrogates: Python's json
+            # reads them (as before), or words the error.
+            pass
+    return _json.loads(text)
+
+
+# A run of 19 digits or more can be an integer past 64 bits, which orjson reads
+# as a float (rounded): such documents go to Python's json, which keeps it exact.
+_DIGITS_AS_D = str.maketrans("0123456789", "dddddddddd")
+_LONG_RUN = "d" * 19
+
+
+def _long_integer(text: str) -> bool:
+    """Whether ``text`` may hold an integer of 19 digits or more (a fraction's digits,
+    after a '.', do not count). str methods only: a regex takes 10x longer on 100 kB."""
+    masked = text.translate(_DIGITS_AS_D)
+    at = masked.find(_LONG_RUN)
+    while at >= 0:
+        if at == 0 or masked[at - 1] != ".":
+            return True
+        end = at + len(_LONG_RUN)
+        while end < len(masked) and masked[end] == "d":
+            end += 1
+        at = masked.find(_LONG_RUN, end)
+    return False
+
+
+@functools.cache
+def _orjson_module() -> Any:
+    """orjson (a dependency of neuropod-serving, imported on first use), or None without it."""
+    try:
+        import orjson
+    except ImportError:
+        return None
+    return orjson
 
 
 def _header_length(value: int | str, body_size: int) -> int:
