@@ -10,7 +10,7 @@
     nox -s tests_serving           neuropod-serving: `neuropod serve` (REST, gRPC, batching, metrics) with tritonclient
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
-    nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~10 min)
+    nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~12 min)
     nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
     nox -s wheels                  the same wheels, installed alone into a fresh venv and smoke-tested
     nox -s tests_example           the outside backend in examples/ against the conformance suite
@@ -192,7 +192,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=DEFAULT_PYTHON)
 def bench_serve(session: nox.Session) -> None:
-    """neuropod serve against MLServer 1.7 and a bare Starlette/grpc.aio floor, REST and gRPC (about 10 min;
+    """neuropod serve against MLServer 1.7 and a bare Starlette/grpcio floor, REST and gRPC (about 12 min;
     needs wrk and taskset, two cores). MLServer gets its own venv in this session's folder: it pins its own
     dependencies, and uvloop<0.22 (its parallel workers break under 0.22+, SeldonIO/MLServer#2286)."""
     session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
