@@ -2,9 +2,9 @@
 
 The server is grpcio's threaded one (``grpc.server`` with a thread pool), not
 its asyncio one: on one core a bare threaded server answers about 1.4x the
-small requests a bare ``grpc.aio`` server does (bench_serve.py measures both
-floors), because grpc.aio hands every call between its poller thread and the
-event loop. Each call runs on a pool thread from decoding to encoding; the
+small requests a bare ``grpc.aio`` server does at 8 and 32 calls in flight
+(about the same at 1; bench_serve.py measures both floors), because grpc.aio
+hands every call between its poller thread and the event loop. Each call runs on a pool thread from decoding to encoding; the
 model runs on that thread too, or the request waits there for its batch.
 
 Messages go through :mod:`neuropod_serving.protocol.grpc_codec` and requests
