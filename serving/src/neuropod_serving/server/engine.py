@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,7 +201,7 @@ class Engine:
         :raises NeuropodError: the model failed (BackendError, WorkerError...).
         """
         runner = self._runner(served)
-        try:
+        with self._unloaded_under(runner):
             if runner.batcher is None and runner.inline_ok and runner.ewma_s < INLINE_BELOW_S:
                 # The common small-model case, without a coroutine or thread in between.
                 self._check_missing(runner, inputs)
@@ -208,11 +209,6 @@ class Engine:
             else:
                 outputs = await self._infer(runner, served, inputs, requested)
             return _ordered(runner, outputs, requested)
-        except SpecError:
-            raise
-        except NeuropodError as e:
-            self._raise_if_unloaded(runner, e)
-            raise
 
     def infer_blocking(
         self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
@@ -221,7 +217,7 @@ class Engine:
         model runs on the calling thread, or the request joins its model's batch and waits.
         Same checks, errors and metrics."""
         runner = self._runner(served)
-        try:
+        with self._unloaded_under(runner):
             if runner.batcher is not None:
                 self.check(served, inputs, requested)
                 outputs = runner.batcher.submit(inputs, requested).result()
@@ -229,11 +225,6 @@ class Engine:
                 self._check_missing(runner, inputs)
                 outputs = self._run(runner, inputs, requested, None)
             return _ordered(runner, outputs, requested)
-        except SpecError:
-            raise
-        except NeuropodError as e:
-            self._raise_if_unloaded(runner, e)
-            raise
 
     def _runner(self, served: ServedModel) -> _Runner:
         runner = self._runners.get(served.name)
@@ -241,11 +232,19 @@ class Engine:
             raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited")
         return runner
 
-    def _raise_if_unloaded(self, runner: _Runner, e: NeuropodError) -> None:
-        """An UnknownModelError when the model was closed under the request (its
-        batcher stopped, or the model): then ``e`` is not the model's failure."""
-        if self._runners.get(runner.served.name) is not runner:
-            raise UnknownModelError(f"model {runner.served.name!r} was unloaded while the request ran") from e
+    @contextlib.contextmanager
+    def _unloaded_under(self, runner: _Runner) -> Iterator[None]:
+        """A NeuropodError (not a SpecError) raised inside becomes an UnknownModelError when
+        the model was closed under the request (its batcher stopped, or the model): then
+        it is not the model's failure."""
+        try:
+            yield
+        except SpecError:
+            raise
+        except NeuropodError as e:
+            if self._runners.get(runner.served.name) is not runner:
+                raise UnknownModelError(f"model {runner.served.name!r} was unloaded while the request ran") from e
+            raise
 
     async def _infer(
         self, runner: _Runner, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None
