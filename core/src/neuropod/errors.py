@@ -44,12 +44,35 @@ class WorkerError(NeuropodError):
     """A worker process running a model failed."""
 
 
+class RemoteError(NeuropodError):
+    """A remote model (``load_neuropod("grpc://...")``) failed: the server could not be
+    reached or answered with an error.
+
+    :ivar url: the URL of the server that failed (one of the model's URLs).
+    :ivar code: what went wrong, as a gRPC status name in lower case, whatever
+        the protocol: ``"unavailable"`` (refused, reset, unreachable),
+        ``"deadline_exceeded"`` (the call's timeout), ``"not_found"`` (unknown
+        model), ``"invalid_argument"`` (the server refused the inputs),
+        ``"unauthenticated"``, ``"internal"`` (the model failed on the server),
+        ``"tls"`` (the TLS handshake failed), ``"protocol"`` (an answer that does
+        not follow the Open Inference Protocol).
+    :ivar server_message: the server's own words, when it answered.
+    """
+
+    def __init__(self, message: str, *, url: str = "", code: str = "unknown", server_message: str | None = None):
+        super().__init__(message)
+        self.url = url
+        self.code = code
+        self.server_message = server_message
+
+
 __all__ = [
     "BackendError",
     "NeuropodError",
     "NoBackendError",
     "PackageError",
     "PluginNotInstalledError",
+    "RemoteError",
     "SpecError",
     "VersionRangeError",
     "WorkerError",

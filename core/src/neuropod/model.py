@@ -86,6 +86,12 @@ class NeuropodModel:
         :raises SpecError: an input or output does not fit the spec.
         :raises BackendError: the framework failed; its exception is chained.
         """
+        return self._checked_infer(inputs, requested_outputs, None)
+
+    def _checked_infer(
+        self, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None, call_options: Any
+    ) -> dict[str, np.ndarray]:
+        """:meth:`infer`, with ``call_options`` for subclasses whose ``infer`` takes more (see :meth:`_run`)."""
         if self._closed:
             raise NeuropodError(f"Model {self.name!r} is closed")
         validator = self._validator
@@ -93,11 +99,7 @@ class NeuropodModel:
             requested_outputs = validator.check_requested(requested_outputs)
         checked, bindings = validator.check_inputs(inputs)
         try:
-            if len(self._infer_args) == 3:
-                outputs = self._infer(self._handle, checked, requested_outputs)
-            else:
-                kwargs = {"model": self._handle, "inputs": checked, "requested_outputs": requested_outputs}
-                outputs = self._infer(**{k: kwargs[k] for k in self._infer_args})
+            outputs = self._run(checked, requested_outputs, call_options)
         except NeuropodError:
             raise
         except Exception as e:
@@ -111,6 +113,13 @@ class NeuropodModel:
             outputs = dict(outputs)
         validator.check_outputs(outputs, bindings, requested_outputs)
         return outputs
+
+    def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:
+        """Run the checked inputs: the backend's ``infer`` hook (bound once, see :meth:`_bind_infer`)."""
+        if len(self._infer_args) == 3:
+            return self._infer(self._handle, inputs, requested_outputs)
+        kwargs = {"model": self._handle, "inputs": inputs, "requested_outputs": requested_outputs}
+        return self._infer(**{k: kwargs[k] for k in self._infer_args})
 
     def close(self) -> None:
         """Free the backend's resources; later calls to infer fail."""
@@ -220,7 +229,7 @@ def plan(
 
 
 def load_neuropod(
-    neuropod_path: str | os.PathLike[str] | Package,
+    neuropod_path: str | os.PathLike[str] | Package | Sequence[str],
     *,
     device: str | None = None,
     backend: str | None = None,
@@ -233,7 +242,14 @@ def load_neuropod(
 ) -> NeuropodModel:
     """Load a package with the best backend installed here.
 
-    :param neuropod_path: a package directory or zip (or a :class:`Package` already read).
+    :param neuropod_path: a package directory or zip (or a :class:`Package` already read),
+        or the URL of a model on an Open Inference Protocol server
+        (``grpc://host:8001/model``, ``http://``, ``https://``, ``grpcs://``;
+        a list of URLs spreads calls over several servers). Remote models need
+        ``pip install 'neuropod-serving[client]'`` and take its options
+        (``timeout``, ``retries``, ``auth_token``, ``tls``, ``ca_cert``...;
+        see :func:`neuropod_serving.client.load`), not ``device``, ``backend``
+        or the OPE options.
     :param device: ``"cpu"`` or ``"cuda:N"`` to force a device; by default a
         GPU when the model asks for one and one fits, else the CPU.
     :param backend: pin a backend, e.g. ``"onnx"`` or ``"onnx==1.31.1"``.
@@ -256,9 +272,17 @@ def load_neuropod(
     :raises NoBackendError: nothing here can run it; the message has the table.
     :raises BackendError: the framework failed to load the model.
     """
+    from neuropod import remote
+
+    if remote.is_remote(neuropod_path):
+        return remote.load_remote(
+            neuropod_path,  # type: ignore[arg-type]
+            device=device, backend=backend, verify=verify, use_ope=use_ope, workers=workers, restart=restart,
+            timeout=timeout, **load_options,
+        )  # fmt: skip
     _check_load_args(neuropod_path, device=device, backend=backend, verify=verify, use_ope=use_ope,
                      workers=workers, restart=restart, timeout=timeout)  # fmt: skip
-    package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)
+    package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)  # type: ignore[arg-type]  # a list is remote, above
     resolution = plan(package, device=device, backend=backend)
     chosen = resolution.raise_if_unresolved()
     if use_ope or chosen.backend.location != "in-process":

@@ -26,10 +26,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from neuropod import _json
 from neuropod.spec import TensorSpec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
+from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, split_raw
 from neuropod_serving.protocol.codec import (
     _MAX_DIMS,
     _WIRE_DTYPES,
@@ -47,9 +49,10 @@ from neuropod_serving.protocol.codec import (
 
 #: gRPC metadata key under which a neuropod server's ModelMetadata reply carries
 #: the exact spec shapes (symbol names), as JSON ``{"inputs": {name: shape},
-#: "outputs": {...}}``: the proto's TensorMetadata has no ``parameters`` field
-#: for ``neuropod_shape`` as REST has, and other clients ignore a trailer they
-#: do not know.
+#: "outputs": {...}, "parameters": {...}}``: the proto's TensorMetadata has no
+#: ``parameters`` field for ``neuropod_shape`` as REST has (nor has its
+#: ModelMetadataResponse for the model's own ``parameters``), and other clients
+#: ignore a trailer they do not know.
 SHAPES_METADATA_KEY = "neuropod-shapes"
 
 # Which typed field of InferTensorContents holds each datatype (FP16 has none: raw only).
@@ -68,6 +71,9 @@ _CONTENTS_FIELD: dict[str, str] = {
     "BYTES": "bytes_contents",
 }
 _CONTENTS_FIELDS = tuple(dict.fromkeys(_CONTENTS_FIELD.values()))
+# Field numbers of the raw contents in the proto (checked against the descriptor in the tests).
+_RAW_INPUT_FIELD = 7
+_RAW_OUTPUT_FIELD = 6
 
 # Fast paths for numbers (BOOL's bytes need their 0/1 check, BYTES its reader):
 # wire dtype by datatype, and datatype by numpy dtype where the host's is the
@@ -142,6 +148,31 @@ def build_model_infer_request(
     return request
 
 
+def serialize_model_infer_request(
+    model_name: str,
+    inputs: Mapping[str, np.ndarray[Any, Any]],
+    *,
+    outputs: Sequence[str] | None = None,
+    model_version: str | None = None,
+) -> bytes:
+    """A serialized ModelInferRequest, as :func:`build_model_infer_request` builds it.
+
+    With at least :data:`~neuropod_serving.protocol._wire.WIRE_THRESHOLD`
+    bytes of tensors, contiguous arrays are written straight after the rest
+    of the message: the join is their only copy (protobuf would make three).
+    """
+    if sum(a.nbytes for a in inputs.values() if isinstance(a, np.ndarray)) < WIRE_THRESHOLD:
+        return build_model_infer_request(model_name, inputs, outputs=outputs, model_version=model_version).SerializeToString()  # type: ignore[no-any-return]
+    tensors, raws = _encode_tensors(inputs, pb.ModelInferRequest.InferInputTensor, views=True)
+    head = pb.ModelInferRequest(
+        model_name=model_name,
+        model_version=model_version or "",
+        inputs=tensors,
+        outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in outputs or ()],
+    ).SerializeToString()
+    return append_raw(head, _RAW_INPUT_FIELD, raws)
+
+
 # --- inference responses -----------------------------------------------------
 
 
@@ -166,18 +197,38 @@ def build_model_infer_response(
     )
 
 
-def parse_model_infer_response(response: pb.ModelInferResponse) -> InferResponse:
+def parse_model_infer_response(response: pb.ModelInferResponse, raws: Sequence[Any] | None = None) -> InferResponse:
     """Decode a ModelInferResponse (raw or typed contents) into numpy arrays.
 
+    :param raws: the raw output contents when they were split off the message
+        (:func:`deserialize_model_infer_response`); the message's own otherwise.
     :raises ProtocolError: for every fault, naming the tensor.
     """
     return InferResponse(
-        outputs=_decode_tensors(response.outputs, response.raw_output_contents, "output", None),
+        outputs=_decode_tensors(response.outputs, response.raw_output_contents if raws is None else raws, "output", None),
         model_name=response.model_name or None,
         model_version=response.model_version or None,
         id=response.id or None,
         parameters=parameters_from_proto(response.parameters),
     )
+
+
+def deserialize_model_infer_response(data: bytes) -> InferResponse:
+    """Decode a serialized ModelInferResponse. A big one's numeric outputs are
+    read-only views of ``data`` itself (no copy): only the rest of the message
+    goes through protobuf.
+
+    :raises ProtocolError: a malformed message, or any fault in its tensors.
+    """
+    raws: list[memoryview] | None = None
+    if len(data) >= WIRE_THRESHOLD:
+        data, raws = split_raw(data, _RAW_OUTPUT_FIELD)
+        raws = raws or None
+    try:
+        response = pb.ModelInferResponse.FromString(data)
+    except DecodeError as e:
+        raise ProtocolError(f"the ModelInferResponse cannot be parsed: {e}") from None
+    return parse_model_infer_response(response, raws)
 
 
 # --- metadata ----------------------------------------------------------------
@@ -201,12 +252,15 @@ def model_metadata_response(metadata: Mapping[str, Any]) -> pb.ModelMetadataResp
 
 def shapes_metadata(metadata: Mapping[str, Any]) -> str:
     """The value of the :data:`SHAPES_METADATA_KEY` trailer for a REST model metadata body:
-    each tensor's exact spec shape, which the proto's TensorMetadata cannot hold."""
-    shapes = {
+    each tensor's exact spec shape, which the proto's TensorMetadata cannot hold,
+    and the model-level ``parameters`` (which the proto's ModelMetadataResponse lacks)."""
+    shapes: dict[str, Any] = {
         key: {t["name"]: _json.loads(t["parameters"][SHAPE_PARAMETER]) for t in metadata.get(key, [])
               if SHAPE_PARAMETER in (t.get("parameters") or {})}
         for key in ("inputs", "outputs")
     }  # fmt: skip
+    if metadata.get("parameters"):
+        shapes["parameters"] = metadata["parameters"]  # the model's, e.g. which backend runs it
     return json.dumps(shapes, separators=(",", ":"))
 
 
@@ -221,6 +275,7 @@ def model_metadata_from_response(response: pb.ModelMetadataResponse, shapes: str
     :raises ProtocolError: ``shapes`` is not the JSON a neuropod server sends.
     """
     exact: dict[str, Any] = {"inputs": {}, "outputs": {}}
+    parameters: dict[str, Any] | None = None
     if shapes is not None:
         try:
             parsed = _json.loads(shapes)
@@ -229,6 +284,8 @@ def model_metadata_from_response(response: pb.ModelMetadataResponse, shapes: str
         if not isinstance(parsed, dict) or not all(isinstance(parsed.get(k, {}), dict) for k in exact):
             raise ProtocolError(f"the {SHAPES_METADATA_KEY} trailer must be an object of inputs and outputs")
         exact.update({k: parsed.get(k, {}) for k in exact})
+        if isinstance(parsed.get("parameters"), dict):
+            parameters = parsed["parameters"]
 
     def tensor(t: pb.ModelMetadataResponse.TensorMetadata, key: str) -> dict[str, Any]:
         out: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
@@ -236,13 +293,16 @@ def model_metadata_from_response(response: pb.ModelMetadataResponse, shapes: str
             out["parameters"] = {SHAPE_PARAMETER: json.dumps(exact[key][t.name])}
         return out
 
-    return {
+    out: dict[str, Any] = {
         "name": response.name,
         "versions": list(response.versions),
         "platform": response.platform,
         "inputs": [tensor(t, "inputs") for t in response.inputs],
         "outputs": [tensor(t, "outputs") for t in response.outputs],
     }
+    if parameters is not None:
+        out["parameters"] = parameters
+    return out
 
 
 # --- parameters --------------------------------------------------------------
@@ -279,15 +339,19 @@ def _fill_parameters(target: Any, parameters: Mapping[str, Any]) -> None:
 # --- tensors -----------------------------------------------------------------
 
 
-def _encode_tensors(arrays: Mapping[str, np.ndarray[Any, Any]], kind: Any) -> tuple[list[Any], list[bytes]]:
+def _encode_tensors(
+    arrays: Mapping[str, np.ndarray[Any, Any]], kind: Any, *, views: bool = False
+) -> tuple[list[Any], list[Any]]:
+    """Tensor messages and their raw bytes; with ``views``, a C-contiguous
+    numeric array's bytes are its own memory (no copy)."""
     tensors: list[Any] = []
-    raws: list[bytes] = []
+    raws: list[Any] = []
     for name, array in arrays.items():
         datatype = _FAST_ENCODE.get(array.dtype) if isinstance(array, np.ndarray) else None
         if datatype is not None:
             # tobytes() is row-major whatever the strides; the dtype is already the wire's.
             tensors.append(kind(name=name, datatype=datatype, shape=array.shape))
-            raws.append(array.tobytes())
+            raws.append(array.data if views and array.ndim and array.flags.c_contiguous else array.tobytes())
             continue
         obj, raw = encode_tensor(name, array, binary=True)
         tensors.append(kind(name=name, datatype=obj["datatype"], shape=obj["shape"]))
@@ -297,7 +361,7 @@ def _encode_tensors(arrays: Mapping[str, np.ndarray[Any, Any]], kind: Any) -> tu
 
 
 def _decode_tensors(
-    tensors: Sequence[Any], raws: Sequence[bytes], kind: str, specs: Mapping[str, TensorSpec] | None
+    tensors: Sequence[Any], raws: Sequence[Any], kind: str, specs: Mapping[str, TensorSpec] | None
 ) -> dict[str, np.ndarray[Any, Any]]:
     field = f"raw_{kind}_contents"
     if raws and len(raws) != len(tensors):
@@ -392,10 +456,12 @@ __all__ = [
     "SHAPES_METADATA_KEY",
     "build_model_infer_request",
     "build_model_infer_response",
+    "deserialize_model_infer_response",
     "model_metadata_from_response",
     "model_metadata_response",
     "parameters_from_proto",
     "parse_model_infer_request",
     "parse_model_infer_response",
+    "serialize_model_infer_request",
     "shapes_metadata",
 ]

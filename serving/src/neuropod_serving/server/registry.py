@@ -45,6 +45,9 @@ class ServedModel:
         self.metadata = model_metadata(
             self.model.name, self.model.inputs, self.model.outputs, platform=self.model.platform, versions=[MODEL_VERSION]
         )
+        # Which backend and device run it, for remote clients (`neuropod explain URL`).
+        # MLServer's metadata has model-level parameters too; other clients ignore them.
+        self.metadata["parameters"] = {"neuropod_backend": self.model.backend.id, "neuropod_device": self.model.device}
         self.name = self.model.name
         self.input_specs = {s.name: s for s in self.model.inputs}
 

@@ -1,0 +1,330 @@
+"""Remote models: ``neuropod.load_neuropod("grpc://host:8001/model")``.
+
+The core finds :func:`load` through the ``neuropod.remotes`` entry points
+(one per URL scheme: grpc, grpcs, http, https) and returns what it returns:
+a :class:`RemoteModel`, which is a :class:`~neuropod.model.NeuropodModel`
+like any other. Its spec is rebuilt from the server's model metadata, inputs
+are checked against it before anything is sent (the same ``SpecError`` as a
+local model), tensors travel as raw bytes, and every transport or server
+fault is a :class:`~neuropod.errors.RemoteError` naming the URL.
+
+The far end is any Open Inference Protocol server: ``neuropod serve``,
+Triton, MLServer, KServe. A neuropod server also sends each tensor's exact
+spec shape (symbol names) and says which backend and device run the model;
+from other servers, -1 dims become ``None`` (any size).
+
+Needs ``pip install 'neuropod-serving[client]'`` (grpcio and protobuf; the
+REST transport is Python's own ``http.client``). Importing this package
+imports neither; the transports are imported when a model is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from neuropod._args import check_flag, check_seconds
+from neuropod.backend import Backend
+from neuropod.errors import NeuropodError, PluginNotInstalledError, RemoteError
+from neuropod.model import NeuropodModel
+from neuropod.spec import SpecValidator, TensorSpec
+from neuropod_serving import __version__
+from neuropod_serving.client._pool import Pool, Transport
+from neuropod_serving.client._target import SCHEMES, Target, parse_url
+
+#: Seconds that loading (metadata and readiness calls) may take per server.
+CONNECT_TIMEOUT_S = 10.0
+#: Extra attempts of a call that found its server unavailable.
+DEFAULT_RETRIES = 2
+#: Model-level metadata parameters a neuropod server sends (REST ``parameters``;
+#: gRPC carries them in the ``neuropod-shapes`` trailer).
+BACKEND_PARAMETER = "neuropod_backend"
+DEVICE_PARAMETER = "neuropod_device"
+
+_INSTALL = "pip install 'neuropod-serving[client]'"
+
+
+class RemoteBackend(Backend):
+    """The backend of a remote model: what the server says runs it, and where.
+
+    ``location`` is ``"remote: grpc://host:port"`` (several servers: comma-separated);
+    ``id`` is the server's backend (``onnx==1.31.1``) when it says, else the
+    model's platform.
+    """
+
+    @property
+    def id(self) -> str:
+        return f"{self.platform}=={self.version}" if self.version else self.platform
+
+
+class RemoteModel(NeuropodModel):
+    """A model served by one or more Open Inference Protocol servers.
+
+    The same ``infer``, ``inputs``, ``outputs``, ``name``, ``close()`` and
+    context manager as a local model, and thread-safe. Extra: ``infer(...,
+    timeout=)`` for one call, :attr:`urls`, :meth:`status`.
+
+    Outputs are numpy arrays over the received message (no copy): from gRPC
+    they are read-only (copy one to change it); from REST, writable.
+    ``package`` and ``resolution`` are None: the server has the package.
+    """
+
+    def __init__(self, targets: list[Target], pool: Pool, metadata: Mapping[str, Any], *, timeout: float | None):
+        from neuropod_serving.protocol import specs_from_model_metadata
+
+        try:
+            inputs, outputs = specs_from_model_metadata(metadata)
+        except NeuropodError as e:
+            raise RemoteError(
+                f"Remote model {targets[0].url}: the server's model metadata cannot be read as a spec: {e}",
+                url=targets[0].url, code="protocol",
+            ) from None  # fmt: skip
+        self.package = None  # type: ignore[assignment]
+        self.resolution = None  # type: ignore[assignment]
+        self.urls: tuple[str, ...] = tuple(t.url for t in targets)
+        self._targets = targets
+        self._pool = pool
+        self._timeout = timeout
+        self._name = str(metadata.get("name") or targets[0].model)
+        self._platform = str(metadata.get("platform") or "")
+        self._inputs: tuple[TensorSpec, ...] = inputs
+        self._outputs: tuple[TensorSpec, ...] = outputs
+        params = metadata.get("parameters")
+        self._server_params: dict[str, Any] = dict(params) if isinstance(params, Mapping) else {}
+        where = "remote: " + ", ".join(dict.fromkeys(t.server for t in targets))
+        platform, _, version = str(self._server_params.get(BACKEND_PARAMETER, "")).partition("==")
+        self.backend = RemoteBackend(
+            platform=platform or self._platform or "remote",
+            version=version,
+            framework="",
+            plugin="remote",
+            plugin_distribution=f"neuropod-serving {__version__}",
+            location=where,
+        )
+        self.device = where
+        self._handle = pool
+        self._validator = SpecValidator(self._name, inputs, outputs)
+        self._bind_infer()
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    def _bind_infer(self) -> None:
+        self._infer_args = ("model", "inputs", "requested_outputs")
+
+    def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:
+        timeout = self._timeout if call_options is None else call_options
+        return self._pool.call(lambda t, remaining: t.infer(inputs, requested_outputs, remaining), timeout)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def platform(self) -> str:
+        return self._platform
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self._outputs
+
+    def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        requested_outputs: Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run the model on a server (see :meth:`NeuropodModel.infer`).
+
+        :param timeout: seconds this call may take, retries included (the
+            model's ``timeout=`` by default; None there means no limit).
+        :raises RemoteError: the server could not be reached, did not answer
+            in time, or refused or failed the call; it names the URL.
+        """
+        if timeout is not None:
+            check_seconds("timeout", timeout)
+        return self._checked_infer(inputs, requested_outputs, timeout)
+
+    def status(self, timeout: float = CONNECT_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Each server's state: ``url``, ``live``, ``ready``, the server's ``name`` and
+        ``version``, and the model's ``backend`` and ``device`` there when it says;
+        ``error`` instead of what could not be asked. Never raises for a server that is down."""
+        states = []
+        for server in self._pool.servers:
+            transport = server.transport
+            state: dict[str, Any] = {"url": transport.target.url}
+            try:
+                state.update(transport.server(timeout))
+                state["ready"] = transport.ready(timeout)
+                params = transport.metadata(timeout).get("parameters")
+                if isinstance(params, Mapping):
+                    state["backend"] = params.get(BACKEND_PARAMETER)
+                    state["device"] = params.get(DEVICE_PARAMETER)
+            except RemoteError as e:
+                state["error"] = str(e)
+            state["calls"] = server.calls
+            states.append(state)
+        return states
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self.device
+        return f"<RemoteModel {self.name!r} ({self.platform or 'unknown platform'}) {state}>"
+
+
+# --- loading -----------------------------------------------------------------
+
+_OPTIONS = ("timeout", "retries", "auth_token", "tls", "ca_cert", "tls_server_name", "connect_timeout", "check_ready")
+
+
+def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
+    """Load a remote model (the ``neuropod.remotes`` entry point; use ``neuropod.load_neuropod(url)``).
+
+    :param urls: ``SCHEME://HOST[:PORT]/MODEL[/VERSION]``, or several for a pool of
+        servers (see :mod:`neuropod_serving.client._pool` for the policy).
+    :param timeout: seconds each ``infer`` may take, retries included (None: no limit).
+    :param retries: extra attempts of a call that found its server unavailable (default 2).
+    :param auth_token: sent as ``authorization: Bearer <token>``.
+    :param tls: True or False to force TLS on or off whatever the scheme says
+        (grpcs and https are TLS).
+    :param ca_cert: a PEM file of the certificates to trust (default: the system's).
+    :param tls_server_name: the name the server's certificate must have, when it
+        is not the URL's host (e.g. a cert for ``localhost`` reached by IP).
+    :param connect_timeout: seconds each loading call may take (default 10).
+    :param check_ready: ask each server whether the model is ready (default True);
+        a model no server has ready fails to load.
+    :raises RemoteError: no server answered with the model's metadata (each is named).
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"load_neuropod(): {', '.join(map(repr, unknown))} is not an option of remote models; "
+            f"they take {', '.join(_OPTIONS)}"
+        )
+    timeout = options.get("timeout")
+    check_seconds("timeout", timeout)
+    connect_timeout = options.get("connect_timeout", CONNECT_TIMEOUT_S)
+    check_seconds("connect_timeout", connect_timeout)
+    retries = options.get("retries", DEFAULT_RETRIES)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise TypeError(f"retries must be an int >= 0, not {retries!r:.60}")
+    tls = options.get("tls")
+    if tls is not None:
+        check_flag("tls", tls)
+    check_ready = options.get("check_ready", True)
+    check_flag("check_ready", check_ready)
+    auth_token = options.get("auth_token")
+    if auth_token is not None and (not isinstance(auth_token, str) or not auth_token or "\n" in auth_token or "\r" in auth_token):
+        raise TypeError("auth_token must be a non-empty str on one line")
+    server_name = options.get("tls_server_name")
+    if server_name is not None and not isinstance(server_name, str):
+        raise TypeError(f"tls_server_name must be a str, not {type(server_name).__name__}")
+
+    url_list = [urls] if isinstance(urls, str) else list(urls)
+    if not url_list:
+        raise ValueError("load_neuropod() was given an empty list of URLs")
+    targets = [parse_url(u, tls=tls) for u in url_list]
+    transports = _transports(targets, auth_token, options.get("ca_cert"), server_name)
+    pool = Pool(transports, retries=retries)
+    try:
+        metadata = _metadata(pool, check_ready=check_ready, timeout=connect_timeout)
+        return RemoteModel(targets, pool, metadata, timeout=timeout)
+    except BaseException:
+        pool.close()
+        raise
+
+
+def _transports(targets: list[Target], auth_token: str | None, ca_cert: Any, server_name: str | None) -> list[Transport]:
+    try:
+        from neuropod_serving.client._grpc import GrpcTransport
+    except ImportError as e:
+        if any(t.protocol == "grpc" for t in targets):
+            raise PluginNotInstalledError(f"gRPC remote models need grpcio and protobuf ({e}): {_INSTALL}") from None
+    root: bytes | None = None
+    context = None
+    if ca_cert is not None:
+        if not isinstance(ca_cert, (str, os.PathLike)):
+            raise TypeError(f"ca_cert must be a path to a PEM file, not {type(ca_cert).__name__}")
+        try:
+            with open(ca_cert, "rb") as f:
+                root = f.read()
+        except OSError as e:
+            raise NeuropodError(f"ca_cert {os.fspath(ca_cert)!r} cannot be read: {e.strerror or e}") from None
+        if any(t.protocol == "http" and t.tls for t in targets):
+            import ssl
+
+            try:
+                context = ssl.create_default_context(cadata=root.decode("ascii", "replace"))
+            except ssl.SSLError as e:
+                raise NeuropodError(f"ca_cert {os.fspath(ca_cert)!r} holds no usable PEM certificate: {e}") from None
+    from neuropod_serving.client._http import HttpTransport
+
+    transports: list[Transport] = []
+    for t in targets:
+        if t.protocol == "grpc":
+            transports.append(GrpcTransport(t, auth_token=auth_token, root_certificates=root, tls_server_name=server_name))
+        else:
+            transports.append(HttpTransport(t, auth_token=auth_token, ssl_context=context, tls_server_name=server_name))
+    return transports
+
+
+def _metadata(pool: Pool, *, check_ready: bool, timeout: float | None) -> dict[str, Any]:
+    """The model's metadata from every server that answers; they must agree on the spec.
+    A server that does not answer is marked down (the pool skips it for a while)."""
+    from neuropod_serving.protocol import specs_from_model_metadata
+
+    found: list[tuple[Target, dict[str, Any]]] = []
+    errors: list[RemoteError] = []
+    for server in pool.servers:
+        transport = server.transport
+        try:
+            metadata = transport.metadata(timeout)
+            if check_ready and not transport.ready(timeout):
+                raise RemoteError(
+                    f"Remote model {transport.target.url}: the server has the model but it is not ready",
+                    url=transport.target.url, code="unavailable",
+                )  # fmt: skip
+        except RemoteError as e:
+            if e.code not in ("unavailable", "deadline_exceeded") or len(pool.servers) == 1:
+                raise
+            errors.append(e)
+            pool.mark_down(server)
+            continue
+        found.append((transport.target, metadata))
+    if not found:
+        raise RemoteError(
+            "No server of the remote model answered: " + "; ".join(str(e) for e in errors),
+            url=errors[0].url, code="unavailable",
+        )  # fmt: skip
+    first_target, first = found[0]
+    spec = specs_from_model_metadata(first)
+    for target, metadata in found[1:]:
+        if specs_from_model_metadata(metadata) != spec:
+            raise RemoteError(
+                f"The servers of the remote model disagree on its spec: {first_target.url} and {target.url} "
+                "serve different inputs or outputs; give URLs of one model",
+                url=target.url, code="protocol",
+            )  # fmt: skip
+    return first
+
+
+def schemes() -> list[str]:
+    """The URL schemes this package loads."""
+    return list(SCHEMES)
+
+
+__all__ = ["RemoteBackend", "RemoteError", "RemoteModel", "load", "schemes"]

@@ -1,0 +1,58 @@
+"""RemoteError messages: one wording for both protocols."""
+
+from __future__ import annotations
+
+from neuropod.errors import RemoteError
+from neuropod_serving.client._target import Target
+
+# What each code means, said to the user; {server} is the address.
+_PROBLEMS = {
+    "unavailable": "cannot reach the server at {server}",
+    "deadline_exceeded": "no answer within the timeout",
+    "not_found": "the server does not serve this model",
+    "invalid_argument": "the server refused the request",
+    "unauthenticated": "the server refused the call's credentials (see auth_token=)",
+    "permission_denied": "the server refused the call's credentials (see auth_token=)",
+    "internal": "the model failed on the server",
+    "tls": "the TLS handshake with {server} failed",
+    "resource_exhausted": "the server refused the message as too large, or is overloaded",
+    "protocol": "the server's answer does not follow the Open Inference Protocol",
+    "unimplemented": "the server does not implement this call",
+}
+
+#: HTTP status -> code.
+HTTP_CODES = {
+    400: "invalid_argument",
+    401: "unauthenticated",
+    403: "permission_denied",
+    404: "not_found",
+    408: "deadline_exceeded",
+    413: "resource_exhausted",
+    429: "resource_exhausted",
+    500: "internal",
+    501: "unimplemented",
+    502: "unavailable",
+    503: "unavailable",
+    504: "deadline_exceeded",
+}
+
+# Words in a connection failure that mean TLS went wrong (retrying does not help).
+_TLS_WORDS = ("ssl", "tls", "certificate", "handshake")
+
+
+def looks_like_tls(text: str) -> bool:
+    low = text.lower()
+    return any(w in low for w in _TLS_WORDS)
+
+
+def remote_error(target: Target, code: str, detail: str | None, *, call: str = "", timeout: float | None = None) -> RemoteError:
+    """A RemoteError naming the URL, what went wrong and the server's (or the transport's) words."""
+    problem = _PROBLEMS.get(code, code.replace("_", " ")).format(server=target.server)
+    if code == "deadline_exceeded" and timeout is not None:
+        problem = f"no answer within {timeout:g} s"
+    doing = f" ({call})" if call else ""
+    text = f"Remote model {target.url}{doing}: {problem}"
+    detail = (detail or "").strip()
+    if detail:
+        text += f": {detail}"
+    return RemoteError(text, url=target.url, code=code, server_message=detail or None)

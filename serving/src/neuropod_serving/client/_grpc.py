@@ -1,0 +1,137 @@
+"""The gRPC transport of remote models: one grpcio channel per server."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from neuropod.errors import RemoteError
+from neuropod_serving.client._errors import looks_like_tls, remote_error
+from neuropod_serving.client._target import Target
+from neuropod_serving.protocol import ProtocolError
+from neuropod_serving.protocol import grpc_codec as codec
+from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
+
+_SERVICE = "/inference.GRPCInferenceService/"
+# No size limits of our own (grpcio's default refuses answers over 4 MiB);
+# keep-alive pings find a dead connection while it is idle, without traffic
+# of ours; the server may refuse pings more often than its own policy allows,
+# so only send them every 30 s and only with calls in flight.
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.enable_retries", 0),  # the pool retries, on another server when it has one
+]
+
+
+class GrpcTransport:
+    """Calls to one server for one model over a grpcio channel (thread-safe; grpcio multiplexes calls)."""
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        auth_token: str | None = None,
+        root_certificates: bytes | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        self.target = target
+        options = list(_CHANNEL_OPTIONS)
+        if target.tls:
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(target.address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target.address, options=options)
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        unary = self._channel.unary_unary
+        # Requests and answers of ModelInfer are bytes: the codec writes and reads the wire form itself.
+        self._infer = unary(_SERVICE + "ModelInfer")
+        self._model_metadata = unary(
+            _SERVICE + "ModelMetadata",
+            request_serializer=pb.ModelMetadataRequest.SerializeToString,
+            response_deserializer=pb.ModelMetadataResponse.FromString,
+        )
+        self._model_ready = unary(
+            _SERVICE + "ModelReady",
+            request_serializer=pb.ModelReadyRequest.SerializeToString,
+            response_deserializer=pb.ModelReadyResponse.FromString,
+        )
+        self._server_live = unary(
+            _SERVICE + "ServerLive",
+            request_serializer=pb.ServerLiveRequest.SerializeToString,
+            response_deserializer=pb.ServerLiveResponse.FromString,
+        )
+        self._server_metadata = unary(
+            _SERVICE + "ServerMetadata",
+            request_serializer=pb.ServerMetadataRequest.SerializeToString,
+            response_deserializer=pb.ServerMetadataResponse.FromString,
+        )
+
+    def _error(self, e: grpc.RpcError, call: str, timeout: float | None) -> RemoteError:
+        code = e.code() if hasattr(e, "code") else None
+        details = (e.details() if hasattr(e, "details") else None) or str(e)
+        name = code.name.lower() if code is not None else "unknown"
+        if name == "unavailable" and looks_like_tls(details):
+            name = "tls"
+        return remote_error(self.target, name, details, call=call, timeout=timeout)
+
+    def metadata(self, timeout: float | None) -> dict[str, Any]:
+        """The model's metadata in its REST form (with the exact shapes when the server sends them)."""
+        request = pb.ModelMetadataRequest(name=self.target.model, version=self.target.version or "")
+        try:
+            response, call = self._model_metadata.with_call(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, "model metadata", timeout) from None
+        extra = dict(call.trailing_metadata() or ()).get(codec.SHAPES_METADATA_KEY)
+        try:
+            return codec.model_metadata_from_response(response, extra if isinstance(extra, str) else None)
+        except ProtocolError as e:
+            raise remote_error(self.target, "protocol", str(e), call="model metadata") from None
+
+    def ready(self, timeout: float | None) -> bool:
+        request = pb.ModelReadyRequest(name=self.target.model, version=self.target.version or "")
+        try:
+            return bool(self._model_ready(request, timeout=timeout, metadata=self._metadata).ready)
+        except grpc.RpcError as e:
+            raise self._error(e, "model ready", timeout) from None
+
+    def server(self, timeout: float | None) -> dict[str, Any]:
+        """Whether the server is live, and its name, version and extensions."""
+        try:
+            live = bool(self._server_live(pb.ServerLiveRequest(), timeout=timeout).live)
+            meta = self._server_metadata(pb.ServerMetadataRequest(), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, "server metadata", timeout) from None
+        return {"live": live, "name": meta.name, "version": meta.version, "extensions": list(meta.extensions)}
+
+    def infer(
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        target = self.target
+        try:
+            request = codec.serialize_model_infer_request(
+                target.model, inputs, outputs=requested, model_version=target.version
+            )
+        except ProtocolError as e:
+            raise remote_error(target, "invalid_argument", f"the inputs cannot be sent: {e}", call="infer") from None
+        try:
+            data = self._infer(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, "infer", timeout) from None
+        try:
+            return codec.deserialize_model_infer_response(data).outputs
+        except ProtocolError as e:
+            raise remote_error(target, "protocol", str(e), call="infer") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+

@@ -1,0 +1,223 @@
+"""The REST transport of remote models: HTTP/1.1 keep-alive connections, pooled per server.
+
+Python's ``http.client`` parses the answers; requests are written here so
+that a small request goes out in one ``send()`` (``http.client`` writes the
+head and the body apart), and answers are read into a ``bytearray`` of their
+``Content-Length`` so that the outputs are writable views of it (no copy).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+from neuropod.errors import RemoteError
+from neuropod_serving.client._errors import HTTP_CODES, looks_like_tls, remote_error
+from neuropod_serving.client._target import Target
+from neuropod_serving.protocol import HEADER_LENGTH, ProtocolError, build_infer_request, parse_infer_response
+
+# Bodies up to this size go out in the same send() as the head.
+_ONE_WRITE = 64 * 1024
+# Idle connections kept per server (more are closed when they come back).
+_MAX_IDLE = 32
+
+
+class _Connection:
+    """One keep-alive connection."""
+
+    def __init__(self, target: Target, context: ssl.SSLContext | None, server_name: str | None, timeout: float | None):
+        sock = socket.create_connection((target.host, target.port), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if context is not None:
+                sock = context.wrap_socket(sock, server_hostname=server_name or target.host)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+    def roundtrip(self, head: bytes, body: bytes | None, timeout: float | None) -> tuple[http.client.HTTPResponse, Any]:
+        """Send a request and read the whole answer: (response, body as bytearray or bytes)."""
+        sock = self.sock
+        sock.settimeout(timeout)
+        if body is None:
+            sock.sendall(head)
+        elif len(body) <= _ONE_WRITE:
+            sock.sendall(head + body)
+        else:
+            sock.sendall(head)
+            sock.sendall(body)
+        response = http.client.HTTPResponse(sock)
+        try:
+            response.begin()
+            length = response.length
+            if length is None:
+                data: Any = response.read()
+            else:
+                data = bytearray(length)
+                view = memoryview(data)
+                got = 0
+                while got < length:
+                    n = response.readinto(view[got:])
+                    if not n:
+                        raise http.client.IncompleteRead(bytes(view[:got]), length - got)
+                    got += n
+        finally:
+            response.close()  # the response's file, not the socket
+        return response, data
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class HttpTransport:
+    """Calls to one server for one model over REST; thread-safe (each call holds its own connection)."""
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        self.target = target
+        self._context = ssl_context if target.tls else None
+        if target.tls and self._context is None:
+            self._context = ssl.create_default_context()
+        self._server_name = tls_server_name
+        self._idle: list[_Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        model = quote(target.model, safe="")
+        self._model_path = f"/v2/models/{model}" + (f"/versions/{quote(target.version)}" if target.version else "")
+        host = target.address if target.port != (443 if target.tls else 80) else target.host
+        auth = f"Authorization: Bearer {auth_token}\r\n" if auth_token else ""
+        self._common = f"Host: {host}\r\n{auth}User-Agent: neuropod-serving\r\n"
+        self._infer_head = (
+            f"POST {self._model_path}/infer HTTP/1.1\r\n{self._common}Content-Type: application/octet-stream\r\n"
+        )
+
+    # --- connections ---------------------------------------------------------
+
+    def _request(self, head: bytes, body: bytes | None, call: str, timeout: float | None) -> tuple[int, Any, Any]:
+        """One request on a pooled connection: (status, headers, body). A connection the
+        server closed while it was idle is replaced once, transparently."""
+        for attempt in (0, 1):
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            reused = conn is not None
+            try:
+                if conn is None:
+                    conn = _Connection(self.target, self._context, self._server_name, timeout)
+                response, data = conn.roundtrip(head, body, timeout)
+            except TimeoutError as e:
+                if conn is not None:
+                    conn.close()
+                raise remote_error(self.target, "deadline_exceeded", str(e) or None, call=call, timeout=timeout) from None
+            except ssl.SSLError as e:
+                if conn is not None:
+                    conn.close()
+                raise remote_error(self.target, "tls", str(e), call=call) from None
+            except (OSError, http.client.HTTPException) as e:
+                if conn is not None:
+                    conn.close()
+                stale = isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError))
+                if reused and stale and attempt == 0:
+                    continue  # the server dropped the idle connection: try a new one
+                code = "tls" if looks_like_tls(str(e)) else (
+                    "protocol" if isinstance(e, http.client.HTTPException) and not stale else "unavailable"
+                )  # fmt: skip
+                raise remote_error(self.target, code, f"{type(e).__name__}: {e}", call=call) from None
+            if response.will_close:
+                conn.close()
+            else:
+                with self._lock:
+                    if self._closed or len(self._idle) >= _MAX_IDLE:
+                        conn.close()
+                    else:
+                        self._idle.append(conn)
+            return response.status, response.headers, data
+        raise AssertionError("unreachable")
+
+    def _get(self, path: str, call: str, timeout: float | None, *, ok: tuple[int, ...] = (200,)) -> tuple[int, Any]:
+        head = f"GET {path} HTTP/1.1\r\n{self._common}\r\n".encode("latin-1")
+        status, _headers, data = self._request(head, None, call, timeout)
+        if status not in ok:
+            raise self._status_error(status, data, call)
+        return status, _json_body(data) if data else None
+
+    def _status_error(self, status: int, data: Any, call: str) -> RemoteError:
+        parsed = _json_body(data)
+        message = parsed.get("error") if isinstance(parsed, dict) else None
+        if not isinstance(message, str):
+            message = bytes(data[:500]).decode("utf-8", "replace") if data else ""
+        return remote_error(self.target, HTTP_CODES.get(status, "internal" if status >= 500 else "invalid_argument"),
+                            f"HTTP {status}: {message}" if message else f"HTTP {status}", call=call)  # fmt: skip
+
+    # --- the calls -----------------------------------------------------------
+
+    def metadata(self, timeout: float | None) -> dict[str, Any]:
+        _, body = self._get(self._model_path, "model metadata", timeout)
+        if not isinstance(body, dict):
+            raise remote_error(self.target, "protocol", "the model metadata is not a JSON object", call="model metadata")
+        return body
+
+    def ready(self, timeout: float | None) -> bool:
+        # 200 ready; Triton and neuropod answer 400 (and MLServer 404/503) for a model that is not.
+        status, _ = self._get(self._model_path + "/ready", "model ready", timeout, ok=(200, 400, 503))
+        return status == 200
+
+    def server(self, timeout: float | None) -> dict[str, Any]:
+        status, _ = self._get("/v2/health/live", "server live", timeout, ok=(200, 503))
+        _, meta = self._get("/v2", "server metadata", timeout)
+        meta = meta if isinstance(meta, dict) else {}
+        return {
+            "live": status == 200,
+            "name": meta.get("name", ""),
+            "version": meta.get("version", ""),
+            "extensions": list(meta.get("extensions") or []),
+        }
+
+    def infer(
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        target = self.target
+        try:
+            body = build_infer_request(inputs, binary=True, outputs=requested, binary_outputs=True)
+        except ProtocolError as e:
+            raise remote_error(target, "invalid_argument", f"the inputs cannot be sent: {e}", call="infer") from None
+        extra = f"{HEADER_LENGTH}: {body.json_length}\r\n" if body.json_length is not None else ""
+        head = f"{self._infer_head}{extra}Content-Length: {len(body.content)}\r\n\r\n".encode("latin-1")
+        status, headers, data = self._request(head, body.content, "infer", timeout)
+        if status != 200:
+            raise self._status_error(status, data, "infer")
+        try:
+            return parse_infer_response(data, headers.get(HEADER_LENGTH)).outputs
+        except ProtocolError as e:
+            raise remote_error(target, "protocol", str(e), call="infer") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _json_body(data: Any) -> Any:
+    try:
+        return json.loads(bytes(data)) if data else None
+    except ValueError:
+        return None
