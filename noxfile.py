@@ -7,10 +7,13 @@
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
     nox -s tests_tensorrt          the TensorRT plugin (GPU tests skip without a GPU and TensorRT)
-    nox -s tests_serving           neuropod-serving: `neuropod serve` (REST, gRPC, batching, metrics) with tritonclient
+    nox -s tests_serving           neuropod-serving: `neuropod serve` (REST, gRPC, batching, metrics) with tritonclient,
+                                   remote models against it and against MLServer
+    nox -s tests_client_only       a remote model loaded from a venv with only neuropod + neuropod-serving[client]
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~12 min)
+    nox -s bench_remote            remote models' latency against in-process, tritonclient and the transport floor
     nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
     nox -s wheels                  the same wheels, installed alone into a fresh venv and smoke-tested
     nox -s tests_example           the outside backend in examples/ against the conformance suite
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -47,7 +51,6 @@ def _find_pythons() -> None:
     """Put pyenv's interpreters on PATH when ``python3.X`` is not there (pyenv
     shims only answer for the active version), so every listed Python runs."""
     import glob
-    import subprocess
 
     missing = []
     for version in PYTHONS:
@@ -146,12 +149,26 @@ def tests_tensorrt(session: nox.Session) -> None:
 def tests_serving(session: nox.Session) -> None:
     """neuropod-serving: the Open Inference Protocol codecs and `neuropod serve` (REST and gRPC,
     batching, metrics, repository, TLS) with real ONNX packages, driven by the official
-    tritonclient over HTTP and gRPC."""
+    tritonclient over HTTP and gRPC; and remote models against MLServer 1.7 serving scikit-learn
+    models with its own runtime (MLServer from its own venv in this session's folder)."""
     session.install(
         f"{CORE}[test]", f"{SERVING}[server,test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]",
         f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
     )  # fmt: skip
-    _pytest(session, "serving/tests")
+    mlserver = _mlserver_venv(session, "mlserver-sklearn==1.7.1", "scikit-learn==1.9.1")
+    _pytest(session, "serving/tests", env={"NEUROPOD_TEST_MLSERVER_PYTHON": str(mlserver / "bin" / "python")})
+
+
+def _mlserver_venv(session: nox.Session, *packages: str) -> Path:
+    """MLServer 1.7.1 and ``packages`` in a venv of their own in the session's folder, made once and
+    reused: MLServer pins its own dependencies, so it cannot share the session's venv. Its default
+    parallel workers break under uvloop 0.22+ (SeldonIO/MLServer#2286), hence ``uvloop<0.22``."""
+    venv = Path(session.virtualenv.location) / "mlserver-venv"
+    if not (venv / "bin" / "python").exists():
+        session.run("python", "-m", "venv", str(venv))
+    session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "mlserver==1.7.1", "uvloop<0.22",
+                *packages, external=True)  # fmt: skip
+    return venv
 
 
 def _install_onnx(session: nox.Session, onnxruntime: str) -> None:
@@ -172,7 +189,8 @@ def lint(session: nox.Session) -> None:
 def types(session: nox.Session) -> None:
     """mypy (strict) over the core, the plugins and neuropod-serving."""
     # pytest too: neuropod.testing is a pytest plugin, typed against pytest.
-    session.install("mypy==2.4.1", f"{CORE}[test]", *[str(p) for p in PLUGINS], str(SERVING), f"torch=={TORCH_DEFAULT}")
+    session.install("mypy==2.4.1", f"{CORE}[test]", *[str(p) for p in PLUGINS], f"{SERVING}[server]",
+                    f"torch=={TORCH_DEFAULT}")  # fmt: skip
     session.run("mypy", "core/src/neuropod", *[str(next((p / "src").iterdir())) for p in PLUGINS],
                 "serving/src/neuropod_serving")  # fmt: skip
 
@@ -193,15 +211,10 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=DEFAULT_PYTHON)
 def bench_serve(session: nox.Session) -> None:
     """neuropod serve against MLServer 1.7 and a bare Starlette/grpcio floor, REST and gRPC (about 12 min;
-    needs wrk and taskset, two cores). MLServer gets its own venv in this session's folder: it pins its own
-    dependencies, and uvloop<0.22 (its parallel workers break under 0.22+, SeldonIO/MLServer#2286)."""
+    needs wrk and taskset, two cores). MLServer runs from its own venv (_mlserver_venv)."""
     session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
                     f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx")  # fmt: skip
-    mlserver = Path(session.virtualenv.location) / "mlserver-venv"
-    if not (mlserver / "bin" / "python").exists():
-        session.run("python", "-m", "venv", str(mlserver))
-    session.run(str(mlserver / "bin" / "python"), "-m", "pip", "install", "--quiet", "mlserver==1.7.1", "uvloop<0.22",
-                f"onnxruntime=={ONNXRUNTIME_DEFAULT}", external=True)  # fmt: skip
+    mlserver = _mlserver_venv(session, f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
     session.run("python", "bench/bench_serve.py", "--mlserver-venv", str(mlserver), *session.posargs)
 
 

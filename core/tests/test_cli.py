@@ -192,4 +192,4 @@ def test_serve_without_neuropod_serving_says_what_to_install(
 
     monkeypatch.setattr(neuropod.cli, "_plugin_commands", dict)
     assert main(["serve", "model.neuropod", "--http-port", "9000"]) == 2
-    assert "pip install neuropod-serving" in capsys.readouterr().err
+    assert "pip install 'neuropod-serving[server]'" in capsys.readouterr().err

@@ -30,8 +30,10 @@ def onnx_package(dest: Path, name: str, nodes: list[Any], inputs: Any, outputs: 
     from neuropod.packagers import create_onnx_neuropod
 
     types = {
-        "float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE, "int32": TensorProto.INT32,
-        "int64": TensorProto.INT64, "uint8": TensorProto.UINT8, "bool": TensorProto.BOOL, "string": TensorProto.STRING,
+        "float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE,
+        "int8": TensorProto.INT8, "int16": TensorProto.INT16, "int32": TensorProto.INT32, "int64": TensorProto.INT64,
+        "uint8": TensorProto.UINT8, "uint16": TensorProto.UINT16, "uint32": TensorProto.UINT32,
+        "uint64": TensorProto.UINT64, "bool": TensorProto.BOOL, "string": TensorProto.STRING,
     }  # fmt: skip
 
     def info(n: str, t: str, s: list[Any]) -> Any:

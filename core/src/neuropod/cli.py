@@ -3,8 +3,8 @@ r"""The ``neuropod`` command.
 ::
 
     neuropod backends                 installed backends, devices, failed plugins
-    neuropod inspect PKG              name, platform, range, spec, files
-    neuropod explain PKG [--host F]   which backend would run it, and why not the others
+    neuropod inspect PKG|URL          name, platform, range, spec, files (a remote model: spec, servers)
+    neuropod explain PKG|URL [--host F]  which backend would run it, and why not the others
     neuropod test PKG                 run the package's bundled test data
     neuropod infer PKG --input x=x.npy [--output-dir DIR]
     neuropod demo                     package a small model, explain, run it
@@ -209,10 +209,67 @@ def _print_plugin_health(out: TextIO) -> None:
     _print_table(rows, out)
 
 
+def _print_spec(inputs: Sequence[Any], outputs: Sequence[Any], out: TextIO, devices: Any = None) -> None:
+    """The Inputs and Outputs tables (name, dtype, shape, input device) and the symbols they share."""
+    for title, specs in (("Inputs", inputs), ("Outputs", outputs)):
+        print(f"{title}:", file=out)
+        rows = [(_safe(s.name), s.dtype, _safe(s.describe_shape()), _safe((devices or {}).get(s.name, ""))) for s in specs]
+        _print_table(rows or [("(none)", "", "", "")], out)
+    symbols = sorted({d for s in (*inputs, *outputs) for d in s.shape if isinstance(d, str)})
+    if symbols:
+        print(f"Symbols:   {_safe(', '.join(symbols))} (one size per call across inputs and outputs)", file=out)
+
+
+def _load_remote(url: str) -> Any:
+    from neuropod.model import load_neuropod
+
+    return load_neuropod(url, check_ready=False)
+
+
+def _server_line(state: dict[str, Any]) -> str:
+    """One server of a remote model as the CLI shows it."""
+    if "error" in state:
+        return f"{_safe(state['url'])}: {_safe(state['error'])}"
+    parts = [f"{'live' if state.get('live') else 'NOT live'}, model {'ready' if state.get('ready') else 'NOT ready'}"]
+    if state.get("name"):
+        parts.append(f"server {_safe(state['name'])} {_safe(state.get('version', ''))}".rstrip())
+    if state.get("backend"):
+        parts.append(f"runs on {_safe(state['backend'])} on {_safe(state.get('device') or '?')}")
+    return f"{_safe(state['url'])}: " + "; ".join(parts)
+
+
+def _inspect_remote(args: argparse.Namespace, out: TextIO) -> int:
+    with _load_remote(args.package) as model:
+        status = model.status() if hasattr(model, "status") else []
+        if args.json:
+            data = {
+                "name": model.name,
+                "platform": model.platform,
+                "urls": list(getattr(model, "urls", [args.package])),
+                "backend": model.backend.id,
+                "input_spec": [s.to_dict() for s in model.inputs],
+                "output_spec": [s.to_dict() for s in model.outputs],
+                "servers": status,
+            }
+            print(json.dumps(data, indent=2, default=str), file=out)
+            return 0
+        print(f"Model:     {_safe(model.name)} at {_safe(args.package)}", file=out)
+        print(f"Platform:  {_safe(model.platform or '(the server does not say)')}", file=out)
+        print(f"Runs on:   {_safe(model.backend.id)} on {_safe(model.device)} ({_safe(model.backend.location)})", file=out)
+        _print_spec(model.inputs, model.outputs, out)
+        print("Servers:", file=out)
+        for state in status:
+            print(f"  {_server_line(state)}", file=out)
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     from neuropod.package import read_package
+    from neuropod.remote import is_remote
     from neuropod.resolve import describe_range
 
+    if is_remote(args.package):
+        return _inspect_remote(args, out)
     pkg = read_package(args.package, verify=not args.no_verify)
     cfg = pkg.config
     if args.json:
@@ -231,16 +288,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         print(f"Made with: {made}", file=out)
     if cfg.device_requirements:
         print(f"Needs:     {json.dumps(dict(cfg.device_requirements))}", file=out)
-    for title, specs in (("Inputs", cfg.input_spec), ("Outputs", cfg.output_spec)):
-        print(f"{title}:", file=out)
-        rows = [
-            (_safe(s.name), s.dtype, _safe(s.describe_shape()), _safe(cfg.input_tensor_device.get(s.name, "")))
-            for s in specs
-        ]
-        _print_table(rows or [("(none)", "", "", "")], out)
-    symbols = sorted({d for s in cfg.input_spec + cfg.output_spec for d in s.shape if isinstance(d, str)})
-    if symbols:
-        print(f"Symbols:   {_safe(', '.join(symbols))} (one size per call across inputs and outputs)", file=out)
+    _print_spec(cfg.input_spec, cfg.output_spec, out, cfg.input_tensor_device)
     if cfg.custom_ops:
         print(f"Custom ops: {_safe(', '.join(cfg.custom_ops))}", file=out)
     manifest = "checked" if pkg.manifest is not None and not args.no_verify else (
@@ -258,6 +306,26 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
     from neuropod.model import plan
     from neuropod.package import read_package
+    from neuropod.remote import is_remote
+
+    if is_remote(args.package):
+        given = [flag for flag, value in (("--host", args.host), ("--device", args.device), ("--backend", args.backend))
+                 if value is not None]  # fmt: skip
+        if given:
+            raise NeuropodError(f"{', '.join(given)} apply to local packages; the server of {_short(args.package)} "
+                                "chooses how its model runs")  # fmt: skip
+        if not args.quiet_spec:
+            _inspect_remote(argparse.Namespace(package=args.package, json=False), out)
+            print(file=out)
+        with _load_remote(args.package) as model:
+            status = model.status() if hasattr(model, "status") else []
+        ready = [s for s in status if s.get("ready")]
+        print(f"Remote model {_safe(model.name)}: served by {len(ready)} of {len(status)} server(s)", file=out)
+        for state in status:
+            print(f"  {'->' if state.get('ready') else '  '} {_server_line(state)}", file=out)
+        if not ready:
+            print("No server has the model ready: calls would fail.", file=out)
+        return 0 if ready else EXIT_TEST_FAILED
 
     pkg = read_package(args.package)
     if not args.quiet_spec:
@@ -504,7 +572,7 @@ def cmd_cache_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 #: Commands other distributions add through the ``neuropod.commands`` entry
 #: point group, and what to install when one is missing.
-KNOWN_PLUGIN_COMMANDS = {"serve": "neuropod-serving"}
+KNOWN_PLUGIN_COMMANDS = {"serve": "'neuropod-serving[server]'"}
 
 
 def _plugin_commands() -> dict[str, Any]:
@@ -596,8 +664,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_backends)
 
-    s = sub.add_parser("inspect", help="show a package's name, platform, range, spec and files")
-    s.add_argument("package")
+    s = sub.add_parser("inspect", help="show a package's name, platform, range, spec and files (or a remote model's)")
+    s.add_argument("package", help="a package, or a remote model's URL (grpc://host:8001/model, http://...)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--no-verify", action="store_true", help="do not check the manifest")
     s.set_defaults(func=cmd_inspect)
@@ -606,8 +674,9 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         s.add_argument("--device", help="force 'cpu' or 'cuda:N'")
         s.add_argument("--backend", help="pin a backend, e.g. 'onnx==1.31.1'")
 
-    s = sub.add_parser("explain", help="show which backend would run a package here, and why not the others")
-    s.add_argument("package")
+    s = sub.add_parser("explain", help="show which backend would run a package here, and why not the others "
+                                       "(for a URL: which servers have it ready)")
+    s.add_argument("package", help="a package, or a remote model's URL (grpc://host:8001/model, http://...)")
     s.add_argument("--host", help="plan for the machine described in this JSON file")
     s.add_argument("--quiet-spec", action="store_true", help="print only the resolution")
     resolution_args(s)

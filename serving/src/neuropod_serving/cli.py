@@ -170,9 +170,34 @@ def startup_table(registry: object, engine: object | None = None) -> str:
     return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(r[:n], widths)), r[n]]).rstrip() for r in rows)
 
 
+#: Modules `neuropod serve` imports, from the [server] extra.
+SERVER_MODULES = ("starlette", "uvicorn", "httptools", "grpc", "google.protobuf", "prometheus_client", "orjson")
+
+
+def _check_server_libraries() -> None:
+    import importlib.util
+
+    missing = []
+    for module in SERVER_MODULES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a parent package missing (google)
+            found = False
+        if not found:
+            missing.append(module)
+    if missing:
+        from neuropod.errors import PluginNotInstalledError
+
+        raise PluginNotInstalledError(
+            f"`neuropod serve` needs the server's libraries ({', '.join(missing)} not installed): "
+            "pip install 'neuropod-serving[server]'"
+        )
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Load every package, print the table, and serve until interrupted."""
     out = out or sys.stdout
+    _check_server_libraries()
     token = read_token(args.auth_token_file) if args.auth_token_file is not None else None
     tls = read_tls(args.tls_cert, args.tls_key)
     ports = [p for p in (args.http_port, args.grpc_port, args.metrics_port) if p]

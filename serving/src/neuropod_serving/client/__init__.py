@@ -53,7 +53,8 @@ class RemoteBackend(Backend):
 
     ``location`` is ``"remote: grpc://host:port"`` (several servers: comma-separated);
     ``id`` is the server's backend (``onnx==1.31.1``) when it says, else the
-    model's platform.
+    model's platform. The model's ``device`` is the server's (``"cpu"``,
+    ``"cuda:0"``) when it says, else ``"remote"``.
     """
 
     @property
@@ -105,7 +106,9 @@ class RemoteModel(NeuropodModel):
             plugin_distribution=f"neuropod-serving {__version__}",
             location=where,
         )
-        self.device = where
+        # The server's device ("cpu", "cuda:0") when it says (a neuropod server does), so that code
+        # that asks `model.device` works alike for local and remote models; "remote" otherwise.
+        self.device = str(self._server_params.get(DEVICE_PARAMETER) or "remote")
         self._handle = pool
         self._validator = SpecValidator(self._name, inputs, outputs)
         self._bind_infer()
@@ -182,7 +185,7 @@ class RemoteModel(NeuropodModel):
         self._pool.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else self.device
+        state = "closed" if self._closed else f"{self.backend.id} on {self.device}, {self.backend.location}"
         return f"<RemoteModel {self.name!r} ({self.platform or 'unknown platform'}) {state}>"
 
 
@@ -210,8 +213,8 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
     :raises RemoteError: no server answered with the model's metadata (each is named).
     """
     unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(
+    if unknown:  # a NeuropodError, as a backend's refusal of an option it does not know
+        raise NeuropodError(
             f"load_neuropod(): {', '.join(map(repr, unknown))} is not an option of remote models; "
             f"they take {', '.join(_OPTIONS)}"
         )

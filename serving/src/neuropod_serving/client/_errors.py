@@ -49,7 +49,7 @@ def remote_error(target: Target, code: str, detail: str | None, *, call: str = "
     """A RemoteError naming the URL, what went wrong and the server's (or the transport's) words."""
     problem = _PROBLEMS.get(code, code.replace("_", " ")).format(server=target.server)
     if code == "deadline_exceeded" and timeout is not None:
-        problem = f"no answer within {timeout:g} s"
+        problem = f"no answer within {timeout:.3g} s"
     doing = f" ({call})" if call else ""
     text = f"Remote model {target.url}{doing}: {problem}"
     detail = (detail or "").strip()
