@@ -1,9 +1,10 @@
 """Serving for Neuropod models over the Open Inference Protocol (KServe v2).
 
-The protocol codec (:mod:`neuropod_serving.protocol`) and the REST half of
-``neuropod serve`` (:mod:`neuropod_serving.server`) exist so far; gRPC,
-batching and the remote-model client are not built yet. Importing this
-package imports no framework and no server library.
+:mod:`neuropod_serving.protocol` is the codec; :mod:`neuropod_serving.server`
+is ``neuropod serve`` (REST and gRPC, batching, metrics; the ``[server]``
+extra); :mod:`neuropod_serving.client` is remote models,
+``load_neuropod("grpc://host:8001/model")`` (the ``[client]`` extra).
+Importing this package imports no framework and no server library.
 """
 
 from __future__ import annotations
