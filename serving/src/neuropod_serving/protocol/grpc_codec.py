@@ -90,9 +90,15 @@ _FAST_ENCODE: dict[np.dtype[Any], str] = (
 
 
 def parse_model_infer_request(
-    request: pb.ModelInferRequest, *, input_spec: Iterable[TensorSpec] | Mapping[str, TensorSpec] | None = None
+    request: pb.ModelInferRequest,
+    *,
+    input_spec: Iterable[TensorSpec] | Mapping[str, TensorSpec] | None = None,
+    raws: Sequence[Any] | None = None,
 ) -> InferRequest:
     """Decode a ModelInferRequest into numpy arrays, requested outputs, id and parameters.
+
+    :param raws: the raw input contents when they were split off the message
+        (:func:`deserialize_model_infer_request`); the message's own otherwise.
 
     :param input_spec: the model's input spec (or a dict of it by name): when given, an input the model
         does not have, or whose datatype disagrees with its dtype, is refused
@@ -103,7 +109,7 @@ def parse_model_infer_request(
     :raises ProtocolError: for every fault, naming the tensor.
     """
     specs = specs_by_name(input_spec)
-    inputs = _decode_tensors(request.inputs, request.raw_input_contents, "input", specs)
+    inputs = _decode_tensors(request.inputs, request.raw_input_contents if raws is None else raws, "input", specs)
     outputs: dict[str, bool | None] | None = None
     if request.outputs:
         outputs = {}
@@ -173,6 +179,22 @@ def serialize_model_infer_request(
     return append_raw(head, _RAW_INPUT_FIELD, raws)
 
 
+def deserialize_model_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryview] | None]:
+    """Parse a serialized ModelInferRequest; a big one's raw input contents are split off as
+    views of ``data`` (no copy) and returned beside the rest, None otherwise.
+
+    :raises ProtocolError: the bytes are not a ModelInferRequest.
+    """
+    raws: list[memoryview] | None = None
+    if len(data) >= WIRE_THRESHOLD:
+        data, raws = split_raw(data, _RAW_INPUT_FIELD)
+        raws = raws or None
+    try:
+        return pb.ModelInferRequest.FromString(data), raws
+    except DecodeError as e:
+        raise ProtocolError(f"the ModelInferRequest cannot be parsed: {e}") from None
+
+
 # --- inference responses -----------------------------------------------------
 
 
@@ -195,6 +217,24 @@ def build_model_infer_response(
         outputs=tensors,
         raw_output_contents=raws,
     )
+
+
+def serialize_model_infer_response(
+    model_name: str,
+    outputs: Mapping[str, np.ndarray[Any, Any]],
+    *,
+    model_version: str | None = None,
+    id: str | None = None,
+) -> bytes:
+    """A serialized ModelInferResponse, as :func:`build_model_infer_response` builds it; with
+    at least 64 KiB of tensors, written on the wire form directly (one copy, the join)."""
+    if sum(a.nbytes for a in outputs.values() if isinstance(a, np.ndarray)) < WIRE_THRESHOLD:
+        return build_model_infer_response(model_name, outputs, model_version=model_version, id=id).SerializeToString()  # type: ignore[no-any-return]
+    tensors, raws = _encode_tensors(outputs, pb.ModelInferResponse.InferOutputTensor, views=True)
+    head = pb.ModelInferResponse(
+        model_name=model_name, model_version=model_version or "", id=id or "", outputs=tensors
+    ).SerializeToString()
+    return append_raw(head, _RAW_OUTPUT_FIELD, raws)
 
 
 def parse_model_infer_response(response: pb.ModelInferResponse, raws: Sequence[Any] | None = None) -> InferResponse:
@@ -456,6 +496,7 @@ __all__ = [
     "SHAPES_METADATA_KEY",
     "build_model_infer_request",
     "build_model_infer_response",
+    "deserialize_model_infer_request",
     "deserialize_model_infer_response",
     "model_metadata_from_response",
     "model_metadata_response",
@@ -463,5 +504,6 @@ __all__ = [
     "parse_model_infer_request",
     "parse_model_infer_response",
     "serialize_model_infer_request",
+    "serialize_model_infer_response",
     "shapes_metadata",
 ]

@@ -100,14 +100,17 @@ class _Servicer:
         context.set_trailing_metadata(((codec.SHAPES_METADATA_KEY, codec.shapes_metadata(metadata)),))
         return codec.model_metadata_response(metadata)
 
-    def model_infer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+    def model_infer(self, call: InferCall, context: Any) -> bytes:
         started = time.perf_counter()
         engine = self.engine
-        name = request.model_name
+        name = call.model_name
         failure: str | None = "client"
         try:
+            if call.error is not None:
+                raise call.error
+            request = call.message
             served = engine.get(name, request.model_version or None)
-            decoded = codec.parse_model_infer_request(request, input_spec=served.input_specs)
+            decoded = codec.parse_model_infer_request(request, input_spec=served.input_specs, raws=call.raws)
             requested = list(decoded.outputs) if decoded.outputs is not None else None
             failure = "model"
             try:
@@ -116,7 +119,7 @@ class _Servicer:
                 failure = "client"
                 raise
             try:
-                response = codec.build_model_infer_response(
+                response = codec.serialize_model_infer_response(
                     served.name, outputs, model_version=MODEL_VERSION, id=decoded.id
                 )
             except ProtocolError as e:
@@ -127,6 +130,27 @@ class _Servicer:
         finally:
             if name in engine.registry:
                 self.metrics.request(name, "grpc", time.perf_counter() - started, failure)
+
+
+class InferCall:
+    """A ModelInfer request as received: the message and, for a big one, its raw input
+    contents as views of the received bytes (see :func:`grpc_codec.deserialize_model_infer_request`).
+    A request that cannot be parsed keeps its error, raised by the handler (INVALID_ARGUMENT)
+    rather than by grpcio's deserializer (INTERNAL, with no message)."""
+
+    __slots__ = ("error", "message", "raws")
+
+    def __init__(self, data: bytes) -> None:
+        self.raws: list[memoryview] | None = None
+        self.error: ProtocolError | None = None
+        try:
+            self.message, self.raws = codec.deserialize_model_infer_request(data)
+        except ProtocolError as e:
+            self.message, self.error = pb.ModelInferRequest(), e
+
+    @property
+    def model_name(self) -> str:
+        return str(self.message.model_name)
 
 
 def _wrap(
@@ -203,20 +227,15 @@ def _handlers(engine: Engine, *, auth_token: str | None, access_log: bool) -> di
         ("ModelReady", servicer.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse, by_name, False),
         ("ServerMetadata", servicer.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse, None, False),
         ("ModelMetadata", servicer.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse, by_name, False),
-        (
-            "ModelInfer",
-            servicer.model_infer,
-            pb.ModelInferRequest,
-            pb.ModelInferResponse,
-            lambda r: r.model_name,
-            False,
-        ),
+        # Requests are parsed by InferCall, answers serialized by the codec (bytes): big tensors
+        # then skip protobuf's copies (grpc_codec.serialize_model_infer_response).
+        ("ModelInfer", servicer.model_infer, InferCall, None, lambda r: r.model_name, False),
     ]
     return {
         name: grpc.unary_unary_rpc_method_handler(
             _wrap(name, handler, model_of=model_of, expected_auth=None if open_ else expected, access_log=access_log),
-            request_deserializer=request_class.FromString,
-            response_serializer=response_class.SerializeToString,
+            request_deserializer=getattr(request_class, "FromString", request_class),
+            response_serializer=None if response_class is None else response_class.SerializeToString,
         )
         for name, handler, request_class, response_class, model_of, open_ in methods
     }
