@@ -111,6 +111,7 @@ class RemoteModel(NeuropodModel):
         self.device = str(self._server_params.get(DEVICE_PARAMETER) or "remote")
         self._handle = pool
         self._validator = SpecValidator(self._name, inputs, outputs)
+        self._all_outputs = [s.name for s in outputs] or None
         self._bind_infer()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -120,7 +121,10 @@ class RemoteModel(NeuropodModel):
 
     def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:
         timeout = self._timeout if call_options is None else call_options
-        return self._pool.call(lambda t, remaining: t.infer(inputs, requested_outputs, remaining), timeout)
+        # All outputs are named when the caller names none: some servers (MLServer's runtimes)
+        # answer only a default output to a request that names none.
+        requested = requested_outputs if requested_outputs is not None else self._all_outputs
+        return self._pool.call(lambda t, remaining: t.infer(inputs, requested, remaining), timeout)
 
     @property
     def name(self) -> str:

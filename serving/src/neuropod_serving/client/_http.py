@@ -4,6 +4,8 @@ Python's ``http.client`` parses the answers; requests are written here so
 that a small request goes out in one ``send()`` (``http.client`` writes the
 head and the body apart), and answers are read into a ``bytearray`` of their
 ``Content-Length`` so that the outputs are writable views of it (no copy).
+Tensors go as Triton's binary tensor extension when the server lists it
+(``neuropod serve``, Triton), as JSON otherwise (MLServer).
 """
 
 from __future__ import annotations
@@ -105,9 +107,10 @@ class HttpTransport:
         host = target.address if target.port != (443 if target.tls else 80) else target.host
         auth = f"Authorization: Bearer {auth_token}\r\n" if auth_token else ""
         self._common = f"Host: {host}\r\n{auth}User-Agent: neuropod-serving\r\n"
-        self._infer_head = (
-            f"POST {self._model_path}/infer HTTP/1.1\r\n{self._common}Content-Type: application/octet-stream\r\n"
-        )
+        self._infer_head = f"POST {self._model_path}/infer HTTP/1.1\r\n{self._common}"
+        #: Whether the server takes Triton's binary tensor extension (it lists
+        #: ``binary_tensor_data`` in its metadata; MLServer does not): learnt at load.
+        self.binary: bool | None = None
 
     # --- connections ---------------------------------------------------------
 
@@ -169,6 +172,10 @@ class HttpTransport:
     # --- the calls -----------------------------------------------------------
 
     def metadata(self, timeout: float | None) -> dict[str, Any]:
+        if self.binary is None:
+            _, server = self._get("/v2", "server metadata", timeout)
+            extensions = server.get("extensions") if isinstance(server, dict) else None
+            self.binary = isinstance(extensions, list) and "binary_tensor_data" in extensions
         _, body = self._get(self._model_path, "model metadata", timeout)
         if not isinstance(body, dict):
             raise remote_error(self.target, "protocol", "the model metadata is not a JSON object", call="model metadata")
@@ -194,11 +201,15 @@ class HttpTransport:
         self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None
     ) -> dict[str, np.ndarray[Any, Any]]:
         target = self.target
+        binary = self.binary is not False
         try:
-            body = build_infer_request(inputs, binary=True, outputs=requested, binary_outputs=True)
+            body = build_infer_request(inputs, binary=binary, outputs=requested, binary_outputs=binary)
         except ProtocolError as e:
             raise remote_error(target, "invalid_argument", f"the inputs cannot be sent: {e}", call="infer") from None
-        extra = f"{HEADER_LENGTH}: {body.json_length}\r\n" if body.json_length is not None else ""
+        if body.json_length is not None:
+            extra = f"Content-Type: application/octet-stream\r\n{HEADER_LENGTH}: {body.json_length}\r\n"
+        else:
+            extra = "Content-Type: application/json\r\n"
         head = f"{self._infer_head}{extra}Content-Length: {len(body.content)}\r\n\r\n".encode("latin-1")
         status, headers, data = self._request(head, body.content, "infer", timeout)
         if status != 200:

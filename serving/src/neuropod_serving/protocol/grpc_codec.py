@@ -436,14 +436,14 @@ def _decode_tensors(
                     len(shape) <= _MAX_DIMS
                     and min(shape, default=0) >= 0
                     and math.prod(shape) * wire.itemsize == len(raw)
-                    and not t.HasField("contents")
+                    and not _has_contents(t)
                 ):
                     arrays[name] = np.frombuffer(raw, dtype=wire).reshape(shape)
                     continue
         obj: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(t.shape)}
         where = f"{kind}s[{i}]"
         if raws:
-            if t.HasField("contents"):
+            if _has_contents(t):
                 raise ProtocolError(
                     f"{kind} {name!r} has typed contents while the message uses {field}; "
                     "send every tensor one way (raw contents, which tritonclient sends, or typed contents)"
@@ -455,6 +455,12 @@ def _decode_tensors(
             obj["data"] = _typed_contents(t, kind)
             arrays[name] = decode_tensor(obj, spec=spec, where=where)
     return arrays
+
+
+def _has_contents(tensor: Any) -> bool:
+    """Whether a tensor carries typed contents. MLServer sets an empty ``contents`` beside raw
+    contents, so a present but empty message does not count."""
+    return bool(tensor.HasField("contents") and tensor.contents.ListFields())
 
 
 def _typed_contents(tensor: Any, kind: str) -> list[Any]:
