@@ -171,6 +171,71 @@ def _mlserver_venv(session: nox.Session, *packages: str) -> Path:
     return venv
 
 
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # about 1 min
+def tests_client_only(session: nox.Session) -> None:
+    """A remote model from a venv holding only neuropod and neuropod-serving[client] (no framework,
+    no server library): `neuropod serve` runs the demo model from this session's venv, and the
+    client venv loads it by grpc:// and http:// URL (serving/tests/remote_client_only.py)."""
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
+                    f"onnxruntime=={ONNXRUNTIME_DEFAULT}")  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="neuropod-client-only-"))
+    client = work / "client-venv"
+    session.run("python", "-m", "venv", str(client))
+    py = str(client / ("Scripts" if os.name == "nt" else "bin") / "python")
+    session.run(py, "-m", "pip", "install", "--quiet", str(CORE), f"{SERVING}[client]", external=True)
+    env = {"NEUROPOD_CACHE_DIR": str(work / "cache")}
+    session.run("neuropod", "demo", "--dir", str(work / "models"), silent=True, env=env)
+    ports = _free_ports(2)
+    server = subprocess.Popen(
+        [str(Path(session.bin) / "neuropod"), "serve", str(work / "models"), "--http-port", str(ports[0]),
+         "--grpc-port", str(ports[1]), "--metrics-port", "0", "--quiet"],
+        env={**os.environ, **env},
+    )  # fmt: skip
+    try:
+        _wait_for_port(ports[1], server, 60)
+        _wait_for_port(ports[0], server, 60)
+        session.run(py, str(SERVING / "tests" / "remote_client_only.py"),
+                    f"grpc://127.0.0.1:{ports[1]}/demo_adder", f"http://127.0.0.1:{ports[0]}/demo_adder",
+                    external=True)  # fmt: skip
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen[bytes], seconds: float) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"neuropod serve exited with status {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"neuropod serve did not open port {port} within {seconds:g} s")
+
+
 def _install_onnx(session: nox.Session, onnxruntime: str) -> None:
     # onnxruntime-extensions ships the custom-op library the tests register;
     # its newest releases follow onnxruntime, so older runtimes get an older one.
