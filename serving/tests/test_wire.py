@@ -73,10 +73,9 @@ def test_big_requests_and_answers_round_trip_without_copies() -> None:
     assert len(data) > WIRE_THRESHOLD
     # Protobuf reads what the wire path wrote, and the wire path reads it as views of the bytes.
     plain = codec.parse_model_infer_request(pb.ModelInferRequest.FromString(data))
-    message, raws = codec.deserialize_model_infer_request(data)
-    assert raws is not None and len(raws) == 3
-    fast = codec.parse_model_infer_request(message, raws=raws)
-    for decoded in (plain, fast):
+    first = codec.deserialize_model_infer_request(data).decode()  # the full decode, which learns the form
+    fast = codec.deserialize_model_infer_request(data).decode()  # the form's plan
+    for decoded in (plain, first, fast):
         np.testing.assert_array_equal(decoded.inputs["image"], image)
         assert decoded.inputs["s"].tolist() == ["a", "é"]
         np.testing.assert_array_equal(decoded.inputs["f"], small[:, ::2])
@@ -114,3 +113,61 @@ def test_a_malformed_big_request_is_invalid_argument_from_the_server() -> None:
     finally:
         server.stop(None)
         engine.close()
+
+
+def _spec(name: str, dtype: str) -> dict[str, object]:
+    from neuropod.spec import parse_spec
+
+    return {s.name: s for s in parse_spec([{"name": name, "dtype": dtype, "shape": [None, None]}], "m")}
+
+
+def test_a_learnt_form_still_checks_every_call() -> None:
+    """Once a form of request is learnt, each call is still checked: its datatype against the
+    spec it is decoded with, each raw content's size, BOOL's bytes; a fault takes the full
+    decode, which words it."""
+    ok = np.array([[True, False]])
+    data = codec.serialize_model_infer_request("m", {"b": ok})
+    for _ in range(2):  # learn, then use the plan
+        np.testing.assert_array_equal(codec.deserialize_model_infer_request(data).decode(_spec("b", "bool")).inputs["b"], ok)
+    with pytest.raises(ProtocolError, match="disagrees with the model's spec"):
+        codec.deserialize_model_infer_request(data).decode(_spec("b", "int8"))
+    with pytest.raises(ProtocolError, match="not one of this model's inputs"):
+        codec.deserialize_model_infer_request(data).decode(_spec("c", "bool"))
+    bad = data[:-1] + b"\x07"  # the same form, a BOOL byte that is not 0 or 1
+    with pytest.raises(ProtocolError, match="0 or 1"):
+        codec.deserialize_model_infer_request(bad).decode(_spec("b", "bool"))
+    short = data[:-3] + b"\x01\x01"  # the same form's metadata, one byte of raw contents for two
+    with pytest.raises(ProtocolError, match="needs 2 bytes"):
+        codec.deserialize_model_infer_request(short).decode(_spec("b", "bool"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+    dtype=st.sampled_from(["float32", "int64", "uint8", "bool", "float16", "string"]),
+)
+def test_planned_and_full_decodes_agree(rows: list[int], dtype: str) -> None:
+    """Requests and answers of changing shapes and values: every decode (learnt form or not)
+    gives what protobuf's own parse gives."""
+    from neuropod.testing import sample
+
+    for i, n in enumerate(rows):
+        arrays = {"a": sample(dtype, (n, 2) if dtype != "string" else (n,), i), "z": np.arange(n, dtype=np.int32)}
+        data = codec.serialize_model_infer_request("m", arrays, outputs=["o"])
+        expected = codec.parse_model_infer_request(pb.ModelInferRequest.FromString(data))
+        got = codec.deserialize_model_infer_request(data).decode()
+        assert got.outputs == expected.outputs == {"o": None}
+        answer = codec.deserialize_model_infer_response(codec.serialize_model_infer_response("m", arrays, id=str(i)))
+        assert answer.id == str(i)
+        for decoded in (got.inputs, answer.outputs):
+            for name, want in expected.inputs.items():
+                assert decoded[name].dtype == want.dtype and decoded[name].shape == want.shape
+                assert decoded[name].tolist() == want.tolist() == arrays[name].tolist()
+
+
+def test_the_plan_caches_are_bounded() -> None:
+    for n in range(codec.PLAN_LIMIT + 10):
+        data = codec.serialize_model_infer_request("m", {"a": np.zeros((1, n + 1), np.float32)})
+        codec.deserialize_model_infer_request(data).decode()
+    assert len(codec._REQUESTS_READ._plans) <= codec.PLAN_LIMIT
+    assert len(codec._REQUEST_HEADS._plans) <= codec.PLAN_LIMIT

@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError
 from neuropod import _json
 from neuropod.spec import TensorSpec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
-from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, split_raw
+from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, encode_varint, split_raw
 from neuropod_serving.protocol.codec import (
     _MAX_DIMS,
     _WIRE_DTYPES,
@@ -161,38 +161,75 @@ def serialize_model_infer_request(
     outputs: Sequence[str] | None = None,
     model_version: str | None = None,
 ) -> bytes:
-    """A serialized ModelInferRequest, as :func:`build_model_infer_request` builds it.
+    """A serialized ModelInferRequest, as :func:`build_model_infer_request` builds it, written on
+    the wire form directly (see :class:`_Heads`): contiguous numeric arrays are joined in as they
+    are (their only copy), and the rest of the message is made once per model, outputs and
+    input names, dtypes and shapes.
 
-    With at least :data:`~neuropod_serving.protocol._wire.WIRE_THRESHOLD`
-    bytes of tensors, contiguous arrays are written straight after the rest
-    of the message: the join is their only copy (protobuf would make three).
+    :raises ProtocolError: an array the protocol cannot carry, naming the tensor.
     """
-    if sum(a.nbytes for a in inputs.values() if isinstance(a, np.ndarray)) < WIRE_THRESHOLD:
-        return build_model_infer_request(model_name, inputs, outputs=outputs, model_version=model_version).SerializeToString()  # type: ignore[no-any-return]
-    tensors, raws = _encode_tensors(inputs, pb.ModelInferRequest.InferInputTensor, views=True)
-    head = pb.ModelInferRequest(
-        model_name=model_name,
-        model_version=model_version or "",
-        inputs=tensors,
-        outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in outputs or ()],
-    ).SerializeToString()
-    return append_raw(head, _RAW_INPUT_FIELD, raws)
+    key = (model_name, model_version, tuple(outputs) if outputs is not None else None)
+
+    def head(tensors: list[Any]) -> bytes:
+        return pb.ModelInferRequest(  # type: ignore[no-any-return]
+            model_name=model_name,
+            model_version=model_version or "",
+            inputs=tensors,
+            outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name=n) for n in outputs or ()],
+        ).SerializeToString()
+
+    return _REQUEST_HEADS.serialize(key, inputs, pb.ModelInferRequest.InferInputTensor, head, _RAW_INPUT_FIELD)
 
 
-def deserialize_model_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, list[memoryview] | None]:
-    """Parse a serialized ModelInferRequest; a big one's raw input contents are split off as
-    views of ``data`` (no copy) and returned beside the rest, None otherwise.
+class ReceivedRequest:
+    """A ModelInfer request as received, before it is decoded against a model's spec.
+
+    The message without its raw contents is parsed once per distinct form (model,
+    input names, datatypes and shapes...) and kept (:class:`_Reader`); each call then
+    only makes numpy arrays over its raw contents, which are views of the received bytes.
+    """
+
+    __slots__ = ("_plan", "_raws")
+
+    def __init__(self, data: bytes) -> None:
+        self._plan, self._raws = _REQUESTS_READ.read(data, _RAW_INPUT_FIELD, pb.ModelInferRequest)
+
+    @property
+    def model_name(self) -> str:
+        return str(self._plan.message.model_name)
+
+    @property
+    def model_version(self) -> str:
+        return str(self._plan.message.model_version)
+
+    def decode(self, input_spec: Iterable[TensorSpec] | Mapping[str, TensorSpec] | None = None) -> InferRequest:
+        """The request's arrays, requested outputs, id and parameters (see :func:`parse_model_infer_request`).
+
+        :raises ProtocolError: for every fault, naming the tensor.
+        """
+        plan = self._plan
+        specs = specs_by_name(input_spec)
+        arrays = plan.arrays(self._raws, "input", specs)
+        if arrays is None:
+            decoded = parse_model_infer_request(plan.message, input_spec=specs, raws=self._raws)
+            plan.learn("input")
+            return decoded
+        message = plan.message
+        outputs = plan.requested
+        return InferRequest(
+            inputs=arrays,
+            outputs=None if outputs is None else dict.fromkeys(outputs),
+            id=message.id or None,
+            parameters=dict(plan.parameters),
+        )
+
+
+def deserialize_model_infer_request(data: bytes) -> ReceivedRequest:
+    """Read a serialized ModelInferRequest (decode it with :meth:`ReceivedRequest.decode`).
 
     :raises ProtocolError: the bytes are not a ModelInferRequest.
     """
-    raws: list[memoryview] | None = None
-    if len(data) >= WIRE_THRESHOLD:
-        data, raws = split_raw(data, _RAW_INPUT_FIELD)
-        raws = raws or None
-    try:
-        return pb.ModelInferRequest.FromString(data), raws
-    except DecodeError as e:
-        raise ProtocolError(f"the ModelInferRequest cannot be parsed: {e}") from None
+    return ReceivedRequest(data)
 
 
 # --- inference responses -----------------------------------------------------
@@ -226,15 +263,21 @@ def serialize_model_infer_response(
     model_version: str | None = None,
     id: str | None = None,
 ) -> bytes:
-    """A serialized ModelInferResponse, as :func:`build_model_infer_response` builds it; with
-    at least 64 KiB of tensors, written on the wire form directly (one copy, the join)."""
-    if sum(a.nbytes for a in outputs.values() if isinstance(a, np.ndarray)) < WIRE_THRESHOLD:
-        return build_model_infer_response(model_name, outputs, model_version=model_version, id=id).SerializeToString()  # type: ignore[no-any-return]
-    tensors, raws = _encode_tensors(outputs, pb.ModelInferResponse.InferOutputTensor, views=True)
-    head = pb.ModelInferResponse(
-        model_name=model_name, model_version=model_version or "", id=id or "", outputs=tensors
-    ).SerializeToString()
-    return append_raw(head, _RAW_OUTPUT_FIELD, raws)
+    """A serialized ModelInferResponse, as :func:`build_model_infer_response` builds it, written
+    on the wire form directly (as :func:`serialize_model_infer_request`)."""
+
+    def head(tensors: list[Any]) -> bytes:
+        return pb.ModelInferResponse(  # type: ignore[no-any-return]
+            model_name=model_name, model_version=model_version or "", outputs=tensors
+        ).SerializeToString()
+
+    data = _RESPONSE_HEADS.serialize((model_name, model_version), outputs, pb.ModelInferResponse.InferOutputTensor,
+                                     head, _RAW_OUTPUT_FIELD)  # fmt: skip
+    if id:
+        # A field may come anywhere in a message: the id (which differs per call) goes last.
+        text = id.encode("utf-8")
+        data += _ID_KEY + encode_varint(len(text)) + text
+    return data
 
 
 def parse_model_infer_response(response: pb.ModelInferResponse, raws: Sequence[Any] | None = None) -> InferResponse:
@@ -254,21 +297,173 @@ def parse_model_infer_response(response: pb.ModelInferResponse, raws: Sequence[A
 
 
 def deserialize_model_infer_response(data: bytes) -> InferResponse:
-    """Decode a serialized ModelInferResponse. A big one's numeric outputs are
-    read-only views of ``data`` itself (no copy): only the rest of the message
-    goes through protobuf.
+    """Decode a serialized ModelInferResponse. Its numeric outputs are read-only views of
+    ``data`` itself (no copy), and the rest of the message is parsed once per distinct form.
 
     :raises ProtocolError: a malformed message, or any fault in its tensors.
     """
-    raws: list[memoryview] | None = None
-    if len(data) >= WIRE_THRESHOLD:
-        data, raws = split_raw(data, _RAW_OUTPUT_FIELD)
-        raws = raws or None
+    plan, raws = _RESPONSES_READ.read(data, _RAW_OUTPUT_FIELD, pb.ModelInferResponse)
+    arrays = plan.arrays(raws, "output", None)
+    if arrays is None:
+        decoded = parse_model_infer_response(plan.message, raws)
+        plan.learn("output")
+        return decoded
+    message = plan.message
+    return InferResponse(
+        outputs=arrays,
+        model_name=message.model_name or None,
+        model_version=message.model_version or None,
+        id=message.id or None,
+        parameters=dict(plan.parameters),
+    )
+
+
+# --- the wire form, planned once per form of message --------------------------
+
+#: Distinct forms of message remembered per direction (the cache is emptied when full).
+PLAN_LIMIT = 256
+_MAX_KEY_BYTES = 64 * 1024
+_ID_KEY = bytes([3 << 3 | 2])  # field 3 (id), length-delimited: the same number in both messages
+
+
+class _Heads:
+    """Serialized messages without their raw contents, by (key, tensor names, dtypes, shapes).
+
+    The metadata part of an inference message depends only on those, not on the
+    tensors' values: it is made by protobuf once, and each call joins it with each
+    tensor's length prefix (precomputed for fixed-size tensors) and bytes.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[Any, tuple[bytes, tuple[bytes | None, ...]]] = {}
+
+    def serialize(
+        self, key: Any, arrays: Mapping[str, np.ndarray[Any, Any]], kind: Any, head: Any, field: int
+    ) -> bytes:
+        try:
+            form = (key, tuple((name, a.dtype, a.shape) for name, a in arrays.items()))
+            plan = self._plans.get(form)
+        except (AttributeError, TypeError):  # not arrays (refused below, naming the tensor), or unhashable
+            form, plan = None, None
+        tag = encode_varint(field << 3 | 2)
+        if plan is None:
+            tensors, raws = _encode_tensors(arrays, kind, views=True)
+            prefixes = tuple(
+                tag + encode_varint(memoryview(raw).nbytes) if _FAST_ENCODE.get(a.dtype) is not None else None
+                for raw, a in zip(raws, arrays.values())
+            )
+            plan = (head(tensors), prefixes)
+            if form is not None:
+                if len(self._plans) >= PLAN_LIMIT:
+                    self._plans.clear()
+                self._plans[form] = plan
+            return append_raw(plan[0], field, raws)
+        parts: list[Any] = [plan[0]]
+        for (name, array), prefix in zip(arrays.items(), plan[1]):
+            if prefix is not None:
+                parts.append(prefix)
+                parts.append(array.data if array.ndim and array.flags.c_contiguous else array.tobytes())
+            else:
+                raw = encode_tensor(name, array, binary=True)[1]
+                assert raw is not None
+                parts.append(tag + encode_varint(len(raw)))
+                parts.append(raw)
+        return b"".join(parts)
+
+
+class _Plan:
+    """One form of received message: the message without its raw contents, parsed, and
+    once it has decoded cleanly, each tensor's name, datatype, wire dtype, shape and size."""
+
+    __slots__ = ("message", "parameters", "requested", "tensors")
+
+    def __init__(self, message: Any) -> None:
+        self.message = message
+        self.parameters = parameters_from_proto(message.parameters)
+        requested = getattr(message, "outputs", None) if hasattr(message, "raw_input_contents") else None
+        self.requested = tuple(o.name for o in requested) if requested else None
+        self.tensors: tuple[tuple[str, str, np.dtype[Any] | None, tuple[int, ...], int, dict[str, Any]], ...] | None = None
+
+    def learn(self, kind: str) -> None:
+        """Remember the tensors' forms (after the full decode accepted them)."""
+        entries = self.message.inputs if kind == "input" else self.message.outputs
+        if any(_has_contents(t) for t in entries):
+            return  # typed contents: every call is decoded the full way
+        tensors = []
+        for t in entries:
+            shape = tuple(t.shape)
+            wire = _FAST_DECODE.get(t.datatype)
+            size = math.prod(shape) * wire.itemsize if wire is not None else -1
+            tensors.append((t.name, t.datatype, wire, shape, size, {"name": t.name, "datatype": t.datatype, "shape": list(shape)}))
+        self.tensors = tuple(tensors)
+
+    def arrays(
+        self, raws: Sequence[memoryview], kind: str, specs: Mapping[str, TensorSpec] | None
+    ) -> dict[str, np.ndarray[Any, Any]] | None:
+        """The arrays over ``raws`` as this form says, or None when the full decode must
+        run (the form is not learnt yet, or anything does not fit: it words the error)."""
+        tensors = self.tensors
+        if tensors is None or len(raws) != len(tensors):
+            return None
+        arrays: dict[str, np.ndarray[Any, Any]] = {}
+        for (name, datatype, wire, shape, size, obj), raw in zip(tensors, raws):
+            spec = None
+            if specs is not None:
+                spec = specs.get(name)
+                if spec is None or spec.dtype != DATATYPES[datatype]:
+                    return None
+            if wire is not None:
+                if len(raw) != size:
+                    return None
+                arrays[name] = np.ndarray(shape, dtype=wire, buffer=raw)
+            else:  # BOOL's 0/1 check, BYTES' reader
+                arrays[name] = decode_tensor(obj, binary=raw, spec=spec, where=f"{kind} {name!r}",
+                                             size_name=f"the size of raw_{kind}_contents")  # fmt: skip
+        return arrays
+
+
+class _Reader:
+    """Received messages split into raw contents (views) and the rest, whose parse is kept per form."""
+
+    def __init__(self) -> None:
+        self._plans: dict[bytes, _Plan] = {}
+
+    def read(self, data: bytes, field: int, message_class: Any) -> tuple[_Plan, list[Any]]:
+        name = "raw_input_contents" if field == _RAW_INPUT_FIELD else "raw_output_contents"
+        message = None
+        if len(data) < WIRE_THRESHOLD:
+            # Small: protobuf's C parser finds the raw contents faster than a walk in Python
+            # (and copying them costs nothing worth saving); the rest, serialized again, is the key.
+            message = _parse(message_class, data)
+            raws: list[Any] = list(getattr(message, name))
+            if raws:
+                message.ClearField(name)
+                rest = message.SerializeToString()
+            else:
+                rest = data
+        else:
+            rest, raws = split_raw(data, field)
+        plan = self._plans.get(rest) if len(rest) <= _MAX_KEY_BYTES else None
+        if plan is None:
+            plan = _Plan(message if message is not None else _parse(message_class, rest))
+            if len(rest) <= _MAX_KEY_BYTES:
+                if len(self._plans) >= PLAN_LIMIT:
+                    self._plans.clear()
+                self._plans[bytes(rest)] = plan
+        return plan, raws
+
+
+def _parse(message_class: Any, data: bytes) -> Any:
     try:
-        response = pb.ModelInferResponse.FromString(data)
+        return message_class.FromString(data)
     except DecodeError as e:
-        raise ProtocolError(f"the ModelInferResponse cannot be parsed: {e}") from None
-    return parse_model_infer_response(response, raws)
+        raise ProtocolError(f"the {message_class.DESCRIPTOR.name} cannot be parsed: {e}") from None
+
+
+_REQUEST_HEADS = _Heads()
+_RESPONSE_HEADS = _Heads()
+_REQUESTS_READ = _Reader()
+_RESPONSES_READ = _Reader()
 
 
 # --- metadata ----------------------------------------------------------------
@@ -502,6 +697,7 @@ __all__ = [
     "SHAPES_METADATA_KEY",
     "build_model_infer_request",
     "build_model_infer_response",
+    "ReceivedRequest",
     "deserialize_model_infer_request",
     "deserialize_model_infer_response",
     "model_metadata_from_response",

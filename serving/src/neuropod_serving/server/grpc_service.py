@@ -106,11 +106,12 @@ class _Servicer:
         name = call.model_name
         failure: str | None = "client"
         try:
-            if call.error is not None:
+            request = call.request
+            if request is None:
+                assert call.error is not None
                 raise call.error
-            request = call.message
             served = engine.get(name, request.model_version or None)
-            decoded = codec.parse_model_infer_request(request, input_spec=served.input_specs, raws=call.raws)
+            decoded = request.decode(served.input_specs)
             requested = list(decoded.outputs) if decoded.outputs is not None else None
             failure = "model"
             try:
@@ -133,24 +134,24 @@ class _Servicer:
 
 
 class InferCall:
-    """A ModelInfer request as received: the message and, for a big one, its raw input
-    contents as views of the received bytes (see :func:`grpc_codec.deserialize_model_infer_request`).
-    A request that cannot be parsed keeps its error, raised by the handler (INVALID_ARGUMENT)
-    rather than by grpcio's deserializer (INTERNAL, with no message)."""
+    """A ModelInfer request as received (:class:`grpc_codec.ReceivedRequest`: raw contents
+    are views of the received bytes, the rest is parsed once per form of request). A request
+    that cannot be parsed keeps its error, raised by the handler (INVALID_ARGUMENT) rather
+    than by grpcio's deserializer (INTERNAL, with no message)."""
 
-    __slots__ = ("error", "message", "raws")
+    __slots__ = ("error", "request")
 
     def __init__(self, data: bytes) -> None:
-        self.raws: list[memoryview] | None = None
+        self.request: codec.ReceivedRequest | None = None
         self.error: ProtocolError | None = None
         try:
-            self.message, self.raws = codec.deserialize_model_infer_request(data)
+            self.request = codec.ReceivedRequest(data)
         except ProtocolError as e:
-            self.message, self.error = pb.ModelInferRequest(), e
+            self.error = e
 
     @property
     def model_name(self) -> str:
-        return str(self.message.model_name)
+        return self.request.model_name if self.request is not None else ""
 
 
 def _wrap(
