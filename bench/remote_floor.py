@@ -1,6 +1,6 @@
 """The transport floor for bench_remote.py: bare gRPC and REST echo endpoints that move bytes, no model.
 
-    python bench/remote_floor.py --http-port P --grpc-port G --bodies DIR
+    python bench/remote_floor.py --http-port P [--grpc-port G] [--one-write] --bodies DIR
 
 ``DIR`` holds, per case, the exact response bodies ``neuropod serve`` sent for
 the case's request (``CASE.grpc`` and ``CASE.rest``, captured by the bench)
@@ -13,6 +13,11 @@ with the REST one. A call to the case answers those bytes:
   response goes back as ``bytes``; no protobuf on either side.
 * REST: one Starlette route, ``POST /floor/CASE``, on uvicorn with httptools
   and uvloop (no access log): reads the whole body, answers the stored bytes.
+  With ``--one-write``, uvicorn runs neuropod serve's own httptools protocol
+  (``neuropod_serving.server.http.OneWriteProtocol``: the response head goes
+  out with the body) instead of its stock one: on a 6.9 MB answer the stock
+  protocol took about twice as long here, so a floor on it would not be a
+  floor for the large cases.
 
 The process sets the same GIL switch interval as ``neuropod serve`` (a
 process setting, not part of the transport), so the floor is not slower for
@@ -30,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 HEADER_LENGTH = "inference-header-content-length"
-#: neuropod serve's (neuropod_serving.cli.GIL_SWITCH_S), copied so this file imports nothing of ours.
+#: neuropod serve's (neuropod_serving.cli.GIL_SWITCH_S), copied: without --one-write this file imports nothing of ours.
 GIL_SWITCH_S = 0.0001
 
 
@@ -84,7 +89,8 @@ def start_grpc(port: int, bodies: dict[str, bytes]) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--http-port", type=int, required=True)
-    parser.add_argument("--grpc-port", type=int, required=True)
+    parser.add_argument("--grpc-port", type=int, default=0, help="0: no gRPC")
+    parser.add_argument("--one-write", action="store_true", help="uvicorn with neuropod serve's OneWriteProtocol")
     parser.add_argument("--bodies", type=Path, required=True, help="folder of CASE.grpc, CASE.rest, CASE.rest-header")
     args = parser.parse_args()
     grpc_bodies, rest_bodies = read_bodies(args.bodies)
@@ -96,14 +102,18 @@ def main() -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", args.http_port))
     sock.listen(128)
-    config = uvicorn.Config(rest_app(rest_bodies), http="httptools", access_log=False, log_level="warning", lifespan="off")
+    http: Any = "httptools"
+    if args.one_write:
+        from neuropod_serving.server.http import OneWriteProtocol as http
+    config = uvicorn.Config(rest_app(rest_bodies), http=http, access_log=False, log_level="warning", lifespan="off")
 
     async def serve() -> None:
-        grpc_server = start_grpc(args.grpc_port, grpc_bodies)
+        grpc_server = start_grpc(args.grpc_port, grpc_bodies) if args.grpc_port else None
         try:
             await uvicorn.Server(config).serve(sockets=[sock])
         finally:
-            await asyncio.to_thread(grpc_server.stop(grace=1).wait)
+            if grpc_server is not None:
+                await asyncio.to_thread(grpc_server.stop(grace=1).wait)
 
     try:
         import uvloop
