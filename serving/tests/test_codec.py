@@ -515,3 +515,52 @@ def test_request_json_reads_as_pythons_json_does(text: str) -> None:
     assert repr(got) == repr(want)  # same types (int stays int), same values, NaN included
     if isinstance(want, dict) and "nan" in want:
         assert math.isnan(got["nan"])
+
+
+# --- known headers: a binary body's header parsed once per form ------------------------------
+
+
+def test_a_known_header_still_checks_every_body() -> None:
+    """The second body with the same header takes the remembered plan; each is still checked
+    against the spec it is decoded with and for its size, and a fault is worded by the full decode."""
+    from neuropod_serving.protocol import codec
+
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    body = build_infer_request({"x": x}, binary=True)
+    specs = {s.name: s for s in parse_spec([{"name": "x", "dtype": "float32", "shape": [None, 2]}], "m")}
+    for _ in range(2):
+        np.testing.assert_array_equal(parse_infer_request(body.content, body.json_length, input_spec=specs).inputs["x"], x)
+    header = bytes(body.content[: body.json_length])
+    assert codec._KNOWN[header].plans["inputs"]
+    wrong = {s.name: s for s in parse_spec([{"name": "x", "dtype": "int32", "shape": [None, 2]}], "m")}
+    with pytest.raises(ProtocolError, match="disagrees with the model's spec"):
+        parse_infer_request(body.content, body.json_length, input_spec=wrong)
+    with pytest.raises(ProtocolError, match="not one of this model's inputs"):
+        parse_infer_request(body.content, body.json_length, input_spec={"y": specs["x"]})
+    with pytest.raises(ProtocolError, match="runs past the body"):
+        parse_infer_request(body.content[:-4], body.json_length, input_spec=specs)
+    with pytest.raises(ProtocolError, match="add up to 24"):
+        parse_infer_request(body.content + b"\0" * 4, body.json_length, input_spec=specs)
+    # The same parameters come back each time, and changing one request's does not change the next's.
+    first = parse_infer_request(body.content, body.json_length)
+    first.parameters["mutated"] = True
+    assert "mutated" not in parse_infer_request(body.content, body.json_length).parameters
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.integers(0, 3), min_size=1, max_size=4), dtype=st.sampled_from(["float32", "int64", "uint8", "bool", "string"]))
+def test_known_and_fresh_decodes_agree(rows: list[int], dtype: str) -> None:
+    from neuropod.testing import sample
+
+    for i, n in enumerate(rows):
+        arrays = {"a": sample(dtype, (n, 2) if dtype != "string" else (n,), i), "z": np.arange(n, dtype=np.int32)}
+        body = build_infer_request(arrays, binary=True, outputs=["o"])
+        for _ in range(2):
+            got = parse_infer_request(body.content, body.json_length)
+            assert list(got.outputs or {}) == ["o"]
+            for name, want in arrays.items():
+                assert got.inputs[name].shape == want.shape and got.inputs[name].tolist() == want.tolist()
+        answer = build_infer_response("m", arrays, binary=True)
+        for _ in range(2):
+            back = parse_infer_response(bytearray(answer.content), answer.json_length).outputs
+            assert all(back[k].tolist() == v.tolist() for k, v in arrays.items())

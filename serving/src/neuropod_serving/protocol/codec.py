@@ -287,9 +287,9 @@ def parse_infer_request(
         here. Shapes are left to the model's own spec check.
     :raises ProtocolError: for every fault in the body, naming the tensor.
     """
-    header, binary = _split(body, json_length, "request")
+    header, binary, known = _split(body, json_length, "request")
     specs = specs_by_name(input_spec)
-    inputs = _decode_tensors(header, "inputs", binary, specs, required=True)
+    inputs = _decode_tensors(header, "inputs", binary, specs, required=True, known=known)
     outputs: dict[str, bool | None] | None = None
     if header.get("outputs") is not None:
         outputs = {}
@@ -306,7 +306,7 @@ def parse_infer_request(
     choice = parameters.get("binary_data_output")
     if choice is not None and not isinstance(choice, bool):
         raise ProtocolError(f"request parameters.binary_data_output must be true or false, not {_show(choice)}")
-    return InferRequest(inputs=inputs, outputs=outputs, id=_optional_str(header, "id"), parameters=parameters)
+    return InferRequest(inputs=inputs, outputs=outputs, id=_optional_str(header, "id"), parameters=dict(parameters))
 
 
 def parse_infer_response(
@@ -319,14 +319,14 @@ def parse_infer_response(
 
     :raises ProtocolError: for every fault in the body, naming the tensor.
     """
-    header, binary = _split(body, json_length, "response")
+    header, binary, known = _split(body, json_length, "response")
     specs = None if output_spec is None else {s.name: s for s in output_spec}
     return InferResponse(
-        outputs=_decode_tensors(header, "outputs", binary, specs, required=False),
+        outputs=_decode_tensors(header, "outputs", binary, specs, required=False, known=known),
         model_name=_optional_str(header, "model_name"),
         model_version=_optional_str(header, "model_version"),
         id=_optional_str(header, "id"),
-        parameters=_parameters(header, "response"),
+        parameters=dict(_parameters(header, "response")),
     )
 
 
@@ -552,11 +552,39 @@ def _bytes_from_binary(
 # --- helpers -----------------------------------------------------------------
 
 
-def _split(body: bytes | bytearray | memoryview, json_length: int | str | None, what: str) -> tuple[dict[str, Any], memoryview]:
+class _KnownHeader:
+    """The JSON header of a binary body, parsed, and once a decode of it took the fast path for
+    every tensor, each tensor's name, datatype, wire dtype, shape and size (``plans``, by key)."""
+
+    __slots__ = ("doc", "plans")
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        self.plans: dict[str, tuple[tuple[str, str, np.dtype[Any], tuple[int, ...], int], ...]] = {}
+
+
+#: Headers of binary bodies remembered (by their bytes; emptied when full). A binary body's
+#: header depends only on the tensors' names, datatypes and shapes, not their values, so a
+#: client sending the same form of request again costs no JSON parse and no per-tensor checks
+#: beyond the spec's datatypes.
+HEADER_LIMIT = 256
+_MAX_KNOWN_HEADER = 64 * 1024
+_KNOWN: dict[bytes, _KnownHeader] = {}
+
+
+def _split(
+    body: bytes | bytearray | memoryview, json_length: int | str | None, what: str
+) -> tuple[dict[str, Any], memoryview, _KnownHeader | None]:
     view = memoryview(body)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     length = len(view) if json_length is None else _header_length(json_length, len(view))
+    key = None
+    if json_length is not None and length <= _MAX_KNOWN_HEADER:
+        key = bytes(view[:length])
+        known = _KNOWN.get(key)
+        if known is not None:
+            return known.doc, view[length:], known
     if length > _json.MAX_BYTES:
         raise ProtocolError(
             f"the {what}'s JSON is {length:,} bytes, more than the {_json.MAX_BYTES:,} allowed; "
@@ -573,7 +601,12 @@ def _split(body: bytes | bytearray | memoryview, json_length: int | str | None, 
         raise ProtocolError(f"the {what} is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"the {what} must be a JSON object, not {_kind(header)}")
-    return header, view[length:]
+    if key is None:
+        return header, view[length:], None
+    if len(_KNOWN) >= HEADER_LIMIT:
+        _KNOWN.clear()
+    known = _KNOWN[key] = _KnownHeader(header)
+    return header, view[length:], known
 
 
 def _loads(raw: memoryview, text: str) -> Any:
@@ -631,6 +664,29 @@ def _header_length(value: int | str, body_size: int) -> int:
     return length
 
 
+def _planned(
+    plan: tuple[tuple[str, str, np.dtype[Any], tuple[int, ...], int], ...],
+    binary: memoryview,
+    specs: Mapping[str, TensorSpec] | None,
+) -> dict[str, np.ndarray[Any, Any]] | None:
+    """The arrays of a known header's binary body, or None when anything does not fit (the
+    full decode then words it): every tensor must still be in the spec with its datatype,
+    and the body must hold exactly the sizes the header says."""
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    pos = 0
+    available = len(binary)
+    for name, datatype, wire, shape, size in plan:
+        if specs is not None:
+            spec = specs.get(name)
+            if spec is None or spec.dtype != DATATYPES[datatype]:
+                return None
+        if pos + size > available:
+            return None
+        arrays[name] = np.ndarray(shape, dtype=wire, buffer=binary, offset=pos)
+        pos += size
+    return arrays if pos == available else None
+
+
 def _decode_tensors(
     header: Mapping[str, Any],
     key: str,
@@ -638,8 +694,16 @@ def _decode_tensors(
     specs: Mapping[str, TensorSpec] | None,
     *,
     required: bool,
+    known: _KnownHeader | None = None,
 ) -> dict[str, np.ndarray[Any, Any]]:
+    if known is not None:
+        plan = known.plans.get(key)
+        if plan is not None:
+            planned = _planned(plan, binary, specs)
+            if planned is not None:
+                return planned
     kind = key[:-1]  # "input" / "output"
+    fast: list[tuple[str, str, np.dtype[Any], tuple[int, ...], int]] | None = [] if known is not None else None
     if key not in header and not required:
         entries: list[Any] = []
     else:
@@ -670,7 +734,10 @@ def _decode_tensors(
                 ):  # fmt: skip
                     arrays[name] = np.ndarray(shape, dtype=wire, buffer=binary, offset=pos)
                     pos += size
+                    if fast is not None:
+                        fast.append((name, datatype, wire, tuple(shape), size))
                     continue
+        fast = None  # this tensor takes the full way: the header is not planned
         where = f"{key}[{i}]"
         if not isinstance(obj, Mapping):
             raise ProtocolError(f"{where} must be an object with name, datatype, shape and data, not {_kind(obj)}")
@@ -705,10 +772,25 @@ def _decode_tensors(
             f"the body holds {len(binary)} bytes of binary data after its JSON, but the {kind}s' "
             f"binary_data_size add up to {pos}"
         )
+    if fast is not None and known is not None:
+        known.plans[key] = tuple(fast)
     return arrays
 
 
+#: JSON headers of binary bodies built, by (header, key, tensor names, dtypes, shapes); emptied when full.
+_BUILT: dict[Any, bytes] = {}
+
+
 def _build(header: dict[str, Any], key: str, tensors: Mapping[str, np.ndarray[Any, Any]], binary: set[str]) -> Body:
+    form: Any = None
+    if tensors and all(type(a) is np.ndarray and a.dtype in _FAST_ENCODE and type(n) is str and n in binary
+                       for n, a in tensors.items()):  # fmt: skip
+        # Every tensor binary and numeric: the JSON depends only on their names, dtypes and shapes.
+        form = (_ENCODER.encode(header), key, tuple((n, a.dtype, a.shape) for n, a in tensors.items()))
+        known = _BUILT.get(form)
+        if known is not None:
+            return Body(b"".join([known, *(a.data if a.ndim and a.flags.c_contiguous else a.tobytes()
+                                           for a in tensors.values())]), len(known))  # fmt: skip
     parts: list[str] = []
     raws: list[Any] = []
     for name, array in tensors.items():
@@ -731,6 +813,10 @@ def _build(header: dict[str, Any], key: str, tensors: Mapping[str, np.ndarray[An
     text = (head[:-1] + ("," if len(head) > 2 else "") + tensor_list).encode("utf-8")
     if not raws:
         return Body(text, None)
+    if form is not None:
+        if len(_BUILT) >= HEADER_LIMIT:
+            _BUILT.clear()
+        _BUILT[form] = text
     return Body(b"".join([text, *raws]), len(text))
 
 
