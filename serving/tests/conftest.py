@@ -62,6 +62,13 @@ def adder_and_echo(models: Path, *, echo_as_zip: bool) -> None:
                  package_as_zip=echo_as_zip)  # fmt: skip
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @contextlib.contextmanager
 def private_caches(root: Path) -> Iterator[None]:
     """A package cache and XDG_CACHE_HOME (onnxruntime's telemetry files) under ``root``, for a module's fixtures."""

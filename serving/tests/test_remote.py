@@ -13,7 +13,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from neuropod.cli import main
 from neuropod.errors import NeuropodError, PluginNotInstalledError, RemoteError, SpecError
 from neuropod.testing import ALL_DTYPES, sample
 
-from conftest import adder_and_echo, onnx_package, private_caches
+from conftest import adder_and_echo, free_port, onnx_package, private_caches
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="starts server processes")
 
@@ -47,17 +46,11 @@ X = np.array([[1, 2], [3, 4]], np.float32)
 Y = np.array([[10, 20], [30, 40]], np.float32)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     """A `neuropod serve` process on free ports; ``url(protocol, model)`` names a model on it."""
 
     def __init__(self, models: Path, *extra: str, tls: Path | None = None) -> None:
-        self.http_port, self.grpc_port = _free_port(), _free_port()
+        self.http_port, self.grpc_port = free_port(), free_port()
         self.tls = tls
         cmd = [sys.executable, "-m", "neuropod", "serve", str(models), "--http-port", str(self.http_port),
                "--grpc-port", str(self.grpc_port), "--metrics-port", "0", "--quiet", *extra]  # fmt: skip
@@ -254,7 +247,7 @@ def test_inputs_are_checked_before_sending_with_the_local_words(
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_refused_connection(protocol: str) -> None:
-    url = f"{protocol}://127.0.0.1:{_free_port()}/adder"
+    url = f"{protocol}://127.0.0.1:{free_port()}/adder"
     t0 = time.monotonic()
     with pytest.raises(RemoteError) as e:
         neuropod.load_neuropod(url)
@@ -363,7 +356,7 @@ def test_pool_spreads_calls_and_skips_a_dead_server(root: Path, server: Server, 
 
 
 def test_pool_with_every_server_down_names_them() -> None:
-    urls = [f"grpc://127.0.0.1:{_free_port()}/m", f"http://127.0.0.1:{_free_port()}/m"]
+    urls = [f"grpc://127.0.0.1:{free_port()}/m", f"http://127.0.0.1:{free_port()}/m"]
     with pytest.raises(RemoteError) as e:
         neuropod.load_neuropod(urls)
     assert all(u in str(e.value) for u in urls) and e.value.code == "unavailable"
@@ -450,7 +443,7 @@ def test_inspect_and_explain_a_url(server: Server, capsys: pytest.CaptureFixture
     assert "served by 1 of 1 server(s)" in capsys.readouterr().out
     assert main(["explain", url, "--device", "cpu"]) == 2
     assert "apply to local packages" in capsys.readouterr().err
-    assert main(["inspect", f"grpc://127.0.0.1:{_free_port()}/adder"]) == 2
+    assert main(["inspect", f"grpc://127.0.0.1:{free_port()}/adder"]) == 2
     assert "cannot reach the server" in capsys.readouterr().err
 
 
@@ -497,3 +490,15 @@ def test_load_from_many_threads_at_once(server: Server) -> None:
     for t in threads:
         t.join(60)
     assert not errors, errors
+
+
+def test_a_keep_alive_connection_the_server_closed_is_replaced(server: Server) -> None:
+    """uvicorn closes a keep-alive connection idle for 5 s: the next call notices and goes on a new one."""
+    with neuropod.load_neuropod(server.url("http", "adder")) as model:
+        model.infer({"x": X, "y": Y})
+        transport = model._pool.servers[0].transport
+        idle = transport._idle[0]
+        time.sleep(5.5)
+        np.testing.assert_array_equal(model.infer({"x": X, "y": Y})["out"], X + Y)
+        assert transport._idle and transport._idle[0] is not idle  # replaced, not reused
+        assert model._pool.servers[0].failures == 0

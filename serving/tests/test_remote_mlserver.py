@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -32,6 +31,8 @@ import pytest
 
 import neuropod
 from neuropod.errors import RemoteError, SpecError
+
+from conftest import free_port
 
 ENV = "NEUROPOD_TEST_MLSERVER_PYTHON"
 MLSERVER_PYTHON = os.environ.get(ENV)
@@ -122,12 +123,6 @@ class MLServer:
         return body
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _tail(log: Path, lines: int = 60) -> str:
     try:
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
@@ -183,7 +178,7 @@ def mlserver() -> Iterator[MLServer]:
         if trained.returncode != 0:
             pytest.fail(f"training the scikit-learn models with {ENV}={python} failed:\n{trained.stderr[-3000:]}")
         versions = json.loads(trained.stdout.splitlines()[-1])
-        http_port, grpc_port = _free_port(), _free_port()
+        http_port, grpc_port = free_port(), free_port()
         settings = {
             "debug": False, "host": "127.0.0.1", "http_port": http_port, "grpc_port": grpc_port,
             "parallel_workers": 0, "metrics_endpoint": None,

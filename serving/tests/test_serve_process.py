@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ httpx = pytest.importorskip("httpx")
 from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response  # noqa: E402
 from neuropod_serving.server import Engine, ModelRegistry, create_app  # noqa: E402
 
-from conftest import adder_and_echo, private_caches, serve_in_thread  # noqa: E402
+from conftest import adder_and_echo, free_port, private_caches, serve_in_thread  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for worker processes")
 
@@ -55,12 +54,6 @@ def repo() -> Iterator[Path]:
         (root / "token").write_text(f"{TOKEN}\nsecond line is ignored\n")
         yield root
     shutil.rmtree(root, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _descendants(pid: int) -> set[int]:
@@ -96,9 +89,9 @@ class _Served:
 
 
 def _start(repo: Path, *extra: str) -> _Served:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "neuropod", "serve", str(repo / "models"), "--http-port", str(port),
-           "--grpc-port", str(_free_port()), "--metrics-port", "0",
+           "--grpc-port", str(free_port()), "--metrics-port", "0",
            "--auth-token-file", str(repo / "token"), *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     served = _Served(proc, f"http://127.0.0.1:{port}")
