@@ -155,6 +155,26 @@ def start(server: Server) -> None:
                                        env={**os.environ, **server.env}, start_new_session=True)  # fmt: skip
 
 
+def pin_threads(pid: int, core: int) -> int:
+    """Put every thread of process ``pid`` on ``core``; the number of threads moved.
+
+    taskset pins a process when it starts, but onnxruntime then pins its own
+    intra-op threads to cores of its choosing (a server's landed on the
+    client's core, a client's in-process model's on both), so after models
+    are loaded every thread is put back where the bench means it to be.
+    Threads started later inherit their creator's core.
+    """
+    moved = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if os.sched_getaffinity(int(tid)) != {core}:
+                os.sched_setaffinity(int(tid), {core})
+                moved += 1
+        except OSError:  # the thread ended meanwhile
+            pass
+    return moved
+
+
 @dataclass
 class Wire:
     """One case's exact request and response bytes, as neuropod serve answered them."""
@@ -573,6 +593,14 @@ def main() -> int:
                     rows.append(Row(case, FLOOR[protocol], protocol, floors.rest_timer(case, wires[case])))
                     rows.append(Row(case, FLOOR_ONE_WRITE, protocol, one_write_floor.rest_timer(case, wires[case])))
 
+        if pinned:
+            for s in (server, floor, one_write):
+                assert s.proc is not None
+                pin_threads(s.proc.pid, SERVER_CORE)
+            for pid in (os.getpid(), triton.proc.pid):
+                pin_threads(pid, CLIENT_CORE)
+            print("every thread of the servers re-pinned to core 0 and of the clients to core 1 "
+                  "(onnxruntime pins its intra-op threads itself)")  # fmt: skip
         started = time.monotonic()
         for r in range(args.rounds):
             for case in CASES:
