@@ -171,3 +171,9 @@ def test_the_plan_caches_are_bounded() -> None:
         codec.deserialize_model_infer_request(data).decode()
     assert len(codec._REQUESTS_READ._plans) <= codec.PLAN_LIMIT
     assert len(codec._REQUEST_HEADS._plans) <= codec.PLAN_LIMIT
+
+
+def test_lists_are_encoded_the_full_way() -> None:
+    data = codec.serialize_model_infer_request("m", {"a": [[1.0, 2.0]], "s": ["x"]})  # type: ignore[dict-item]
+    decoded = codec.deserialize_model_infer_request(data).decode()
+    assert decoded.inputs["a"].tolist() == [[1.0, 2.0]] and decoded.inputs["s"].tolist() == ["x"]

@@ -348,16 +348,16 @@ class _Heads:
         tag = encode_varint(field << 3 | 2)
         if plan is None:
             tensors, raws = _encode_tensors(arrays, kind, views=True)
-            prefixes = tuple(
-                tag + encode_varint(memoryview(raw).nbytes) if _FAST_ENCODE.get(a.dtype) is not None else None
-                for raw, a in zip(raws, arrays.values())
-            )
-            plan = (head(tensors), prefixes)
+            made = head(tensors)
             if form is not None:
+                prefixes = tuple(
+                    tag + encode_varint(memoryview(raw).nbytes) if _FAST_ENCODE.get(a.dtype) is not None else None
+                    for raw, a in zip(raws, arrays.values())
+                )
                 if len(self._plans) >= PLAN_LIMIT:
                     self._plans.clear()
-                self._plans[form] = plan
-            return append_raw(plan[0], field, raws)
+                self._plans[form] = (made, prefixes)
+            return append_raw(made, field, raws)
         parts: list[Any] = [plan[0]]
         for (name, array), prefix in zip(arrays.items(), plan[1]):
             if prefix is not None:
