@@ -269,7 +269,7 @@ def bench(session: nox.Session) -> None:
         f"{ROOT / 'plugins/neuropod-tensorflow'}", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}",
     )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
-        if script.name != "bench_serve.py":  # its own session: bench_serve
+        if script.name not in ("bench_serve.py", "bench_remote.py"):  # their own sessions
             session.run("python", str(script), *session.posargs)
 
 
@@ -281,6 +281,15 @@ def bench_serve(session: nox.Session) -> None:
                     f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx")  # fmt: skip
     mlserver = _mlserver_venv(session, f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
     session.run("python", "bench/bench_serve.py", "--mlserver-venv", str(mlserver), *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_remote(session: nox.Session) -> None:
+    """A remote model's infer (gRPC and REST) against the same model in-process, tritonclient and
+    the bare grpcio / Starlette floors, sequential calls (about 7 min; taskset, two cores)."""
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
+                    f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", "tritonclient[grpc,http]")  # fmt: skip
+    session.run("python", "bench/bench_remote.py", *session.posargs)
 
 
 @nox.session(python=DEFAULT_PYTHON)
