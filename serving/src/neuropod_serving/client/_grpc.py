@@ -54,26 +54,15 @@ class GrpcTransport:
         unary = self._channel.unary_unary
         # Requests and answers of ModelInfer are bytes: the codec writes and reads the wire form itself.
         self._infer = unary(_SERVICE + "ModelInfer")
-        self._model_metadata = unary(
-            _SERVICE + "ModelMetadata",
-            request_serializer=pb.ModelMetadataRequest.SerializeToString,
-            response_deserializer=pb.ModelMetadataResponse.FromString,
-        )
-        self._model_ready = unary(
-            _SERVICE + "ModelReady",
-            request_serializer=pb.ModelReadyRequest.SerializeToString,
-            response_deserializer=pb.ModelReadyResponse.FromString,
-        )
-        self._server_live = unary(
-            _SERVICE + "ServerLive",
-            request_serializer=pb.ServerLiveRequest.SerializeToString,
-            response_deserializer=pb.ServerLiveResponse.FromString,
-        )
-        self._server_metadata = unary(
-            _SERVICE + "ServerMetadata",
-            request_serializer=pb.ServerMetadataRequest.SerializeToString,
-            response_deserializer=pb.ServerMetadataResponse.FromString,
-        )
+
+        def method(name: str, request: Any, response: Any) -> Any:
+            return unary(_SERVICE + name, request_serializer=request.SerializeToString,
+                         response_deserializer=response.FromString)  # fmt: skip
+
+        self._model_metadata = method("ModelMetadata", pb.ModelMetadataRequest, pb.ModelMetadataResponse)
+        self._model_ready = method("ModelReady", pb.ModelReadyRequest, pb.ModelReadyResponse)
+        self._server_live = method("ServerLive", pb.ServerLiveRequest, pb.ServerLiveResponse)
+        self._server_metadata = method("ServerMetadata", pb.ServerMetadataRequest, pb.ServerMetadataResponse)
 
     def _error(self, e: grpc.RpcError, call: str, timeout: float | None) -> RemoteError:
         code = e.code() if hasattr(e, "code") else None

@@ -324,6 +324,8 @@ def deserialize_model_infer_response(data: bytes) -> InferResponse:
 PLAN_LIMIT = 256
 _MAX_KEY_BYTES = 64 * 1024
 _ID_KEY = bytes([3 << 3 | 2])  # field 3 (id), length-delimited: the same number in both messages
+# The key of each raw contents entry (field number, length-delimited).
+_TAGS = {f: encode_varint(f << 3 | 2) for f in (_RAW_INPUT_FIELD, _RAW_OUTPUT_FIELD)}
 
 
 class _Heads:
@@ -345,7 +347,7 @@ class _Heads:
             plan = self._plans.get(form)
         except (AttributeError, TypeError):  # not arrays (refused below, naming the tensor), or unhashable
             form, plan = None, None
-        tag = encode_varint(field << 3 | 2)
+        tag = _TAGS[field]
         if plan is None:
             tensors, raws = _encode_tensors(arrays, kind, views=True)
             made = head(tensors)
