@@ -1,0 +1,85 @@
+"""The core's side of remote models: URLs are recognised and handed to the handler of their
+scheme (the ``neuropod.remotes`` entry points); without one, loading says what to install."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import neuropod
+from neuropod import remote
+from neuropod.errors import NeuropodError, PluginNotInstalledError
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("grpc://host:8001/m", True),
+        ("HTTPS://host/m", True),
+        (["grpc://a/m", "http://b/m"], True),
+        (("grpc://a/m",), True),
+        ("model.neuropod", False),
+        ("./grpc:/x", False),
+        ("C:\\models\\m.neuropod", False),
+        ([], False),
+        (["grpc://a/m", "local.neuropod"], False),
+        (42, False),
+    ],
+)
+def test_what_counts_as_remote(value: Any, expected: bool) -> None:
+    assert remote.is_remote(value) is expected
+
+
+class _EntryPoint:
+    """An entry point as importlib-metadata lists it: a name, a value, and load()."""
+
+    def __init__(self, name: str, value: str, target: Any) -> None:
+        self.name, self.value, self._target = name, value, target
+
+    def load(self) -> Any:
+        return self._target
+
+
+def test_without_a_handler_loading_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "_handlers", dict)
+    for url in ("grpc://127.0.0.1:8001/adder", "https://gpu-pool/adder"):
+        with pytest.raises(PluginNotInstalledError, match=r"pip install 'neuropod-serving\[client\]'"):
+            neuropod.load_neuropod(url)
+    with pytest.raises(PluginNotInstalledError, match="No handler for s3:// model URLs.*installed schemes: none"):
+        neuropod.load_neuropod("s3://bucket/model")
+
+
+def test_the_handler_of_the_scheme_gets_the_urls_and_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[Any, dict[str, Any]]] = []
+
+    def handler(urls: Any, **options: Any) -> str:
+        calls.append((urls, options))
+        return "a model"
+
+    eps = {s: _EntryPoint(s, "company_remote:load", handler) for s in ("corp", "corps")}
+    monkeypatch.setattr(remote, "_handlers", lambda: eps)
+    assert neuropod.load_neuropod("corp://host/m", timeout=3, token="x") == "a model"
+    assert neuropod.load_neuropod(["CORP://a/m", "corps://b/m"]) == "a model"
+    # verify= has nothing to check remotely; a None timeout is no option at all.
+    assert calls == [("corp://host/m", {"timeout": 3, "token": "x"}), (["CORP://a/m", "corps://b/m"], {})]
+
+
+def test_options_of_local_models_are_refused_for_urls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "_handlers", lambda: {"corp": _EntryPoint("corp", "x:y", lambda u, **o: u)})
+    for option, value in (("device", "cuda:0"), ("backend", "onnx"), ("use_ope", True), ("workers", 2), ("restart", True)):
+        with pytest.raises(ValueError, match=f"{option}=.* does not apply to a remote model"):
+            neuropod.load_neuropod("corp://h/m", **{option: value})
+
+
+def test_schemes_from_different_plugins_are_not_mixed(monkeypatch: pytest.MonkeyPatch) -> None:
+    eps = {"a": _EntryPoint("a", "one:load", None), "b": _EntryPoint("b", "two:load", None)}
+    monkeypatch.setattr(remote, "_handlers", lambda: eps)
+    with pytest.raises(NeuropodError, match="different plugins"):
+        neuropod.load_neuropod(["a://h/m", "b://h/m"])
+
+
+def test_remote_error_is_a_neuropod_error() -> None:
+    e = neuropod.RemoteError("Remote model grpc://h/m: no answer", url="grpc://h/m", code="deadline_exceeded")
+    assert isinstance(e, NeuropodError) and e.url == "grpc://h/m" and e.code == "deadline_exceeded"
+    assert e.server_message is None
