@@ -36,9 +36,7 @@ httpclient = pytest.importorskip("tritonclient.http")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from test_serve_process import _free_port  # noqa: E402
-
-from conftest import adder_and_echo, private_caches  # noqa: E402
+from conftest import adder_and_echo, free_port, private_caches  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command for certificates")
 
@@ -93,7 +91,7 @@ class _Proc:
 
 def _start(repo: Path, tmp: Path, *extra: str, verify: Any = None) -> _Proc:
     """Start a server (gRPC off, metrics on a free port) and wait until it answers; output goes to files."""
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     out, err = tmp / "stdout", tmp / "stderr"
     cmd = _serve_cmd(repo, "--http-port", str(port), "--grpc-port", "0", "--metrics-port", str(metrics_port), *extra)
     with out.open("wb") as o, err.open("wb") as e:
@@ -259,7 +257,7 @@ def test_tls_quiet(repo: Path, tmp_path: Path) -> None:
 
 def test_tls_flag_errors(repo: Path, tmp_path: Path) -> None:
     cert, key = str(repo / "cert.pem"), str(repo / "key.pem")
-    port = str(_free_port())
+    port = str(free_port())
     base = ("--http-port", port, "--grpc-port", "0", "--metrics-port", "0")
 
     err = _fails(repo, *base, "--tls-cert", cert)
@@ -292,7 +290,7 @@ def test_encrypted_key_is_an_error_not_a_prompt(repo: Path, tmp_path: Path) -> N
     key = tmp_path / "encrypted.pem"
     subprocess.run(["openssl", "pkey", "-in", str(repo / "key.pem"), "-aes256", "-passout", "pass:secret",
                     "-out", str(key)], check=True, capture_output=True)  # fmt: skip
-    err = _fails(repo, "--grpc-port", "0", "--metrics-port", "0", "--http-port", str(_free_port()),
+    err = _fails(repo, "--grpc-port", "0", "--metrics-port", "0", "--http-port", str(free_port()),
                  "--tls-cert", str(repo / "cert.pem"), "--tls-key", str(key))  # fmt: skip
     assert f"--tls-key {key} is encrypted" in err, err
 
@@ -301,7 +299,7 @@ def test_encrypted_key_is_an_error_not_a_prompt(repo: Path, tmp_path: Path) -> N
 
 
 def test_same_port_twice_is_an_error(repo: Path) -> None:
-    p = str(_free_port())
+    p = str(free_port())
     err = _fails(repo, "--http-port", p, "--grpc-port", "0", "--metrics-port", p)
     assert f"--http-port {p}, --grpc-port 0 and --metrics-port {p} must differ" in err, err
     err = _fails(repo, "--http-port", p, "--grpc-port", p, "--metrics-port", "0")
@@ -314,7 +312,7 @@ def test_port_in_use_names_the_flag(repo: Path, flag: str) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         taken = busy.getsockname()[1]
-        ports = {"--http-port": str(_free_port()), "--metrics-port": str(_free_port())}
+        ports = {"--http-port": str(free_port()), "--metrics-port": str(free_port())}
         ports[flag] = str(taken)
         args = [a for f, p in ports.items() for a in (f, p)]
         err = _fails(repo, *args, "--grpc-port", "0", "--quiet")
