@@ -83,3 +83,38 @@ def test_remote_error_is_a_neuropod_error() -> None:
     e = neuropod.RemoteError("Remote model grpc://h/m: no answer", url="grpc://h/m", code="deadline_exceeded")
     assert isinstance(e, NeuropodError) and e.url == "grpc://h/m" and e.code == "deadline_exceeded"
     assert e.server_message is None
+
+
+def test_explain_and_infer_of_a_url_from_another_plugin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    """A third-party handler's model without status(): explain says so (not 'no server ready');
+    infer says where the model ran."""
+    np = pytest.importorskip("numpy")
+    from neuropod.backend import Backend
+    from neuropod.cli import main
+    from neuropod.spec import parse_spec
+
+    class Model:
+        name, platform = "m", "corp"
+        backend = Backend(platform="corp", version="1", framework="", location="remote: corp://h")
+        device = "cpu"
+        inputs = tuple(parse_spec([{"name": "x", "dtype": "float32", "shape": [2]}], "m"))
+        outputs = inputs
+
+        def infer(self, inputs: Any, requested_outputs: Any = None) -> Any:
+            return {"x": inputs["x"] * 2}
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(remote, "_handlers", lambda: {"corp": _EntryPoint("corp", "x:y", lambda u, **o: Model())})
+    assert main(["explain", "--quiet-spec", "corp://h/m"]) == 0
+    assert "reports no per-server status" in capsys.readouterr().out
+    np.save(tmp_path / "x.npy", np.array([1, 2], np.float32))
+    assert main(["infer", "corp://h/m", "--input", f"x={tmp_path / 'x.npy'}"]) == 0
+    out = capsys.readouterr().out
+    assert "with corp==1 on cpu (remote: corp://h)" in out and "[2., 4.]" in out

@@ -318,7 +318,11 @@ def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
             _inspect_remote(argparse.Namespace(package=args.package, json=False), out)
             print(file=out)
         with _load_remote(args.package) as model:
-            status = model.status() if hasattr(model, "status") else []
+            if not hasattr(model, "status"):
+                print(f"Remote model {_safe(model.name)}: loaded; the handler of this URL's scheme reports "
+                      "no per-server status", file=out)  # fmt: skip
+                return 0
+            status = model.status()
         ready = [s for s in status if s.get("ready")]
         print(f"Remote model {_safe(model.name)}: served by {len(ready)} of {len(status)} server(s)", file=out)
         for state in status:
@@ -424,7 +428,9 @@ def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
     out_dir = _output_dir(args.output_dir) if args.output_dir else None
     with load_neuropod(args.package, device=args.device, backend=args.backend) as model:
         outputs = model.infer(inputs, requested_outputs=args.output or None)
-        print(f"Model {model.name!r} with {_safe(model.backend.id)} on {model.device}", file=out)
+        where = model.backend.location if model.backend.location.startswith("remote") else ""
+        print(f"Model {model.name!r} with {_safe(model.backend.id)} on {model.device}"
+              + (f" ({_safe(where)})" if where else ""), file=out)  # fmt: skip
         if out_dir is not None:
             # Every path is checked before the first file is written.
             targets = {name: _output_file(out_dir, name, model.name) for name in outputs}
