@@ -502,3 +502,34 @@ def test_a_keep_alive_connection_the_server_closed_is_replaced(server: Server) -
         np.testing.assert_array_equal(model.infer({"x": X, "y": Y})["out"], X + Y)
         assert transport._idle and transport._idle[0] is not idle  # replaced, not reused
         assert model._pool.servers[0].failures == 0
+
+
+def test_a_server_answering_json_nested_too_deep_is_a_protocol_error() -> None:
+    """Answers are read with the core's bounded JSON reader: a hostile or broken server's
+    deeply nested JSON gives a RemoteError, not a RecursionError."""
+    import http.server
+
+    deep = b"[" * 200_000 + b"]" * 200_000
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"name":"x","version":"1","extensions":["binary_tensor_data"]}' if self.path == "/v2" else deep
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/m"
+        with pytest.raises(RemoteError) as e:
+            neuropod.load_neuropod(url)
+        assert e.value.code == "protocol" and url in str(e.value) and "not a JSON object" in str(e.value)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -11,7 +11,6 @@ Tensors go as Triton's binary tensor extension when the server lists it
 from __future__ import annotations
 
 import http.client
-import json
 import socket
 import ssl
 import threading
@@ -21,6 +20,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from neuropod import _json
 from neuropod.errors import RemoteError
 from neuropod_serving.client._errors import HTTP_CODES, looks_like_tls, remote_error
 from neuropod_serving.client._target import Target
@@ -228,7 +228,9 @@ class HttpTransport:
 
 
 def _json_body(data: Any) -> Any:
+    """A server's JSON answer, or None when it is not JSON. Read with the core's bounded reader:
+    an answer nested past its depth limit must not end in a RecursionError."""
     try:
-        return json.loads(bytes(data)) if data else None
-    except ValueError:
+        return _json.loads(bytes(data).decode("utf-8")) if data else None
+    except ValueError:  # not UTF-8, not JSON, too deep or too large
         return None
