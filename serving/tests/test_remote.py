@@ -504,16 +504,15 @@ def test_a_keep_alive_connection_the_server_closed_is_replaced(server: Server) -
         assert model._pool.servers[0].failures == 0
 
 
-def test_a_server_answering_json_nested_too_deep_is_a_protocol_error() -> None:
-    """Answers are read with the core's bounded JSON reader: a hostile or broken server's
-    deeply nested JSON gives a RemoteError, not a RecursionError."""
+@contextlib.contextmanager
+def _answering(answers: dict[str, bytes]) -> Iterator[str]:
+    """A plain HTTP server (Python's http.server) answering GET paths with fixed bodies: a
+    server that speaks HTTP but not the protocol as we expect. Yields its base URL."""
     import http.server
-
-    deep = b"[" * 200_000 + b"]" * 200_000
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = b'{"name":"x","version":"1","extensions":["binary_tensor_data"]}' if self.path == "/v2" else deep
+            body = answers.get(self.path, b"{}")
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -526,10 +525,24 @@ def test_a_server_answering_json_nested_too_deep_is_a_protocol_error() -> None:
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}/m"
-        with pytest.raises(RemoteError) as e:
-            neuropod.load_neuropod(url)
-        assert e.value.code == "protocol" and url in str(e.value) and "not a JSON object" in str(e.value)
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_server_answering_json_nested_too_deep_is_a_protocol_error() -> None:
+    """Answers are read with the core's bounded JSON reader: a hostile or broken server's
+    deeply nested JSON gives a RemoteError, not a RecursionError."""
+    deep = b"[" * 200_000 + b"]" * 200_000
+    with _answering({"/v2/models/m": deep}) as base, pytest.raises(RemoteError) as e:
+        neuropod.load_neuropod(f"{base}/m")
+    assert e.value.code == "protocol" and f"{base}/m" in str(e.value) and "not a JSON object" in str(e.value)
+
+
+def test_metadata_that_is_no_spec_is_a_protocol_error_naming_the_url() -> None:
+    bad = b'{"name":"m","inputs":[{"name":"x","datatype":"COMPLEX64","shape":[2]}],"outputs":[]}'
+    with _answering({"/v2/models/m": bad}) as base, pytest.raises(RemoteError) as e:
+        neuropod.load_neuropod(f"{base}/m", check_ready=False)
+    assert e.value.code == "protocol" and f"{base}/m" in str(e.value) and "cannot be read as a spec" in str(e.value)
+    assert "COMPLEX64" in str(e.value)

@@ -74,16 +74,16 @@ class RemoteModel(NeuropodModel):
     ``package`` and ``resolution`` are None: the server has the package.
     """
 
-    def __init__(self, targets: list[Target], pool: Pool, metadata: Mapping[str, Any], *, timeout: float | None):
-        from neuropod_serving.protocol import specs_from_model_metadata
-
-        try:
-            inputs, outputs = specs_from_model_metadata(metadata)
-        except NeuropodError as e:
-            raise RemoteError(
-                f"Remote model {targets[0].url}: the server's model metadata cannot be read as a spec: {e}",
-                url=targets[0].url, code="protocol",
-            ) from None  # fmt: skip
+    def __init__(
+        self,
+        targets: list[Target],
+        pool: Pool,
+        metadata: Mapping[str, Any],
+        spec: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]],
+        *,
+        timeout: float | None,
+    ):
+        inputs, outputs = spec
         self.package = None  # type: ignore[assignment]
         self.resolution = None  # type: ignore[assignment]
         self.urls: tuple[str, ...] = tuple(t.url for t in targets)
@@ -248,8 +248,8 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
     transports = _transports(targets, auth_token, options.get("ca_cert"), server_name)
     pool = Pool(transports, retries=retries)
     try:
-        metadata = _metadata(pool, check_ready=check_ready, timeout=connect_timeout)
-        return RemoteModel(targets, pool, metadata, timeout=timeout)
+        metadata, spec = _metadata(pool, check_ready=check_ready, timeout=connect_timeout)
+        return RemoteModel(targets, pool, metadata, spec, timeout=timeout)
     except BaseException:
         pool.close()
         raise
@@ -289,11 +289,11 @@ def _transports(targets: list[Target], auth_token: str | None, ca_cert: Any, ser
     return transports
 
 
-def _metadata(pool: Pool, *, check_ready: bool, timeout: float | None) -> dict[str, Any]:
-    """The model's metadata from every server that answers; they must agree on the spec.
+def _metadata(
+    pool: Pool, *, check_ready: bool, timeout: float | None
+) -> tuple[dict[str, Any], tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+    """The model's metadata and spec, from every server that answers; they must agree on the spec.
     A server that does not answer is marked down (the pool skips it for a while)."""
-    from neuropod_serving.protocol import specs_from_model_metadata
-
     found: list[tuple[Target, dict[str, Any]]] = []
     errors: list[RemoteError] = []
     for server in pool.servers:
@@ -318,15 +318,31 @@ def _metadata(pool: Pool, *, check_ready: bool, timeout: float | None) -> dict[s
             url=errors[0].url, code="unavailable",
         )  # fmt: skip
     first_target, first = found[0]
-    spec = specs_from_model_metadata(first)
+    spec = _spec(first_target, first)
     for target, metadata in found[1:]:
-        if specs_from_model_metadata(metadata) != spec:
+        if _spec(target, metadata) != spec:
             raise RemoteError(
                 f"The servers of the remote model disagree on its spec: {first_target.url} and {target.url} "
                 "serve different inputs or outputs; give URLs of one model",
                 url=target.url, code="protocol",
             )  # fmt: skip
-    return first
+    return first, spec
+
+
+def _spec(target: Target, metadata: Mapping[str, Any]) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The input and output specs in one server's model metadata.
+
+    :raises RemoteError: the metadata cannot be read as a spec (code ``protocol``), naming the URL.
+    """
+    from neuropod_serving.protocol import specs_from_model_metadata
+
+    try:
+        return specs_from_model_metadata(metadata)
+    except NeuropodError as e:
+        raise RemoteError(
+            f"Remote model {target.url}: the server's model metadata cannot be read as a spec: {e}",
+            url=target.url, code="protocol", server_message=None,
+        ) from None  # fmt: skip
 
 
 def schemes() -> list[str]:
