@@ -40,7 +40,7 @@ def test_load_and_infer(tmp_path: Path) -> None:
 def test_outputs_are_checked_against_the_spec(tmp_path: Path) -> None:
     with toy_plugin():
         with neuropod.load_neuropod(write_toy(tmp_path / "a", op="wrong_shape")) as model, pytest.raises(
-            SpecError, match=r"'out' in the output spec.*symbol 'batch_size' = 2 \(from tensor 'x'\), but was 3"
+            SpecError, match=r"symbol 'batch_size' .* tensor 'out' in the output spec .* size 2 \(from tensor 'x'\), but was of size 3"
         ):
             model.infer({"x": X, "y": Y})
         with neuropod.load_neuropod(write_toy(tmp_path / "b", op="extra")) as model, pytest.raises(

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import neuropod
 from neuropod.errors import PackageError
 from neuropod.package import ModelConfig, cache_dir, parse_config, read_package, write_package, write_zip
 
@@ -507,10 +508,14 @@ def test_manifest_required_when_exported_with(tmp_path: Path) -> None:
 
 
 def test_manifest_optional_without_exported_with(tmp_path: Path) -> None:
+    # As the original Neuropod's packages are: config.json without exported_with, and no manifest.
     dest = write_package(tmp_path / "plain", parse_config(_valid_config_dict(), "c"), {"0/data/m.bin": b"m"})
+    config = json.loads((dest / "config.json").read_text())
+    assert config.pop("exported_with") == {"neuropod": neuropod.__version__}  # write_package always stamps ours
+    (dest / "config.json").write_text(json.dumps(config))
     (dest / "manifest.json").unlink()
     pkg = read_package(dest)
-    assert pkg.manifest is None and pkg.config.exported_with is None
+    assert pkg.manifest is None and pkg.config.exported_with is None and pkg.original_format
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ They hold no framework objects, so building them never imports a framework.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import sys
@@ -142,25 +141,65 @@ _loaded_libraries: dict[tuple[str, str], str] = {}
 
 
 def load_libraries_once(
-    paths: Iterable[Path], load: Callable[[str], object], framework: str, where: str
+    paths: Iterable[Path],
+    load: Callable[[str], object],
+    framework: str,
+    where: str,
+    *,
+    clash: Callable[[Path], str | None] | None = None,
 ) -> None:
     """Load custom-op libraries into a framework once per process per file content.
 
-    For backends' ``load_model``: the same library shipped in several
-    packages (or one package extracted twice) is loaded once, since
-    frameworks refuse to register an op a second time.
+    For backends' ``load_model``. Frameworks abort or fail when one op is
+    registered twice (torch aborts the interpreter), so a library is loaded
+    only when nothing with its content is in the process yet:
+
+    * one loaded here before (the same library shipped in several packages,
+      or one package extracted twice) is skipped;
+    * one whose content is already mapped into the process (the caller
+      loaded it to build the model, then packaged it; see :func:`mapped_copy`)
+      is skipped too: its ops are registered already;
+    * for the others, ``clash`` (when given) is asked first, for every
+      library before any is loaded, whether loading it here would register
+      ops this process already has from another file; if it says why, an
+      :class:`~neuropod.errors.InProcessConflictError` is raised and
+      ``load_neuropod`` runs the model in a worker process instead.
 
     :param load: the framework's loader, e.g. ``torch.ops.load_library``.
     :param framework: names the framework in errors and keys the record
         (``"torch 2.13.0"``).
+    :param clash: the framework's check, given a library's path: why it
+        cannot be loaded into this process, or None.
     :raises PackageError: a listed library is missing or fails to load.
+    :raises InProcessConflictError: ``clash`` found a library that cannot be loaded here.
     """
-    from neuropod.errors import PackageError
+    from neuropod import cache
+    from neuropod.errors import InProcessConflictError, PackageError
 
+    kind = framework.split()[0]
+    todo: list[tuple[Path, tuple[str, str]]] = []
     for path in paths:
         if not path.is_file():
             raise PackageError(f"{where}: custom op library {path} is listed in config.json but missing")
-        key = (framework.split()[0], hashlib.sha256(path.read_bytes()).hexdigest())
+        digest = cache.sha256_file(path)
+        key = (kind, digest)
+        with _libraries_lock:
+            if key in _loaded_libraries:
+                continue
+        mapped = mapped_copy(digest, path.stat().st_size)
+        if mapped is not None:
+            with _libraries_lock:
+                _loaded_libraries.setdefault(key, str(mapped))
+            continue
+        todo.append((path, key))
+    if clash is not None:
+        for path, _ in todo:
+            reason = clash(path)
+            if reason:
+                raise InProcessConflictError(
+                    f"{where}: custom op library {path.name} cannot be loaded into this process: {reason}"
+                )
+    for path, key in todo:
         with _libraries_lock:
             if key in _loaded_libraries:
                 continue
@@ -171,4 +210,89 @@ def load_libraries_once(
             _loaded_libraries[key] = str(path)
 
 
-__all__ = ["Backend", "DeviceCaps", "backend_record", "installed_distribution", "load_libraries_once"]
+# (st_dev, st_ino, st_size, st_mtime_ns) -> sha256, for files mapped into this process.
+_mapped_hashes: dict[tuple[int, int, int, int], str] = {}
+
+
+def mapped_copy(digest: str, size: int) -> Path | None:
+    """A shared object mapped into this process whose content has this sha256, or None.
+
+    Reads ``/proc/self/maps`` (Linux; elsewhere there is nothing to read and
+    the answer is None). Only files of exactly ``size`` bytes are hashed, and
+    each once per (device, inode, size, mtime), so asking costs a read of the
+    map and a few ``stat`` calls.
+    """
+    from neuropod import cache
+    from neuropod.errors import PackageError
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    seen: set[str] = set()
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith("/") or fields[5].endswith(" (deleted)"):
+            continue
+        name = fields[5]
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            st = os.stat(name)
+        except OSError:
+            continue
+        if st.st_size != size:
+            continue
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        known = _mapped_hashes.get(ident)
+        if known is None:
+            try:
+                known = _mapped_hashes[ident] = cache.sha256_file(Path(name))
+            except PackageError:
+                continue
+        if known == digest:
+            return Path(name)
+    return None
+
+
+def cached_probe(kind: str, key: str, compute: Callable[[], Any]) -> Any:
+    """``compute()``, remembered on disk under the cache directory by ``kind`` and ``key``.
+
+    For facts about a file that are slow to learn and never change for its
+    content, such as the op names a custom-op library registers (learnt by
+    loading it in a subprocess): ``key`` must identify the content and the
+    framework version (e.g. ``"<sha256>-torch-2.13.0"``). The value must be
+    JSON. A cache that cannot be written only costs the next caller a compute.
+    """
+    import json
+
+    from neuropod import cache
+
+    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{kind}-{key}")
+    path = cache.cache_dir() / "probes" / f"{safe}.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(json.dumps(value), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
+
+
+__all__ = [
+    "Backend",
+    "DeviceCaps",
+    "backend_record",
+    "cached_probe",
+    "installed_distribution",
+    "load_libraries_once",
+    "mapped_copy",
+]

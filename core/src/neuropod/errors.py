@@ -3,6 +3,13 @@
 Every error a user can cause (a bad package, a tensor that does not fit the
 spec, a range nobody can satisfy) is a :class:`NeuropodError`, so callers can
 catch one type. A framework's own exception is chained as ``__cause__``.
+
+Each class is also the builtin exception the original Neuropod (0.3) raised
+for the same fault, so code written for it keeps its ``except`` clauses:
+``ValueError`` for a package or packager argument that is wrong (including
+test data that a new package does not reproduce) and ``RuntimeError`` for
+what its C++ core reported (no backend for a version range, a tensor that
+does not fit the spec, a model that fails to load or run).
 """
 
 from __future__ import annotations
@@ -12,20 +19,34 @@ class NeuropodError(Exception):
     """Base class of every error Neuropod raises on purpose."""
 
 
-class PackageError(NeuropodError):
-    """A package is missing, malformed, unsafe or has been changed on disk."""
+class PackageError(NeuropodError, ValueError):
+    """A package is missing, malformed, unsafe or has been changed on disk, or a
+    packager's arguments (or test data) do not make a sound package.
+
+    Also a :class:`ValueError`, as the original Neuropod's packagers raised.
+    """
 
 
-class SpecError(NeuropodError):
-    """A tensor does not fit the model's input or output spec."""
+class SpecError(NeuropodError, RuntimeError):
+    """A tensor does not fit the model's input or output spec.
+
+    Also a :class:`RuntimeError`, as the original Neuropod's core raised.
+    """
 
 
-class VersionRangeError(NeuropodError, ValueError):
-    """A version range string cannot be parsed."""
+class VersionRangeError(NeuropodError, ValueError, RuntimeError):
+    """A version range string cannot be parsed.
+
+    A :class:`ValueError`, and a :class:`RuntimeError` as the original
+    Neuropod raised for a bad ``platform_version_semver``.
+    """
 
 
-class NoBackendError(NeuropodError):
-    """No installed backend can run the package on this host."""
+class NoBackendError(NeuropodError, RuntimeError):
+    """No installed backend can run the package on this host.
+
+    Also a :class:`RuntimeError`, as the original Neuropod raised.
+    """
 
 
 class PluginNotInstalledError(NoBackendError, ImportError):
@@ -36,15 +57,29 @@ class PluginNotInstalledError(NoBackendError, ImportError):
     """
 
 
-class BackendError(NeuropodError):
-    """The framework failed while loading or running a model."""
+class BackendError(NeuropodError, RuntimeError):
+    """The framework failed while loading or running a model.
+
+    Also a :class:`RuntimeError`, as the original Neuropod raised.
+    """
 
 
-class WorkerError(NeuropodError):
-    """A worker process running a model failed."""
+class InProcessConflictError(BackendError):
+    """This process cannot hold the model, for example because its custom ops
+    register op names that a library loaded here from another file has
+    registered already (frameworks abort or fail on a second registration).
+
+    Raised by a backend's ``load_model`` before it loads anything;
+    ``load_neuropod`` then runs the model in a worker process instead, with a
+    warning saying why.
+    """
 
 
-class RemoteError(NeuropodError):
+class WorkerError(NeuropodError, RuntimeError):
+    """A worker process running a model failed. Also a :class:`RuntimeError`."""
+
+
+class RemoteError(NeuropodError, RuntimeError):
     """A remote model (``load_neuropod("grpc://...")``) failed: the server could not be
     reached or answered with an error.
 
@@ -68,6 +103,7 @@ class RemoteError(NeuropodError):
 
 __all__ = [
     "BackendError",
+    "InProcessConflictError",
     "NeuropodError",
     "NoBackendError",
     "PackageError",

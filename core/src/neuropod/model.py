@@ -10,7 +10,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from neuropod import plugins
 from neuropod._args import check_flag, check_seconds, check_workers
 from neuropod.backend import Backend
 from neuropod.devices import Host, load_host, local_host, parse_device
-from neuropod.errors import BackendError, NeuropodError, PackageError
+from neuropod.errors import BackendError, InProcessConflictError, NeuropodError, PackageError
 from neuropod.package import Package, read_package
 from neuropod.resolve import Resolution, parse_backend_pin, resolve
 from neuropod.spec import SpecValidator, TensorSpec
@@ -42,7 +42,10 @@ class NeuropodModel:
         #: ``"cpu"`` or ``"cuda:N"``.
         self.device: str = chosen.device or "cpu"
         self._handle = handle
-        self._validator = SpecValidator(package.name, package.config.input_spec, package.config.output_spec)
+        self._validator = SpecValidator(
+            package.name, package.config.input_spec, package.config.output_spec,
+            shared_symbols=not package.original_format,
+        )  # fmt: skip
         self._bind_infer()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -62,14 +65,15 @@ class NeuropodModel:
         return self.package.platform
 
     @property
-    def inputs(self) -> tuple[TensorSpec, ...]:
-        """The input spec."""
-        return self.package.config.input_spec
+    def inputs(self) -> list[TensorSpec]:
+        """The input spec: a new list each time, of entries that are also the original
+        Neuropod's dicts (``model.inputs[0]["name"]``, ``model.inputs == [{...}]``)."""
+        return list(self.package.config.input_spec)
 
     @property
-    def outputs(self) -> tuple[TensorSpec, ...]:
-        """The output spec."""
-        return self.package.config.output_spec
+    def outputs(self) -> list[TensorSpec]:
+        """The output spec, as :attr:`inputs`."""
+        return list(self.package.config.output_spec)
 
     def infer(
         self, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None = None
@@ -266,6 +270,10 @@ def load_neuropod(
         bounded by it. None: wait as long as the model runs.
     :param load_options: passed to the backend's ``load_model`` hook
         (for example thread counts); backends reject options they do not know.
+        Two options of the original Neuropod are taken here: ``visible_gpu=N``
+        (``device="cuda:N"``; ``None`` for the CPU) and ``load_custom_ops=False``
+        (the caller has loaded the package's op libraries itself; in-process
+        only, since a worker process starts without them).
     :raises TypeError, ValueError: an argument of the wrong type or value
         (raised before the package is read).
     :raises PackageError: the package is missing, malformed or changed.
@@ -280,6 +288,9 @@ def load_neuropod(
             device=device, backend=backend, verify=verify, use_ope=use_ope, workers=workers, restart=restart,
             timeout=timeout, **load_options,
         )  # fmt: skip
+    device = _original_load_options(load_options, device)
+    load_custom_ops = load_options.pop("load_custom_ops", True)
+    check_flag("load_custom_ops", load_custom_ops)
     _check_load_args(neuropod_path, device=device, backend=backend, verify=verify, use_ope=use_ope,
                      workers=workers, restart=restart, timeout=timeout)  # fmt: skip
     package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)  # type: ignore[arg-type]  # a list is remote, above
@@ -288,8 +299,15 @@ def load_neuropod(
     if use_ope or chosen.backend.location != "in-process":
         return _load_in_workers(package, resolution, load_options, workers=workers, restart=restart, timeout=timeout)
     load = plugins.bound_hook("load_model", chosen.backend)
+    in_process = package
+    if not load_custom_ops and package.config.custom_ops:
+        # The caller has loaded the package's op libraries itself (the original's load_custom_ops=False).
+        in_process = replace(package, config=replace(package.config, custom_ops=()))
     try:
-        handle = load(package=package, backend=chosen.backend, device=chosen.device, options=dict(load_options))
+        handle = load(package=in_process, backend=chosen.backend, device=chosen.device, options=dict(load_options))
+    except InProcessConflictError as e:
+        warnings.warn(f"{e}. Model {package.name!r} runs in a worker process instead (OPE).", UserWarning, stacklevel=2)
+        return _load_in_workers(package, resolution, load_options, workers=workers, restart=restart, timeout=timeout)
     except NeuropodError:
         raise
     except Exception as e:
@@ -303,6 +321,27 @@ def load_neuropod(
 
 
 _LOAD_ARGS = ("device", "backend", "use_ope", "workers", "restart", "timeout")
+
+
+def _original_load_options(options: dict[str, Any], device: str | None) -> str | None:
+    """Take the original Neuropod's ``visible_gpu`` out of ``options``: the device it means.
+
+    ``visible_gpu=None`` is the CPU. ``visible_gpu=N`` is ``device="cuda:N"``
+    on a host that has that GPU; on one that does not, the original ran the
+    model on the CPU (``visible_gpu=0`` was its default), so it means "no
+    preference" there and resolution picks the device as usual.
+    """
+    if "visible_gpu" not in options:
+        return device
+    gpu = options.pop("visible_gpu")
+    if device is not None:
+        raise ValueError(f"give device= or visible_gpu= (the original Neuropod's form), not both (device={device!r}, visible_gpu={gpu!r})")
+    if gpu is None:
+        return "cpu"
+    if isinstance(gpu, bool) or not isinstance(gpu, numbers.Integral) or gpu < 0:
+        raise ValueError(f"visible_gpu must be a GPU index (an int >= 0) or None for the CPU, not {gpu!r:.60}")
+    wanted = f"cuda:{int(gpu)}"
+    return wanted if wanted in local_host().devices else None
 
 
 def _check_load_args(

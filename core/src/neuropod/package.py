@@ -237,6 +237,15 @@ class Package:
         return self.config.platform_version_semver
 
     @property
+    def original_format(self) -> bool:
+        """Written by the original Neuropod (its config has no ``exported_with``).
+
+        Such packages keep the original's spec rule that a symbol is checked
+        within the inputs and within the outputs separately, not across both.
+        """
+        return self.config.exported_with is None
+
+    @property
     def data_dir(self) -> Path:
         """``0/data``: the model files."""
         return self.root / "0" / "data"
@@ -568,6 +577,10 @@ def write_package(
     :returns: the path written.
     """
     dest = Path(neuropod_path)
+    if config.exported_with is None:  # what tells our packages from the original Neuropod's
+        from neuropod import __version__
+
+        config = replace(config, exported_with={"neuropod": __version__})
     # Check the config as a reader will see it before writing anything.
     config = parse_config(json.loads(json.dumps(config.to_dict())), f"config of {dest}")
     if os.path.lexists(dest):

@@ -14,7 +14,7 @@ has failed.
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +51,18 @@ NAME_RULE = (
 )
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One named tensor of a model's input or output spec."""
+_SPEC_KEYS = ("name", "dtype", "shape")
+
+
+@dataclass(frozen=True, eq=False)
+class TensorSpec(Mapping[str, Any]):
+    """One named tensor of a model's input or output spec.
+
+    It is also the read-only dict the original Neuropod gave for each entry of
+    ``model.inputs`` / ``model.outputs``: ``spec["name"]``, ``dict(spec)``,
+    ``spec == {"name": "x", "dtype": "float32", "shape": [None, 2]}`` (the
+    shape a list or a tuple), ``spec["shape"]`` a new list each time.
+    """
 
     name: str
     dtype: str
@@ -69,6 +78,45 @@ class TensorSpec:
 
     def __str__(self) -> str:
         return f"{self.name}: {self.dtype} {self.describe_shape()}"
+
+    # --- the original's dict form ---
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "name":
+            return self.name
+        if key == "dtype":
+            return self.dtype
+        if key == "shape":
+            return list(self.shape)
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_SPEC_KEYS)
+
+    def __len__(self) -> int:
+        return len(_SPEC_KEYS)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TensorSpec):
+            return (self.name, self.dtype, self.shape) == (other.name, other.dtype, other.shape)
+        if isinstance(other, Mapping):
+            if len(other) != len(_SPEC_KEYS) or any(k not in other for k in _SPEC_KEYS):
+                return False
+            shape = other["shape"]
+            return (
+                other["name"] == self.name
+                and other["dtype"] == self.dtype
+                and isinstance(shape, (list, tuple))
+                and tuple(shape) == self.shape
+            )
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.dtype, self.shape))
 
 
 def tensor_name_problem(name: object) -> str | None:
@@ -182,19 +230,33 @@ class SpecValidator:
 
     Built once per loaded model; :meth:`check_inputs` and
     :meth:`check_outputs` are called on every inference.
+
+    :param shared_symbols: a symbol has one size across inputs and outputs
+        (our rule, the default). False checks inputs and outputs separately,
+        as the original Neuropod did: packages it wrote may reuse a symbol
+        name on the output side with another meaning.
     """
 
-    def __init__(self, model_name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]):
+    def __init__(
+        self,
+        model_name: str,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        *,
+        shared_symbols: bool = True,
+    ):
         self.model_name = model_name
         self._inputs = {s.name: _compile(s) for s in inputs}
         self._outputs = {s.name: _compile(s) for s in outputs}
+        self.shared_symbols = shared_symbols
 
     def check_inputs(self, tensors: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], Bindings]:
         """Validate the inputs of one call.
 
         :returns: the inputs as C-contiguous numpy arrays (the same objects
             when they already were; the caller's own dict when nothing had
-            to change, so backends must not modify it), and the symbol sizes
+            to change, so backends must not modify it; a numpy scalar such
+            as ``np.float32(1)`` becomes a 0-d array), and the symbol sizes
             they set, for :meth:`check_outputs`.
         :raises SpecError: for an unknown name or a tensor that does not fit.
         """
@@ -209,9 +271,12 @@ class SpecValidator:
             compiled = specs.get(name)
             if compiled is None:
                 raise SpecError(
-                    f"Model {self.model_name!r} has no input named {name!r}; its inputs are: "
-                    + ", ".join(str(c[5]) for c in specs.values())
+                    f"Tensor name(s) {name!r} are not found in the input spec; model {self.model_name!r} has no "
+                    "input named " + repr(name) + "; its inputs are: " + ", ".join(str(c[5]) for c in specs.values())
                 )
+            if type(arr) is not np.ndarray and isinstance(arr, np.generic):
+                arr = np.asarray(arr)
+                copied.append(name)
             _check(arr, compiled, bindings, "input", self.model_name)
             if not arr.flags.c_contiguous:
                 copied.append(name)
@@ -220,7 +285,7 @@ class SpecValidator:
             return tensors, bindings
         out = dict(tensors)
         for name in copied:
-            out[name] = np.ascontiguousarray(out[name])
+            out[name] = np.ascontiguousarray(out[name]) if isinstance(out[name], np.ndarray) else np.asarray(out[name])
         return out, bindings
 
     def check_outputs(
@@ -231,18 +296,27 @@ class SpecValidator:
     ) -> None:
         """Validate what a backend returned, with the symbol sizes the inputs set.
 
+        A numpy scalar (what some frameworks give for a 0-d output) is
+        replaced in ``tensors`` by a 0-d array, so ``tensors`` must be the
+        backend's own dict, not the caller's.
+
         :param requested: the outputs the caller asked for; all of the spec's
             outputs when None. Each must be present.
         :raises SpecError: for a missing, unexpected or misfitting output.
         """
         specs = self._outputs
+        if not self.shared_symbols:
+            bindings = {}
         for name, arr in tensors.items():
             compiled = specs.get(name)
             if compiled is None:
                 raise SpecError(
-                    f"Model {self.model_name!r} returned a tensor {name!r} that is not in its output spec "
-                    f"({', '.join(specs)})"
+                    f"Tensor name(s) {name!r} are not found in the output spec: model {self.model_name!r} returned "
+                    f"a tensor {name!r} that is not in its output spec ({', '.join(specs)})"
                 )
+            if type(arr) is not np.ndarray and isinstance(arr, np.generic):
+                arr = np.asarray(arr)
+                tensors[name] = arr  # type: ignore[index]
             _check(arr, compiled, bindings, "output", self.model_name)
         if len(tensors) != len(specs) or requested is not None:
             wanted = specs if requested is None else requested
@@ -288,23 +362,35 @@ def _compile(spec: TensorSpec) -> _Compiled:
     return (spec.name, DTYPES[spec.dtype], len(spec.shape), fixed, symbols, spec)
 
 
+# The messages start with the original Neuropod's own sentence for the same
+# fault ("Tensor 'x' in the input spec is expected to have 2 dimensions, but
+# had 1"), so logs matched against its words still match; what we know more
+# (the model, the spec, the whole shape) follows in parentheses.
+
+
 def _check(arr: Any, compiled: _Compiled, bindings: Bindings, kind: str, model: str) -> None:
     name, dtype, ndim, fixed, symbols, spec = compiled
     if type(arr) is not np.ndarray and not isinstance(arr, np.ndarray):
-        _fail(spec, kind, model, f"expected a numpy array of {spec.dtype}, but got {_kind(arr)}")
+        _fail(
+            f"Tensor {name!r} in the {kind} spec is expected to be a numpy array of {spec.dtype}, "
+            f"but was {_kind(arr)}", model,
+        )  # fmt: skip
     if dtype is None:
         _check_strings(arr, spec, kind, model)
     elif arr.dtype != dtype:
-        _fail(spec, kind, model, f"dtype should be {spec.dtype}, but was {arr.dtype}")
+        _fail(f"Tensor {name!r} in the {kind} spec is expected to be of type {spec.dtype}, but was of type {arr.dtype}", model)
     shape = arr.shape
     if len(shape) != ndim:
         _fail(
-            spec, kind, model,
-            f"expected {ndim} dims {spec.describe_shape()}, but got {len(shape)} dims {tuple(shape)}",
-        )
+            f"Tensor {name!r} in the {kind} spec is expected to have {ndim} dimensions, but had {len(shape)}",
+            model, f"spec {spec.describe_shape()}, shape {tuple(shape)}",
+        )  # fmt: skip
     for axis, size in fixed:
         if shape[axis] != size:
-            _fail(spec, kind, model, f"dim {axis} should be {size}, but was {shape[axis]} (shape {tuple(shape)})")
+            _fail(
+                f"Dim {axis} of tensor {name!r} in the {kind} spec is expected to be of size {size}, "
+                f"but was of size {shape[axis]}", model, f"shape {tuple(shape)}",
+            )  # fmt: skip
     for axis, symbol in symbols:
         size = shape[axis]
         bound = bindings.get(symbol)
@@ -312,7 +398,10 @@ def _check(arr: Any, compiled: _Compiled, bindings: Bindings, kind: str, model: 
             bindings[symbol] = (size, name)
         elif bound[0] != size:
             source = "this tensor" if bound[1] == name else f"tensor {bound[1]!r}"
-            _fail(spec, kind, model, f"dim {axis} is symbol {symbol!r} = {bound[0]} (from {source}), but was {size}")
+            _fail(
+                f"All dims with symbol {symbol!r} should be the same size. Dim {axis} of tensor {name!r} in the "
+                f"{kind} spec was expected to be of size {bound[0]} (from {source}), but was of size {size}", model,
+            )  # fmt: skip
 
 
 def _check_strings(arr: np.ndarray, spec: TensorSpec, kind: str, model: str) -> None:
@@ -322,17 +411,20 @@ def _check_strings(arr: np.ndarray, spec: TensorSpec, kind: str, model: str) -> 
     if k == "O":
         for item in arr.flat:
             if type(item) is not str and not isinstance(item, str):
-                _fail(spec, kind, model, f"string tensors hold str, but an element is {_kind(item)} ({item!r:.40})")
+                _fail(
+                    f"Tensor {spec.name!r} in the {kind} spec is expected to hold str (a string tensor), "
+                    f"but an element is {_kind(item)} ({item!r:.40})", model,
+                )  # fmt: skip
         return
-    hint = " (decode bytes to str first)" if k == "S" else ""
+    hint = "; decode bytes to str first" if k == "S" else ""
     _fail(
-        spec, kind, model,
-        f"dtype should be string (a numpy unicode array or an object array of str), but was {arr.dtype}{hint}",
-    )
+        f"Tensor {spec.name!r} in the {kind} spec is expected to be of type string, but was of type {arr.dtype}",
+        model, f"a numpy unicode array or an object array of str{hint}",
+    )  # fmt: skip
 
 
-def _fail(spec: TensorSpec, kind: str, model: str, what: str) -> None:
-    raise SpecError(f"Tensor {spec.name!r} in the {kind} spec of model {model!r}: {what}")
+def _fail(sentence: str, model: str, detail: str = "") -> None:
+    raise SpecError(f"{sentence} (model {model!r}{': ' + detail if detail else ''})")
 
 
 def to_string_array(values: Any) -> np.ndarray:

@@ -93,7 +93,7 @@ def test_package_load_infer_with_shared_symbol(make_adder) -> None:
         out = model.infer(inputs)
         np.testing.assert_allclose(out["out"], inputs["x"] + inputs["y"], rtol=1e-6)
         np.testing.assert_allclose(out["doubled"], (inputs["x"] + inputs["y"]) * 2, rtol=1e-6)
-        with pytest.raises(SpecError, match=r"dim 0 is symbol 'batch_size' = 3 \(from tensor 'x'\), but was 4"):
+        with pytest.raises(SpecError, match=r"symbol 'batch_size' .* Dim 0 of tensor 'y' .* size 3 \(from tensor 'x'\), but was of size 4"):
             model.infer({"x": inputs["x"], "y": np.zeros((4, 2), np.float32)})
 
 
@@ -119,9 +119,9 @@ def test_bad_inputs_are_spec_errors(make_adder) -> None:
     with neuropod.load_neuropod(make_adder()) as model:
         good = xy()
         cases = [
-            ({**good, "x": good["x"].astype(np.float64)}, "dtype should be float32, but was float64"),
-            ({**good, "x": good["x"][None]}, "expected 2 dims"),
-            ({**good, "x": np.zeros((2, 3), np.float32)}, "dim 1 should be 2, but was 3"),
+            ({**good, "x": good["x"].astype(np.float64)}, "expected to be of type float32, but was of type float64"),
+            ({**good, "x": good["x"][None]}, "expected to have 2 dimensions, but had 3"),
+            ({**good, "x": np.zeros((2, 3), np.float32)}, "Dim 1 of tensor 'x' in the input spec is expected to be of size 2, but was of size 3"),
             ({**good, "z": good["x"]}, "no input named 'z'"),
             ({"x": good["x"]}, "needs input\\(s\\) 'y'"),
         ]

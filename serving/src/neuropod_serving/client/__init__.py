@@ -135,12 +135,12 @@ class RemoteModel(NeuropodModel):
         return self._platform
 
     @property
-    def inputs(self) -> tuple[TensorSpec, ...]:
-        return self._inputs
+    def inputs(self) -> list[TensorSpec]:
+        return list(self._inputs)
 
     @property
-    def outputs(self) -> tuple[TensorSpec, ...]:
-        return self._outputs
+    def outputs(self) -> list[TensorSpec]:
+        return list(self._outputs)
 
     def infer(
         self,

@@ -123,7 +123,7 @@ class Engine:
             batcher = Batcher(name, model.infer, self.batching, inflight=self.workers, observe=observe)
         self._runners[served.name] = _Runner(
             served=served,
-            validator=SpecValidator(model.name, model.inputs, model.outputs),
+            validator=SpecValidator(model.name, model.inputs, model.outputs, shared_symbols=_shared_symbols(model)),
             required=frozenset(s.name for s in model.inputs),
             batcher=batcher,
             unbatched_reason="" if symbol is not None else f"no batch dimension: {reason}",
@@ -284,3 +284,10 @@ def _ordered(runner: _Runner, outputs: dict[str, np.ndarray], requested: list[st
 def _in_process(model: Any) -> bool:
     """Whether the model runs in this process (not in OPE workers or a backend environment)."""
     return not type(model).__module__.startswith("neuropod.ope")
+
+
+def _shared_symbols(model: Any) -> bool:
+    """Whether a spec symbol has one size across inputs and outputs (False for packages the
+    original Neuropod wrote: it checked inputs and outputs separately; see :class:`SpecValidator`)."""
+    package = getattr(model, "package", None)
+    return not getattr(package, "original_format", False)

@@ -1,0 +1,1 @@
+"""The original Neuropod's keras backend package; see :mod:`neuropod.backends`."""

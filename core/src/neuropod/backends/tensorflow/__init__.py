@@ -1,0 +1,1 @@
+"""The original Neuropod's tensorflow backend package; see :mod:`neuropod.backends`."""

@@ -1,0 +1,1 @@
+"""The original Neuropod's torchscript backend package; see :mod:`neuropod.backends`."""
