@@ -250,7 +250,8 @@ def scan_tree(root: Path) -> dict[str, os.stat_result]:
     return files
 
 
-def _hash_stream(f: io.BufferedReader, copy_to: BinaryIO | None = None) -> str:
+def hash_stream(f: io.BufferedReader, copy_to: BinaryIO | None = None) -> str:
+    """The sha256 of what is left to read of ``f``, read in chunks, each also written to ``copy_to`` if given."""
     h = hashlib.sha256()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
@@ -265,7 +266,7 @@ def sha256_file(path: Path) -> str:
     """The sha256 of a regular file (see :func:`open_regular`)."""
     with open_regular(path) as f:
         try:
-            return _hash_stream(f)
+            return hash_stream(f)
         except OSError as e:
             raise PackageError(f"Cannot read {path}: {e.strerror}") from None
 
@@ -379,7 +380,7 @@ def _lock(packages: Path, digest: str) -> Iterator[None]:
 
 def _hash_zip(f: io.BufferedReader, source: Path, copy_to: BinaryIO | None = None) -> str:
     try:
-        return _hash_stream(f, copy_to)
+        return hash_stream(f, copy_to)
     except OSError as e:
         raise PackageError(f"Cannot read zip package {source}: {e.strerror}") from None
 

@@ -436,50 +436,83 @@ def run_test_data(
     package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)
     # Read the test data first: a refused pickle should not wait for a backend.
     inputs, expected = package.test_data(trust_pickle=trust_pickle)
+    return _run_and_compare(package, inputs, expected, rtol=rtol, atol=atol, load_kwargs=load_kwargs)
+
+
+def _run_and_compare(
+    package: Package, inputs: Mapping[str, Any], expected: Mapping[str, Any] | None, *, rtol: float, atol: float,
+    load_kwargs: Mapping[str, Any],
+) -> TestReport:  # fmt: skip
     with load_neuropod(package, **load_kwargs) as model:
         outputs = model.infer(inputs)
         mismatches = compare_outputs(outputs, expected, rtol=rtol, atol=atol) if expected is not None else []
-        return TestReport(model.name, model.backend.id, model.device, inputs, outputs, expected, tuple(mismatches))
+        return TestReport(
+            model.name, model.backend.id, model.device, dict(inputs), outputs,
+            None if expected is None else dict(expected), tuple(mismatches),
+        )  # fmt: skip
 
 
-def check_packaged(neuropod_path: str | os.PathLike[str], **kwargs: Any) -> TestReport | None:
-    """For packagers: load a new package once and run its test data, if it has expected outputs.
+def check_packaged(
+    neuropod_path: str | os.PathLike[str],
+    *,
+    test_input_data: Mapping[str, Any] | None = None,
+    test_expected_out: Mapping[str, Any] | None = None,
+    neuropod_load_args: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> TestReport | None:
+    """For packagers: load a new package once and run its test data.
 
-    A package that cannot load (say, a spec that does not fit the model) or
-    does not reproduce its own test output is removed, so nobody deploys it
-    by mistake; the error says why. Without expected outputs, a package that
-    no backend here can run (made for another framework version) is kept
-    with a warning that it was not checked.
+    The test data is the package's own (what ``persist_test_data`` stored),
+    else ``test_input_data`` / ``test_expected_out`` as given. With inputs,
+    the model runs once on them; with expected outputs too, its outputs must
+    match. A package that cannot load (say, a spec that does not fit the
+    model), fails on its test inputs or does not reproduce its expected
+    outputs is removed, so nobody deploys it by mistake; the error says why
+    (a :class:`PackageError`, also a ``ValueError`` as the original Neuropod
+    raised). Without expected outputs, a package that no backend here can
+    run (made for another framework version) is kept with a warning that it
+    was not checked.
 
+    :param neuropod_load_args: more keywords for :func:`load_neuropod` (the
+        original Neuropod's packager keyword), e.g. ``{"visible_gpu": None}``.
     :param kwargs: for :func:`load_neuropod` (e.g. ``backend=``), plus
         ``rtol``/``atol`` for the comparison.
-    :returns: the test report, or None when there was nothing to compare.
+    :returns: the test report, or None when nothing was run.
     """
     rtol, atol = kwargs.pop("rtol", 1e-5), kwargs.pop("atol", 1e-6)
+    if neuropod_load_args is not None:
+        if not isinstance(neuropod_load_args, Mapping):
+            raise TypeError(f"neuropod_load_args must be a dict of load_neuropod keywords, not {type(neuropod_load_args).__name__}")
+        kwargs.update(neuropod_load_args)
     try:
         package = read_package(neuropod_path)
-        if (package.root / "test_data" / "expected.npz").is_file():
-            report = run_test_data(package, rtol=rtol, atol=atol, **kwargs)  # read and checked once, above
-            if not report.passed:
-                raise PackageError(
-                    f"The new package for model {report.model!r} does not reproduce its expected test output "
-                    f"with {report.backend} on {report.device}: " + "; ".join(report.mismatches)
-                    + ". The package was not kept."
+        inputs: Mapping[str, Any] | None = test_input_data
+        expected: Mapping[str, Any] | None = test_expected_out if test_input_data is not None else None
+        if package.has_test_data:
+            inputs, expected = package.test_data()
+        if expected is None:
+            resolution = plan(package, device=kwargs.get("device"), backend=kwargs.get("backend"))
+            if resolution.chosen is None:
+                # Packaging for a framework version this machine does not have is
+                # legitimate; say that the package was not tried rather than fail.
+                warnings.warn(
+                    f"Package {package.source} was not checked by loading it: no installed backend can run it "
+                    f"here ({resolution.advice()})",
+                    UserWarning,
+                    stacklevel=3,
                 )
-            return report
-        resolution = plan(package, device=kwargs.get("device"), backend=kwargs.get("backend"))
-        if resolution.chosen is None:
-            # Packaging for a framework version this machine does not have is
-            # legitimate; say that the package was not tried rather than fail.
-            warnings.warn(
-                f"Package {package.source} was not checked by loading it: no installed backend can run it here "
-                f"({resolution.advice()})",
-                UserWarning,
-                stacklevel=3,
-            )
+                return None
+        if inputs is None:
+            load_neuropod(package, **kwargs).close()
             return None
-        load_neuropod(package, **kwargs).close()
-        return None
+        report = _run_and_compare(package, inputs, expected, rtol=rtol, atol=atol, load_kwargs=kwargs)
+        if not report.passed:
+            raise PackageError(
+                f"The new package for model {report.model!r} does not reproduce its expected test output "
+                f"with {report.backend} on {report.device}: " + "; ".join(report.mismatches)
+                + ". The package was not kept."
+            )
+        return report
     except BaseException:
         _remove(Path(neuropod_path))
         raise

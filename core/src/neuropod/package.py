@@ -52,6 +52,7 @@ is the only version this neuropod reads.
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import os
@@ -95,6 +96,10 @@ _KNOWN_KEYS = {
 }
 
 FileSource = str | os.PathLike[str] | bytes
+
+#: The compressions a package zip may use (what ``zip_compression=`` accepts).
+_ZIP_COMPRESSIONS = (zipfile.ZIP_DEFLATED, zipfile.ZIP_STORED)
+_ZIP_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -431,11 +436,16 @@ def _verify_manifest(
         )
 
 
-def make_manifest(root: Path) -> dict[str, Any]:
-    """The manifest of every file under ``root`` except the manifest itself."""
+def make_manifest(root: Path, known: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The manifest of every file under ``root`` except the manifest itself.
+
+    :param known: sha256 already taken of some files (by relative path), for
+        instance while they were copied in; the others are read and hashed.
+    """
+    known = known or {}
     return {
         "manifest_version": MANIFEST_VERSION,
-        "files": {f: cache.sha256_file(root / f) for f in _list_files(root) if f != MANIFEST},
+        "files": {f: known.get(f) or cache.sha256_file(root / f) for f in _list_files(root) if f != MANIFEST},
     }
 
 
@@ -452,7 +462,8 @@ def _write_npz(path: Path, tensors: Mapping[str, Any]) -> None:
             if arr.dtype.kind in "OS":
                 arr = _string_test_tensor(name, arr, path)
             buf = io.BytesIO()
-            np.lib.format.write_array(buf, np.ascontiguousarray(arr), allow_pickle=False)
+            # Not np.ascontiguousarray: it makes a 0-d array (a scalar) 1-d.
+            np.lib.format.write_array(buf, arr if arr.flags.c_contiguous else arr.copy(order="C"), allow_pickle=False)
             zf.writestr(_zip_info(f"{name}.npy"), buf.getvalue())
 
 
@@ -563,8 +574,14 @@ def write_package(
     test_input_data: Mapping[str, Any] | None = None,
     test_expected_out: Mapping[str, Any] | None = None,
     package_as_zip: bool = False,
+    persist_test_data: bool = True,
+    zip_compression: int = zipfile.ZIP_DEFLATED,
 ) -> Path:
     """Write a package; the building block of every ``create_*_neuropod``.
+
+    Files are streamed: each is copied in chunks and hashed for the manifest
+    as it is copied, and zipped in chunks, so writing a model file of any size
+    holds only a chunk of it in memory.
 
     :param neuropod_path: where to write: a directory, or a zip file when
         ``package_as_zip``. It must not exist yet.
@@ -574,8 +591,23 @@ def write_package(
         file or directory to copy, or the bytes to write.
     :param backend_config: written to ``0/config.json`` when given.
     :param custom_ops: custom-op libraries to copy into ``0/ops/``.
+    :param persist_test_data: store ``test_input_data`` / ``test_expected_out``
+        in the package (the original Neuropod's keyword); False leaves them out.
+    :param zip_compression: with ``package_as_zip``, how members are
+        compressed: ``zipfile.ZIP_DEFLATED`` (default) or ``zipfile.ZIP_STORED``
+        (the original Neuropod's keyword; stored is faster to write and read
+        for models that do not compress).
     :returns: the path written.
     """
+    from neuropod._args import check_flag
+
+    check_flag("package_as_zip", package_as_zip)
+    check_flag("persist_test_data", persist_test_data)
+    if zip_compression not in _ZIP_COMPRESSIONS or isinstance(zip_compression, bool):
+        raise ValueError(
+            f"zip_compression must be zipfile.ZIP_DEFLATED ({zipfile.ZIP_DEFLATED}) or zipfile.ZIP_STORED "
+            f"({zipfile.ZIP_STORED}), not {zip_compression!r:.60}"
+        )
     dest = Path(neuropod_path)
     if config.exported_with is None:  # what tells our packages from the original Neuropod's
         from neuropod import __version__
@@ -587,6 +619,7 @@ def write_package(
         raise _exists(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".neuropod-", dir=dest.parent))
+    hashes: dict[str, str] = {}  # taken while copying: each model file is read once
     try:
         op_names = []
         for op in custom_ops:
@@ -595,21 +628,21 @@ def write_package(
                 raise PackageError(f"Custom op library {op_path} does not exist")
             if op_path.name in op_names:
                 raise PackageError(f"Two custom op libraries are named {op_path.name!r}; rename one")
-            _copy_into(staging, f"0/ops/{op_path.name}", op_path)
+            _copy_into(staging, f"0/ops/{op_path.name}", op_path, hashes)
             op_names.append(op_path.name)
         for rel, src in files.items():
-            _copy_into(staging, rel, src)
+            _copy_into(staging, rel, src, hashes)
         if backend_config is not None:
             _write_text(staging / "0" / CONFIG, json.dumps(dict(backend_config), indent=2, sort_keys=True) + "\n")
         config = replace(config, custom_ops=tuple(op_names))
         _write_text(staging / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
-        if test_input_data is not None:
+        if test_input_data is not None and persist_test_data:
             _write_npz(staging / TEST_INPUTS, test_input_data)
             if test_expected_out is not None:
                 _write_npz(staging / TEST_EXPECTED, test_expected_out)
-        _write_text(staging / MANIFEST, json.dumps(make_manifest(staging), indent=2, sort_keys=True) + "\n")
+        _write_text(staging / MANIFEST, json.dumps(make_manifest(staging, hashes), indent=2, sort_keys=True) + "\n")
         if package_as_zip:
-            _write_zip(staging, dest, replace=False)
+            _write_zip(staging, dest, replace=False, compression=zip_compression)
         else:
             staging.chmod(0o755)  # mkdtemp made it private; a package is meant to be shared
             try:
@@ -633,7 +666,8 @@ def _write_text(path: Path, text: str) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def _copy_into(root: Path, rel: str, src: FileSource) -> None:
+def _copy_into(root: Path, rel: str, src: FileSource, hashes: dict[str, str]) -> None:
+    """Copy ``src`` to ``root/rel``, recording the sha256 of each file written in ``hashes``."""
     parts = PurePosixPath(rel).parts
     if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
         raise PackageError(f"Package file path {rel!r} must be relative and stay inside the package")
@@ -641,17 +675,23 @@ def _copy_into(root: Path, rel: str, src: FileSource) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(src, bytes):
         target.write_bytes(src)
+        hashes[PurePosixPath(*parts).as_posix()] = hashlib.sha256(src).hexdigest()
         return
     src_path = Path(src)
+
+    def copy(src_file: str, dst_file: str) -> None:
+        hashes[Path(dst_file).relative_to(root).as_posix()] = _copy_regular(src_file, dst_file)
+
     if src_path.is_dir():
-        shutil.copytree(src_path, target, symlinks=False, copy_function=_copy_regular)
+        shutil.copytree(src_path, target, symlinks=False, copy_function=copy)
     elif os.path.lexists(src_path):
-        _copy_regular(str(src_path), str(target))
+        copy(str(src_path), str(target))
     else:
         raise PackageError(f"Cannot package {src_path}: no such file or directory")
 
 
-def _copy_regular(src: str, dst: str) -> None:
+def _copy_regular(src: str, dst: str) -> str:
+    """Copy one file in chunks and return its sha256 (of the bytes written)."""
     # Links are followed (a source tree may be built from them), but what they
     # lead to must be a file: copying a FIFO or /dev/zero would never end.
     try:
@@ -660,23 +700,27 @@ def _copy_regular(src: str, dst: str) -> None:
         raise PackageError(f"Cannot package {src}: {e.strerror}") from None
     if not stat.S_ISREG(mode):
         raise PackageError(f"Cannot package {src}: it is {cache.file_kind(mode)}, not a regular file")
-    shutil.copyfile(src, dst)
+    with cache.open_regular(Path(src)) as f, open(dst, "wb") as out:
+        try:
+            return cache.hash_stream(f, copy_to=out)
+        except OSError as e:
+            raise PackageError(f"Cannot package {src}: {e.strerror}") from None
 
 
-def _zip_info(name: str) -> zipfile.ZipInfo:
+def _zip_info(name: str, compression: int = zipfile.ZIP_DEFLATED) -> zipfile.ZipInfo:
     info = zipfile.ZipInfo(name, date_time=_ZIP_TIME)
-    info.compress_type = zipfile.ZIP_DEFLATED
+    info.compress_type = compression
     info.create_system = 3  # unix, so the permission bits below mean the same everywhere
     info.external_attr = (stat.S_IFREG | 0o644) << 16
     return info
 
 
-def write_zip(root: Path, dest: Path) -> None:
+def write_zip(root: Path, dest: Path, *, compression: int = zipfile.ZIP_DEFLATED) -> None:
     """Zip a package directory deterministically: same files, same bytes. ``dest`` is replaced."""
-    _write_zip(root, dest, replace=True)
+    _write_zip(root, dest, replace=True, compression=compression)
 
 
-def _write_zip(root: Path, dest: Path, *, replace: bool) -> None:
+def _write_zip(root: Path, dest: Path, *, replace: bool, compression: int = zipfile.ZIP_DEFLATED) -> None:
     # A temporary name of our own, not "<dest>.partial": two writers of one
     # path would write into one file and rename each other's half-zips.
     while True:
@@ -693,7 +737,11 @@ def _write_zip(root: Path, dest: Path, *, replace: bool) -> None:
             with zipfile.ZipFile(out, "w") as zf:
                 for rel in _list_files(root):
                     with cache.open_regular(root / rel) as f:
-                        zf.writestr(_zip_info(rel), f.read())
+                        info = _zip_info(rel, compression)
+                        # The size up front lets zipfile pick ZIP64 headers only for members that need them.
+                        info.file_size = os.fstat(f.fileno()).st_size
+                        with zf.open(info, "w") as member:
+                            shutil.copyfileobj(f, member, _ZIP_CHUNK)
             out.flush()
             os.fsync(out.fileno())  # complete on disk before it appears under its name
         if replace:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,9 @@ def create_onnx_neuropod(
     test_input_data: Mapping[str, Any] | None = None,
     test_expected_out: Mapping[str, Any] | None = None,
     package_as_zip: bool = False,
+    persist_test_data: bool = True,
+    zip_compression: int = zipfile.ZIP_DEFLATED,
+    neuropod_load_args: Mapping[str, Any] | None = None,
     test_rtol: float = 1e-5,
     test_atol: float = 1e-6,
 ) -> Path:
@@ -51,6 +55,11 @@ def create_onnx_neuropod(
         ``test_expected_out``, the new package is loaded and its outputs are
         checked before this returns (a package that fails is removed).
     :param package_as_zip: write a zip instead of a directory.
+    :param persist_test_data: store the test data in the package (default);
+        False checks the new package with it without storing it.
+    :param zip_compression: ``zipfile.ZIP_DEFLATED`` or ``zipfile.ZIP_STORED``.
+    :param neuropod_load_args: keywords for the ``load_neuropod`` that checks
+        the new package, e.g. ``{"visible_gpu": None}``.
     :returns: the path written.
     """
     if (onnx_model is None) == (onnx_path is None):
@@ -79,8 +88,13 @@ def create_onnx_neuropod(
         test_input_data=test_input_data,
         test_expected_out=test_expected_out,
         package_as_zip=package_as_zip,
+        persist_test_data=persist_test_data,
+        zip_compression=zip_compression,
     )
-    check_packaged(path, backend=PLATFORM, rtol=test_rtol, atol=test_atol)
+    check_packaged(
+        path, test_input_data=test_input_data, test_expected_out=test_expected_out,
+        neuropod_load_args=neuropod_load_args, backend=PLATFORM, rtol=test_rtol, atol=test_atol,
+    )  # fmt: skip
     return path
 
 

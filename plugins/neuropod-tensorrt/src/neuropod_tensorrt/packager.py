@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,9 @@ def create_tensorrt_neuropod(
     test_input_data: Mapping[str, Any] | None = None,
     test_expected_out: Mapping[str, Any] | None = None,
     package_as_zip: bool = False,
+    persist_test_data: bool = True,
+    zip_compression: int = zipfile.ZIP_DEFLATED,
+    neuropod_load_args: Mapping[str, Any] | None = None,
     test_rtol: float = 1e-3,
     test_atol: float = 1e-4,
 ) -> Path:
@@ -61,6 +65,8 @@ def create_tensorrt_neuropod(
         whose GPUs have less are rejected by resolution.
     :param custom_ops: TensorRT plugin libraries, loaded before the engine is
         deserialized.
+    :param persist_test_data, zip_compression, neuropod_load_args: as for
+        every packager (see ``create_onnx_neuropod``).
     :returns: the path written.
     """
     if (engine_path is None) == (onnx_path is None):
@@ -102,8 +108,12 @@ def create_tensorrt_neuropod(
     written = write_package(
         neuropod_path, config, {ENGINE_PATH: engine}, custom_ops=custom_ops,
         test_input_data=test_input_data, test_expected_out=test_expected_out, package_as_zip=package_as_zip,
+        persist_test_data=persist_test_data, zip_compression=zip_compression,
     )  # fmt: skip
-    check_packaged(written, backend=PLATFORM, rtol=test_rtol, atol=test_atol)
+    check_packaged(
+        written, test_input_data=test_input_data, test_expected_out=test_expected_out,
+        neuropod_load_args=neuropod_load_args, backend=PLATFORM, rtol=test_rtol, atol=test_atol,
+    )  # fmt: skip
     return written
 
 
