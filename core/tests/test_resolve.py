@@ -62,7 +62,7 @@ def test_nothing_fits_lists_all_and_says_what_to_install() -> None:
     with pytest.raises(NoBackendError) as info:
         r.raise_if_unresolved()
     text = str(info.value)
-    assert "No backend can run it on cpu box." in text
+    assert "No backend can run it on cpu box: a backend satisfying these requirements was not found." in text
     assert "Install a onnx version in '>=2' (>=2.0.0)" in text
     assert text.count("is not in") == 3
     r = resolve(config(platform="tensorflow"), ALL, CAPS, CPU_HOST)

@@ -74,7 +74,11 @@ class Resolution:
         head = f"Model {cfg.name!r} needs platform {cfg.platform!r}, versions {describe_range(cfg.platform_version_semver)}"
         if self.chosen is not None:
             return f"{head}.\nChosen: {self.chosen.backend.id} on {self.chosen.device}."
-        return f"{head}.\nNo backend can run it on {self.host.name}. {self.advice()}"
+        # "a backend satisfying these requirements was not found" is the original Neuropod's phrase.
+        return (
+            f"{head}.\nNo backend can run it on {self.host.name}: a backend satisfying these requirements "
+            f"was not found. {self.advice()}"
+        )
 
     def advice(self) -> str:
         cfg = self.config
