@@ -44,6 +44,27 @@ class ReturnsTupleOfDicts(torch.nn.Module):
         return {"twice": x * 2}, {"label": ["a" for _ in range(x.shape[0])]}
 
 
+class ConcatStrings(torch.nn.Module):
+    """Joins two string tensors element by element with a space; returns a bare List[str]."""
+
+    def forward(self, x: list[str], y: list[str]) -> list[str]:
+        return [a + " " + b for a, b in zip(x, y)]
+
+
+class ReturnsDuplicate(torch.nn.Module):
+    """Returns the output 'out' in both dicts of a tuple."""
+
+    def forward(self, x: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        return {"out": x, "a": x}, {"out": x * 2}
+
+
+class Scalars(torch.nn.Module):
+    """0-d in, 0-d out: the sum of a vector scaled by a scalar, and the vector's length."""
+
+    def forward(self, x: Tensor, scale: Tensor) -> dict[str, Tensor]:
+        return {"total": x.sum() * scale, "count": torch.tensor(x.shape[0])}
+
+
 class OptionalBias(torch.nn.Module):
     def forward(self, x: Tensor, bias: Tensor | None = None) -> dict[str, Tensor]:
         if bias is None:

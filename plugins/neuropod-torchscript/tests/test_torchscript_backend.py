@@ -83,7 +83,7 @@ def test_one_argument_per_input_with_shared_symbol(tmp_path: Path) -> None:
         np.testing.assert_allclose(out["out"], total, rtol=1e-6)
         np.testing.assert_allclose(out["doubled"], total * 2, rtol=1e-6)
         assert list(model.infer(inputs, requested_outputs=["doubled"])) == ["doubled"]
-        with pytest.raises(SpecError, match=r"dim 0 is symbol 'batch' = 3 \(from tensor 'x'\), but was 1"):
+        with pytest.raises(SpecError, match=r"Dim 0 of tensor 'y' .* size 3 \(from tensor 'x'\), but was of size 1"):
             model.infer({"x": inputs["x"], "y": np.zeros((1, 2), np.float32)})
 
 
@@ -155,6 +155,57 @@ def test_optional_argument_left_out(tmp_path: Path) -> None:
         np.testing.assert_array_equal(m.infer({"x": x, "bias": b})["out"], x + b)
         with pytest.raises(SpecError, match="needs input\\(s\\) 'x'"):
             m.infer({"bias": b})
+
+
+def test_bare_string_list_is_the_single_output(tmp_path: Path) -> None:
+    """forward may return a bare List[str] when the output spec has one entry (the original's string models)."""
+    x, y = np.array(["apple", "big"]), np.array(["sauce", "top"])
+    in_spec = spec(("x", "string", ["n"]), ("y", "string", ["n"]))
+    path = package(tmp_path, models.ConcatStrings(), in_spec, spec(("out", "string", ["n"])),
+                   test_input_data={"x": x, "y": y}, test_expected_out={"out": np.array(["apple sauce", "big top"])})  # fmt: skip
+    with neuropod.load_neuropod(path) as m:
+        out = m.infer({"x": x, "y": y.astype(object)})["out"]
+        assert out.dtype.kind == "U" and out.tolist() == ["apple sauce", "big top"]
+        assert m.infer({"x": x[:0], "y": y[:0]})["out"].shape == (0,)
+    two = package(tmp_path, models.ConcatStrings(), in_spec, spec(("a", "string", ["n"]), ("b", "string", ["n"])),
+                  name="two")  # fmt: skip
+    with neuropod.load_neuropod(two) as m, pytest.raises(BackendError) as info:
+        m.infer({"x": x, "y": y})
+    assert "returned a list of str, but its output spec has 2 outputs (a, b)" in str(info.value)
+    assert "Model did not return dict and output spec is not size 1" in str(info.value)
+    numeric = package(tmp_path, models.ConcatStrings(), in_spec, spec(("out", "float32", ["n"])), name="numeric")
+    with neuropod.load_neuropod(numeric) as m, pytest.raises(SpecError, match="'out'.*float32"):
+        m.infer({"x": x, "y": y})
+
+
+def test_output_returned_twice_is_an_error(tmp_path: Path) -> None:
+    path = package(tmp_path, models.ReturnsDuplicate(), spec(("x", "float32", [2])),
+                   spec(("out", "float32", [2]), ("a", "float32", [2])))  # fmt: skip
+    with neuropod.load_neuropod(path) as m:
+        for requested in (None, ["a"]):  # even when 'out' is not asked for: the model is wrong
+            with pytest.raises(BackendError) as info:
+                m.infer({"x": np.ones(2, np.float32)}, requested_outputs=requested)
+            message = str(info.value)
+            assert isinstance(info.value, RuntimeError)
+            assert "returned output 'out' twice" in message
+            assert "An item with name `out` was already returned by this model" in message
+
+
+def test_scalars_in_and_out(tmp_path: Path) -> None:
+    x = np.array([1, 2, 3.5], np.float32)
+    in_spec = spec(("x", "float32", ["n"]), ("scale", "float32", []))
+    out_spec = spec(("total", "float32", []), ("count", "int64", []))
+    path = package(tmp_path, models.Scalars(), in_spec, out_spec,
+                   test_input_data={"x": x, "scale": np.float32(2)},
+                   test_expected_out={"total": np.float32(13), "count": np.int64(3)})  # fmt: skip
+    with neuropod.load_neuropod(path) as m:
+        for scale in (np.float32(2), np.array(2, np.float32)):
+            out = m.infer({"x": x, "scale": scale})
+            for name, value, dtype in (("total", 13.0, np.float32), ("count", 3, np.int64)):
+                assert type(out[name]) is np.ndarray and out[name].shape == () and out[name].dtype == dtype
+                assert out[name] == value
+        with pytest.raises(SpecError, match="'scale'"):
+            m.infer({"x": x, "scale": np.array([2], np.float32)})
 
 
 # --- outputs the spec cannot describe ------------------------------------------

@@ -230,24 +230,22 @@ class TorchScriptModel:
             del guard
 
     def _outputs(self, result: Any, requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+        # What forward may return, as the original Neuropod read it: a dict; a
+        # bare Tensor or List[str] when the output spec has exactly one entry; a
+        # named tuple; or a tuple of dicts.
         if isinstance(result, dict):
             items: Any = result.items()
-        elif isinstance(result, torch.Tensor):
-            if len(self._output_names) != 1:
-                raise NeuropodError(
-                    f"Model {self.name!r} returned a single tensor, but its output spec has "
-                    f"{len(self._output_names)} outputs ({', '.join(self._output_names)}); return a dict of name -> "
-                    "tensor (or a named tuple)"
-                )
-            items = [(self._output_names[0], result)]
+        elif isinstance(result, (torch.Tensor, list)):
+            items = [(self._single_output_name(result), result)]
         elif isinstance(result, tuple) and hasattr(result, "_fields"):
             items = zip(result._fields, result)
         elif isinstance(result, tuple) and result and all(isinstance(d, dict) for d in result):
-            items = [kv for d in result for kv in d.items()]
+            items = self._merged(result)
         else:
-            raise NeuropodError(
-                f"Model {self.name!r} returned {_describe(result)}, which its output spec cannot describe; forward "
-                "must return a dict of name -> Tensor or List[str], a single Tensor, a named tuple, or a tuple of dicts"
+            raise BackendError(
+                f"Model {self.name!r} returned {_describe(result)}, which its output spec cannot describe "
+                "(Torchscript model output type not supported in neuropod); forward must return a dict of name -> "
+                "Tensor or List[str], a single Tensor or List[str], a named tuple, or a tuple of dicts"
             )
         out: dict[str, np.ndarray] = {}
         for name, value in items:
@@ -260,11 +258,44 @@ class TorchScriptModel:
             elif isinstance(value, list) and all(isinstance(v, str) for v in value):
                 out[name] = np.array(value, dtype=str) if value else np.zeros(0, dtype="<U1")
             else:
-                raise NeuropodError(
+                kind = f"a list of type '{_describe_items(value)}'" if isinstance(value, list) else "an invalid type"
+                raise BackendError(
                     f"Model {self.name!r} returned {_describe(value)} for output {name!r}; outputs must be Tensor or "
-                    "List[str]"
+                    f"List[str] (Neuropod got {kind} for tensor '{name}')"
                 )
         return out
+
+    def _single_output_name(self, result: Any) -> str:
+        """The name of a bare Tensor or List[str] that ``forward`` returned: the only output in the spec."""
+        names = self._output_names
+        if len(names) == 1:
+            return names[0]
+        what = "a single tensor" if isinstance(result, torch.Tensor) else _describe(result)
+        if not names:
+            raise BackendError(
+                f"Model {self.name!r} returned {what}, but its output spec is empty (Model did not return dict and "
+                "output spec is empty); describe the output in the output spec"
+            )
+        raise BackendError(
+            f"Model {self.name!r} returned {what}, but its output spec has {len(names)} outputs ({', '.join(names)}) "
+            "(Model did not return dict and output spec is not size 1); return a dict of name -> tensor (or a named "
+            "tuple)"
+        )
+
+    def _merged(self, dicts: tuple[dict[str, Any], ...]) -> list[tuple[str, Any]]:
+        """The items of the dicts in a returned tuple; a name in two of them is an error, not an overwrite."""
+        items = [kv for d in dicts for kv in d.items()]
+        if len(items) != len({name for name, _ in items}):
+            seen: set[str] = set()
+            for name, _ in items:
+                if name in seen:
+                    raise BackendError(
+                        f"Model {self.name!r} returned output {name!r} twice, in two of the dicts of the tuple forward "
+                        f"returned (An item with name `{name}` was already returned by this model. Please ensure "
+                        "your model does not have duplicate outputs)"
+                    )
+                seen.add(name)
+        return items
 
     def close(self) -> None:
         # Dropping the last references frees the module's memory.
@@ -287,6 +318,9 @@ def _to_str_list(arr: np.ndarray) -> list[str]:
 
 def _describe(value: Any) -> str:
     if isinstance(value, (list, tuple)):
-        inner = {type(v).__name__ for v in value}
-        return f"a {type(value).__name__} of {', '.join(sorted(inner)) or 'nothing'}"
+        return f"a {type(value).__name__} of {_describe_items(value) or 'nothing'}"
     return f"a {type(value).__name__}"
+
+
+def _describe_items(values: list[Any] | tuple[Any, ...]) -> str:
+    return ", ".join(sorted({type(v).__name__ for v in values}))
