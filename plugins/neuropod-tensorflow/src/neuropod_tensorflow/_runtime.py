@@ -112,8 +112,19 @@ def import_tensorflow() -> Any:
 
 
 def load_custom_ops(tf: Any, paths: Sequence[Path], where: str) -> None:
-    """``tf.load_op_library`` each library once per process per file content."""
-    load_libraries_once(paths, tf.load_op_library, f"tensorflow {tf.__version__}", where)
+    """``tf.load_op_library`` each library once per process per file content.
+
+    A library whose ops this process has from another file is not loaded:
+    :func:`~neuropod_tensorflow._ops_probe.clash` says so, and the core runs
+    the model in a worker process instead.
+    """
+    if not paths:
+        return
+    from neuropod_tensorflow._ops_probe import clash
+
+    load_libraries_once(
+        paths, tf.load_op_library, f"tensorflow {tf.__version__}", where, clash=lambda path: clash(tf, path, where)
+    )
 
 
 def _threads(options: Mapping[str, Any]) -> dict[str, Any]:
