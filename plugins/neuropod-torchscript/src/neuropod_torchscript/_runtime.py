@@ -42,9 +42,21 @@ LOAD_OPTIONS = {
 # few microseconds a call, more than everything else neuropod adds.
 _InferenceGuard: Callable[[bool], Any] | None = getattr(torch._C, "_InferenceMode", None)
 
+
 def load_custom_ops(paths: Sequence[Path], where: str) -> None:
-    """``torch.ops.load_library`` each library once per process per file content."""
-    load_libraries_once(paths, torch.ops.load_library, f"torch {torch.__version__}", where)
+    """``torch.ops.load_library`` each library once per process per file content.
+
+    A library whose ops this process already has from another file would make
+    torch abort the process; :func:`~neuropod_torchscript._ops_probe.clash`
+    finds those first, and the model then runs in a worker process.
+    """
+    if not paths:
+        return
+    from neuropod_torchscript._ops_probe import clash
+
+    load_libraries_once(
+        paths, torch.ops.load_library, f"torch {torch.__version__}", where, clash=lambda path: clash(path, where)
+    )
 
 
 def _set_threads(options: Mapping[str, Any]) -> None:
