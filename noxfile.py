@@ -6,6 +6,7 @@
     nox -s tests_envs              two real backend environments (onnxruntime 1.20.1, 1.24.4) beside 1.31.1
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
+    nox -s tests_compat            code written for the original Neuropod (tests/compat), ONNX + torch + TensorFlow
     nox -s tests_tensorrt          the TensorRT plugin (GPU tests skip without a GPU and TensorRT)
     nox -s tests_serving           neuropod-serving: `neuropod serve` (REST, gRPC, batching, metrics) with tritonclient,
                                    remote models against it and against MLServer
@@ -136,6 +137,20 @@ def tests_tensorflow(session: nox.Session, tensorflow: str) -> None:
     """The TensorFlow plugin against one tensorflow-cpu release (needs g++ for the custom-op test)."""
     session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-tensorflow'}[test]", f"tensorflow-cpu=={tensorflow}")
     _pytest(session, "plugins/neuropod-tensorflow/tests")
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def tests_compat(session: nox.Session) -> None:
+    """tests/compat: code written for the original Neuropod (0.3) against ours, with the ONNX,
+    TorchScript and TensorFlow plugins and the default framework releases; one pytest process per
+    module, so torch and TensorFlow never share one."""
+    session.install(
+        f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]", f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
+        f"{ROOT / 'plugins/neuropod-torchscript'}[test]", f"torch=={TORCH_DEFAULT}",
+        f"{ROOT / 'plugins/neuropod-tensorflow'}[test]", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}",
+    )
+    for module in sorted((ROOT / "tests" / "compat").glob("test_compat_*.py")):
+        _pytest(session, str(module.relative_to(ROOT)))
 
 
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])

@@ -71,7 +71,7 @@ import numpy as np
 
 from neuropod import _json, cache
 from neuropod.cache import DEFAULT_MAX_PACKAGE_BYTES, DEFAULT_MAX_PACKAGE_FILES, cache_dir, verify_cache
-from neuropod.errors import NeuropodError, PackageError
+from neuropod.errors import NeuropodError, PackageError, VersionRangeError
 from neuropod.spec import TensorSpec, parse_spec, to_string_array
 from neuropod.versions import parse_range
 
@@ -136,6 +136,12 @@ class ModelConfig:
         return out
 
 
+class _RangeError(PackageError, VersionRangeError):
+    """A package's (or packager call's) ``platform_version_semver`` does not parse: a
+    :class:`PackageError` and a :class:`VersionRangeError`, so also the ``RuntimeError``
+    the original Neuropod raised for it."""
+
+
 def parse_config(data: Any, where: str) -> ModelConfig:
     """Check and read the JSON value of a ``config.json``.
 
@@ -160,7 +166,7 @@ def parse_config(data: Any, where: str) -> ModelConfig:
     try:
         parse_range(semver)
     except NeuropodError as e:
-        raise PackageError(f"{where}: platform_version_semver: {e}") from None
+        raise _RangeError(f"{where}: platform_version_semver: {e}") from None
     # Only a missing or null field means "none": `or []` would let "", 0 or {} through.
     custom_ops = data.get("custom_ops")
     if custom_ops is None:
