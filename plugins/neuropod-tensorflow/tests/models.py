@@ -42,6 +42,24 @@ class Scaler(tf.Module):
         return {"y": x * self.scale + shift, "label": tf.strings.as_string(x)}
 
 
+def scalar_graph_def() -> tf.compat.v1.GraphDef:
+    """A frozen graph on 0-d tensors: scaled = x * 2.5, text = str(x)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [], name="x")
+        tf.multiply(x, 2.5, name="scaled")
+        tf.strings.as_string(x, precision=1, name="text")
+    return graph.as_graph_def()
+
+
+class ScalarModule(tf.Module):
+    """A SavedModel-able module on 0-d tensors, as scalar_graph_def."""
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.float32, name="x")])
+    def __call__(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"scaled": x * 2.5, "text": tf.strings.as_string(x, precision=1)}
+
+
 def save_without_serving_default(path: Path) -> Path:
     module = tf.Module()
     module.f = tf.function(lambda x: {"y": x}, input_signature=[tf.TensorSpec([None], tf.float32)])

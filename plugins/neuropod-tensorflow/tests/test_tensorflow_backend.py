@@ -16,8 +16,10 @@ import tensorflow as tf
 import neuropod
 from neuropod import plugins
 from neuropod.errors import NeuropodError, NoBackendError, PackageError, SpecError
+from neuropod.package import read_package
 from neuropod.packagers import create_keras_neuropod, create_tensorflow_neuropod
 from neuropod.testing import run_in_threads
+from neuropod_tensorflow._runtime import load
 
 import models
 from conftest import FIXTURES, needs_fixtures, spec
@@ -166,6 +168,32 @@ def test_saved_model_dir_and_signature_problems(tmp_path: Path) -> None:
         create_tensorflow_neuropod(tmp_path / "nosig", "m", spec(("x", "float32", [None])),
                                    spec(("y", "float32", [None])), saved_model_dir=other)  # fmt: skip
     assert not any((tmp_path / n).exists() for n in ("keys", "out", "nosig"))
+
+
+@pytest.mark.parametrize("kind", ["frozen graph", "saved model"])
+def test_scalar_inputs_and_outputs(tmp_path: Path, kind: str) -> None:
+    source = {"graph_def": models.scalar_graph_def(), "node_name_mapping": {n: n for n in ("x", "scaled", "text")}}
+    if kind == "saved model":
+        source = {"trackable_obj": models.ScalarModule()}
+    out_spec = spec(("scaled", "float32", []), ("text", "string", []))
+    path = create_tensorflow_neuropod(
+        tmp_path / "scalar", "scalar", spec(("x", "float32", [])), out_spec, **source,  # type: ignore[arg-type]
+        test_input_data={"x": np.float32(2)}, test_expected_out={"scaled": np.float32(5), "text": "2.0"},
+    )  # fmt: skip
+    # The backend itself gives 0-d arrays, not the numpy scalars TensorFlow returns.
+    handle = load(read_package(path), "cpu", {})
+    try:
+        raw = handle.run({"x": np.array(4, np.float32)}, None)
+    finally:
+        handle.close()
+    assert [type(v) for v in raw.values()] == [np.ndarray, np.ndarray]
+    with neuropod.load_neuropod(path) as model:
+        for x in (np.array(4, np.float32), np.float32(4)):
+            out = model.infer({"x": x})
+            assert type(out["scaled"]) is np.ndarray and out["scaled"].shape == () and out["scaled"] == 10
+            assert type(out["text"]) is np.ndarray and out["text"].shape == () and out["text"].item() == "4.0"
+        with pytest.raises(SpecError, match="expected to have 0 dimensions, but had 1"):
+            model.infer({"x": np.ones(1, np.float32)})
 
 
 def test_keras_model_with_inferred_spec(tmp_path: Path) -> None:

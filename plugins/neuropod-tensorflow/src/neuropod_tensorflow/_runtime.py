@@ -145,7 +145,8 @@ def _threads(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _to_numpy(value: Any, spec: TensorSpec | None) -> np.ndarray:
-    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    # TensorFlow gives a 0-d output as a numpy scalar (np.float32(3.0)); a model's outputs are arrays.
+    arr = value if type(value) is np.ndarray else np.asarray(value)
     if arr.dtype.kind in "OS" or (spec is not None and spec.dtype == "string"):
         return to_string_array(arr)  # TensorFlow returns bytes; the spec says str
     return arr
@@ -221,7 +222,8 @@ class FrozenGraphModel:
                 raise BackendError(f"{where}: running init ops {list(init_ops)} failed: {e}") from e
         self._specs = {s.name: s for s in config.output_spec}
         self._all_outputs = tuple(s.name for s in config.output_spec)
-        self._string_outputs = frozenset(s.name for s in config.output_spec if s.dtype == "string")
+        # Outputs that need more than the session gives: strings (bytes -> str) and 0-d ones (numpy scalars -> arrays).
+        self._convert = frozenset(s.name for s in config.output_spec if s.dtype == "string" or s.shape == ())
         self._callables: dict[tuple[tuple[str, ...], tuple[str, ...]], Callable[..., Any]] = {}
 
     def _find(self, tf: Any, tensor: str, spec_name: str, kind: str) -> Any:
@@ -254,11 +256,11 @@ class FrozenGraphModel:
                 results = fn(*inputs.values())
         else:
             results = fn(*inputs.values())
-        if not self._string_outputs:
+        if not self._convert:
             return dict(zip(outputs, results))
         specs = self._specs
         return {
-            name: _to_numpy(value, specs[name]) if name in self._string_outputs else value
+            name: _to_numpy(value, specs[name]) if name in self._convert else value
             for name, value in zip(outputs, results)
         }
 
