@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import importlib_metadata
@@ -247,12 +248,41 @@ def test_wrong_calling_convention_is_caught_at_packaging(tmp_path: Path) -> None
 
 
 def test_packager_argument_errors(tmp_path: Path) -> None:
-    with pytest.raises(NeuropodError, match="exactly one of module= or module_path="):
+    # ValueError, as the original raised.
+    with pytest.raises(ValueError, match="exactly one of module= or module_path="):
         create_torchscript_neuropod(tmp_path / "a", "a", XY_SPEC, ADDER_OUT)
-    with pytest.raises(NeuropodError, match="must be a torch.jit.ScriptModule, not Adder \\(script or trace it first"):
+    with pytest.raises(PackageError, match="must be a torch.jit.ScriptModule, not Adder \\(script or trace it first"):
         create_torchscript_neuropod(tmp_path / "a", "a", XY_SPEC, ADDER_OUT, module=models.Adder())
     with pytest.raises(PackageError, match="does not exist"):
         create_torchscript_neuropod(tmp_path / "a", "a", XY_SPEC, ADDER_OUT, module_path=tmp_path / "none.pt")
+
+
+def test_original_packager_keywords(tmp_path: Path) -> None:
+    """persist_test_data, zip_compression and neuropod_load_args, as the original's packagers took them."""
+    inputs = xy(3)
+    total = inputs["x"] + inputs["y"]
+    expected = {"out": total, "doubled": total * 2}
+    kept = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT, name="kept", test_input_data=inputs,
+                   test_expected_out=expected, neuropod_load_args={"visible_gpu": None})  # fmt: skip
+    assert (kept / "test_data").is_dir()
+    unkept = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT, name="unkept", test_input_data=inputs,
+                     test_expected_out=expected, persist_test_data=False)  # fmt: skip
+    assert not (unkept / "test_data").exists()
+    # Not persisted, the test data is still checked: a wrong expectation is refused.
+    with pytest.raises(PackageError, match="does not reproduce its expected test output") as info:
+        package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT, name="wrong", test_input_data=inputs,
+                test_expected_out={"out": total + 1, "doubled": total * 2}, persist_test_data=False)  # fmt: skip
+    assert isinstance(info.value, ValueError) and not (tmp_path / "wrong.neuropod").exists()
+    for compression in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        zipped = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT, name=f"zip{compression}", package_as_zip=True,
+                         zip_compression=compression)  # fmt: skip
+        with zipfile.ZipFile(zipped) as zf:
+            assert {i.compress_type for i in zf.infolist() if i.file_size} == {compression}
+        with neuropod.load_neuropod(zipped) as m:
+            np.testing.assert_allclose(m.infer(inputs)["out"], total, rtol=1e-6)
+    with pytest.raises(NeuropodError, match="Unknown TorchScript load option.*'threads'"):
+        package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT, name="badargs", neuropod_load_args={"threads": 2})
+    assert not (tmp_path / "badargs.neuropod").exists()
 
 
 def test_module_path_zip_and_traced_module(tmp_path: Path) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuropod.errors import NeuropodError, PackageError
+from neuropod.errors import PackageError
 from neuropod.model import check_packaged
 from neuropod.package import packager_config, write_package
 from neuropod_torchscript import FRAMEWORK_DISTRIBUTIONS, PLATFORM
@@ -30,6 +31,9 @@ def create_torchscript_neuropod(
     test_input_data: Mapping[str, Any] | None = None,
     test_expected_out: Mapping[str, Any] | None = None,
     package_as_zip: bool = False,
+    persist_test_data: bool = True,
+    zip_compression: int = zipfile.ZIP_DEFLATED,
+    neuropod_load_args: Mapping[str, Any] | None = None,
     test_rtol: float = 1e-5,
     test_atol: float = 1e-6,
 ) -> Path:
@@ -49,14 +53,25 @@ def create_torchscript_neuropod(
     :param input_tensor_device: input name to ``"CPU"``/``"GPU"``; inputs not
         named get ``default_input_tensor_device``. On a GPU, ``"CPU"`` inputs
         stay on the CPU, as in the original Neuropod.
-    :param test_input_data: inputs to store as test data; with
-        ``test_expected_out``, the new package is loaded and checked before
-        this returns (a package that fails is removed).
-    :param package_as_zip: write a zip instead of a directory.
+    :param test_input_data: inputs to store as test data; the new package is
+        loaded and run on them before this returns, and with
+        ``test_expected_out`` its outputs must match (a package that fails is
+        removed; a ``PackageError``, also the ``ValueError`` the original raised).
+    :param package_as_zip: write a zip instead of a directory (the original
+        Neuropod's default was a zip).
+    :param persist_test_data: store the test data in the package (default);
+        False checks the new package with it without storing it.
+    :param zip_compression: ``zipfile.ZIP_DEFLATED`` or ``zipfile.ZIP_STORED``.
+    :param neuropod_load_args: keywords for the ``load_neuropod`` that checks
+        the new package, e.g. ``{"visible_gpu": None}``.
+    :param test_rtol: relative tolerance of the test output comparison.
+    :param test_atol: absolute tolerance of the test output comparison.
     :returns: the path written.
+    :raises PackageError: the arguments do not make a package that loads and
+        reproduces its test data (also a ``ValueError``).
     """
     if (module is None) == (module_path is None):
-        raise NeuropodError("create_torchscript_neuropod needs exactly one of module= or module_path=")
+        raise PackageError("create_torchscript_neuropod needs exactly one of module= or module_path=")
     source: bytes | Path
     if module_path is not None:
         source = Path(module_path)
@@ -77,10 +92,15 @@ def create_torchscript_neuropod(
         test_input_data=test_input_data,
         test_expected_out=test_expected_out,
         package_as_zip=package_as_zip,
+        persist_test_data=persist_test_data,
+        zip_compression=zip_compression,
     )
     # Loads the package once (a spec that does not fit forward fails now, not
     # at deployment) and runs the test data; a package that fails is removed.
-    check_packaged(path, backend=PLATFORM, rtol=test_rtol, atol=test_atol)
+    check_packaged(
+        path, test_input_data=test_input_data, test_expected_out=test_expected_out,
+        neuropod_load_args=neuropod_load_args, backend=PLATFORM, rtol=test_rtol, atol=test_atol,
+    )  # fmt: skip
     return path
 
 
@@ -90,7 +110,7 @@ def _serialize(module: Any) -> bytes:
     if not isinstance(module, torch.jit.ScriptModule):
         kind = type(module).__name__
         hint = " (script or trace it first: torch.jit.script(module))" if isinstance(module, torch.nn.Module) else ""
-        raise NeuropodError(f"module must be a torch.jit.ScriptModule, not {kind}{hint}")
+        raise PackageError(f"module must be a torch.jit.ScriptModule, not {kind}{hint}")
     from neuropod_torchscript._runtime import quiet_jit_deprecation
 
     buf = io.BytesIO()
