@@ -60,6 +60,17 @@ class ScalarModule(tf.Module):
         return {"scaled": x * 2.5, "text": tf.strings.as_string(x, precision=1)}
 
 
+def counter_graph_def() -> tf.compat.v1.GraphDef:
+    """An unfrozen graph whose variable needs its init op: out = x * v (v = 2), init op ``init``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None], name="x")
+        v = tf.compat.v1.Variable(2.0, name="v", use_resource=False)
+        tf.multiply(x, v, name="out")
+        tf.compat.v1.variables_initializer([v], name="init")
+    return graph.as_graph_def()
+
+
 def save_without_serving_default(path: Path) -> Path:
     module = tf.Module()
     module.f = tf.function(lambda x: {"y": x}, input_signature=[tf.TensorSpec([None], tf.float32)])
@@ -72,3 +83,12 @@ def keras_model() -> tf.keras.Model:
     hidden = tf.keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
     outputs = tf.keras.layers.Dense(2, name="scores")(hidden)
     return tf.keras.Model(inputs, outputs)
+
+
+def keras_two_in_two_out() -> tf.keras.Model:
+    """Inputs a, b ([None, 2]); outputs sum = a + b, diff = a - b; given and returned as dicts."""
+    a = tf.keras.Input((2,), name="a")
+    b = tf.keras.Input((2,), name="b")
+    total = tf.keras.layers.Add(name="sum")([a, b])
+    diff = tf.keras.layers.Subtract(name="diff")([a, b])
+    return tf.keras.Model(inputs={"b": b, "a": a}, outputs={"z_sum": total, "a_diff": diff})

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import importlib_metadata
@@ -20,6 +21,7 @@ from neuropod.package import read_package
 from neuropod.packagers import create_keras_neuropod, create_tensorflow_neuropod
 from neuropod.testing import run_in_threads
 from neuropod_tensorflow._runtime import load
+from neuropod_tensorflow.packager import infer_keras_input_spec, infer_keras_output_spec
 
 import models
 from conftest import FIXTURES, needs_fixtures, spec
@@ -131,6 +133,41 @@ def test_node_missing_from_the_graph(tmp_path: Path) -> None:
         )
 
 
+def test_init_op_names_as_a_str_or_a_list(tmp_path: Path) -> None:
+    x = np.array([1, 2], np.float32)
+    for i, names in enumerate(["init", ["init"]]):
+        path = create_tensorflow_neuropod(
+            tmp_path / str(i), "counter", spec(("x", "float32", [None])), spec(("out", "float32", [None])),
+            node_name_mapping={"x": "x", "out": "out"}, graph_def=models.counter_graph_def(), init_op_names=names,
+            test_input_data={"x": x}, test_expected_out={"out": x * 2},
+        )  # fmt: skip
+        assert json.loads((path / "0" / "config.json").read_text())["init_op_names"] == ["init"]
+    with pytest.raises(PackageError, match="init_op_names must be op names"):
+        create_tensorflow_neuropod(tmp_path / "bad", "c", spec(("x", "float32", [None])), spec(("out", "float32", [None])),
+                                   node_name_mapping={"x": "x", "out": "out"}, graph_def=models.counter_graph_def(),
+                                   init_op_names=["init", ""])  # fmt: skip
+
+
+def test_packager_keywords_of_the_original(tmp_path: Path) -> None:
+    inputs = xy(2)
+    total = inputs["x"] + inputs["y"]
+    expected = {"out": total, "doubled": total * 2}
+    path = frozen_adder(tmp_path, package_as_zip=True, zip_compression=zipfile.ZIP_STORED, persist_test_data=False,
+                        test_input_data=inputs, test_expected_out=expected, neuropod_load_args={"intra_op_num_threads": 1})  # fmt: skip
+    with zipfile.ZipFile(path) as zf:
+        assert {i.compress_type for i in zf.infolist()} == {zipfile.ZIP_STORED}
+        assert not [n for n in zf.namelist() if n.startswith("test_data")], "persist_test_data=False"
+    # The test data is still checked when it is not kept, with neuropod_load_args given to load_neuropod.
+    with pytest.raises(ValueError, match="does not reproduce its expected test output"):
+        create_tensorflow_neuropod(tmp_path / "wrong", "adder", XY, OUT, node_name_mapping=models.ADDER_MAPPING,
+                                   graph_def=models.adder_graph_def(), persist_test_data=False,
+                                   test_input_data=inputs, test_expected_out={"out": total + 1})  # fmt: skip
+    with pytest.raises(NeuropodError, match="Unknown TensorFlow load option.*'threads'"):
+        create_tensorflow_neuropod(tmp_path / "args", "adder", XY, OUT, node_name_mapping=models.ADDER_MAPPING,
+                                   graph_def=models.adder_graph_def(), neuropod_load_args={"threads": 1})  # fmt: skip
+    assert not (tmp_path / "wrong").exists() and not (tmp_path / "args").exists()
+
+
 # --- SavedModels and Keras ---------------------------------------------------------------
 
 
@@ -207,6 +244,78 @@ def test_keras_model_with_inferred_spec(tmp_path: Path) -> None:
     assert config["output_spec"] == [{"name": "scores", "dtype": "float32", "shape": ["batch_size", 2]}]
     with neuropod.load_neuropod(path) as model:
         np.testing.assert_allclose(model.infer({"features": x})["scores"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_keras_node_name_mapping_and_the_original_call_styles(tmp_path: Path) -> None:
+    model = models.keras_two_in_two_out()
+    a, b = np.full((1, 2), 5, np.float32), np.ones((1, 2), np.float32)
+    mapping = {"left": "a", "right": "b", "plus": "sum", "minus": "diff"}
+    assert infer_keras_input_spec(model, mapping) == [
+        {"name": "left", "dtype": "float32", "shape": ("batch_size", 2)},
+        {"name": "right", "dtype": "float32", "shape": ("batch_size", 2)},
+    ]
+    assert infer_keras_output_spec(model) == [
+        {"name": "diff", "dtype": "float32", "shape": ("batch_size", 2)},
+        {"name": "sum", "dtype": "float32", "shape": ("batch_size", 2)},
+    ]
+    expected = {"plus": a + b, "minus": a - b}
+    calls = {
+        "positional sess": lambda p: create_keras_neuropod(p, "m", None, model, mapping),
+        "keywords": lambda p: create_keras_neuropod(neuropod_path=p, model_name="m", sess=None, model=model,
+                                                    node_name_mapping=mapping),
+        "ours": lambda p: create_keras_neuropod(p, "m", model, node_name_mapping=mapping),
+    }  # fmt: skip
+    for i, (style, call) in enumerate(calls.items()):
+        path = call(tmp_path / str(i))
+        with neuropod.load_neuropod(path) as m:
+            assert [s["name"] for s in m.inputs] == ["left", "right"], style
+            out = m.infer({"left": a, "right": b})
+            assert out.keys() == expected.keys(), style
+            for name in expected:
+                np.testing.assert_array_equal(out[name], expected[name])
+    # Only the outputs the spec names; the spec's own names map to the model's.
+    path = create_keras_neuropod(tmp_path / "subset", "m", model=model, node_name_mapping={**mapping, "d": "diff"},
+                                 output_spec=[{"name": "d", "dtype": "float32", "shape": [None, 2]}],
+                                 test_input_data={"left": a, "right": b}, test_expected_out={"d": a - b})  # fmt: skip
+    assert json.loads((path / "config.json").read_text())["output_spec"][0]["name"] == "d"
+
+
+def test_sequential_keras_model(tmp_path: Path) -> None:
+    model = tf.keras.Sequential([tf.keras.Input((3,), name="features"), tf.keras.layers.Dense(2, name="logits")])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert infer_keras_output_spec(model) == [{"name": "logits", "dtype": "float32", "shape": ("batch_size", 2)}]
+    create_keras_neuropod(tmp_path / "seq", "seq", model, test_input_data={"features": x},
+                          test_expected_out={"logits": model(x).numpy()})  # fmt: skip
+
+
+def test_keras_argument_errors(tmp_path: Path) -> None:
+    model = models.keras_model()
+    session = tf.compat.v1.Session()
+    try:
+        with pytest.raises(PackageError, match="got a TensorFlow session as sess.*pass sess=None"):
+            create_keras_neuropod(tmp_path / "s", "m", session, model)
+    finally:
+        session.close()
+    with pytest.raises(PackageError, match="got a Keras model as sess .*and model= too"):
+        create_keras_neuropod(tmp_path / "s", "m", model, model)
+    with pytest.raises(PackageError, match="needs model="):
+        create_keras_neuropod(tmp_path / "s", "m")
+    with pytest.raises(ValueError, match="Input x is not in model inputs. The model's inputs: 'features'"):
+        create_keras_neuropod(tmp_path / "s", "m", model, input_spec=spec(("x", "float32", [None, 4])))
+    with pytest.raises(ValueError, match="Output y is not mapped in node_name_mapping"):
+        create_keras_neuropod(tmp_path / "s", "m", model, node_name_mapping={"x": "features", "out": "scores"},
+                              output_spec=spec(("y", "float32", [None, 2])))  # fmt: skip
+    with pytest.raises(ValueError, match="Input x mapped to scores is not in model inputs"):
+        create_keras_neuropod(tmp_path / "s", "m", model, node_name_mapping={"x": "scores", "out": "scores"},
+                              input_spec=spec(("x", "float32", [None, 4])))  # fmt: skip
+    with pytest.raises(ValueError, match="maps 'x' to 'nope', which is neither a Keras input name nor a Keras output"):
+        create_keras_neuropod(tmp_path / "s", "m", model, node_name_mapping={"x": "nope", "out": "scores"})
+    with pytest.raises(ValueError, match="Keras input/output layer scores is not covered by node_name_mapping"):
+        infer_keras_output_spec(model, {"x": "features"})
+    two = models.keras_two_in_two_out()
+    with pytest.raises(PackageError, match="does not feed the Keras model's input\\(s\\) 'b'"):
+        create_keras_neuropod(tmp_path / "s", "m", two, input_spec=spec(("a", "float32", [None, 2])))
+    assert not (tmp_path / "s").exists()
 
 
 # --- the original Neuropod packages ----------------------------------------------------
@@ -288,11 +397,12 @@ def test_load_options_and_argument_errors(tmp_path: Path) -> None:
     path = frozen_adder(tmp_path)
     with pytest.raises(NeuropodError, match="Unknown TensorFlow load option.*'threads'"):
         neuropod.load_neuropod(path, threads=1)
-    with pytest.raises(NeuropodError, match="exactly one of frozen_graph_path="):
+    # ValueErrors, as the original Neuropod raised, with its words.
+    with pytest.raises(PackageError, match="Exactly one of `frozen_graph_path`, .* must be provided: .* got 0"):
         create_tensorflow_neuropod(tmp_path / "x", "x", XY, OUT)
-    with pytest.raises(NeuropodError, match="A frozen graph needs node_name_mapping"):
+    with pytest.raises(ValueError, match="node_name_mapping is required when using `frozen_graph_path` or `graph_def`"):
         create_tensorflow_neuropod(tmp_path / "x", "x", XY, OUT, graph_def=models.adder_graph_def())
-    with pytest.raises(NeuropodError, match="node_name_mapping is for frozen graphs"):
+    with pytest.raises(ValueError, match="node_name_mapping is for frozen graphs"):
         create_tensorflow_neuropod(tmp_path / "x", "x", XY, OUT, node_name_mapping={"x": "a"}, saved_model_dir=tmp_path)
     with pytest.raises(PackageError, match="is not a SavedModel"):
         create_tensorflow_neuropod(tmp_path / "x", "x", XY, OUT, saved_model_dir=tmp_path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ def create_tensorflow_neuropod(
     graph_def: Any = None,
     saved_model_dir: str | os.PathLike[str] | None = None,
     trackable_obj: Any = None,
-    init_op_names: Sequence[str] = (),
+    init_op_names: str | Sequence[str] = (),
     platform_version_semver: str = "*",
     custom_ops: Sequence[str | os.PathLike[str]] = (),
     input_tensor_device: Mapping[str, str] | None = None,
@@ -36,6 +37,9 @@ def create_tensorflow_neuropod(
     test_input_data: Mapping[str, Any] | None = None,
     test_expected_out: Mapping[str, Any] | None = None,
     package_as_zip: bool = False,
+    persist_test_data: bool = True,
+    zip_compression: int = zipfile.ZIP_DEFLATED,
+    neuropod_load_args: Mapping[str, Any] | None = None,
     test_rtol: float = 1e-5,
     test_atol: float = 1e-6,
 ) -> Path:
@@ -45,8 +49,9 @@ def create_tensorflow_neuropod(
 
     * ``frozen_graph_path`` (a ``.pb`` GraphDef file) or ``graph_def`` (a
       ``tf.compat.v1.GraphDef``), with ``node_name_mapping`` from spec names
-      to tensor names (``":0"`` optional) and optional ``init_op_names`` to
-      run once after loading; stored as ``0/data/model.pb``;
+      to tensor names (``":0"`` optional) and optional ``init_op_names`` (a
+      list of op names, or one name as a str) to run once after loading;
+      stored as ``0/data/model.pb``;
     * ``saved_model_dir`` (a SavedModel directory) or ``trackable_obj`` (a
       ``tf.Module`` to save with ``tf.saved_model.save``; its
       ``serving_default`` attribute, if any, becomes the signature); stored
@@ -55,22 +60,31 @@ def create_tensorflow_neuropod(
 
     :param custom_ops: op libraries (``tf.load_op_library``) stored in
         ``0/ops/`` and loaded before the graph is imported.
-    :param test_input_data: inputs stored as test data; with
-        ``test_expected_out`` the new package is loaded and checked before
-        this returns (a package that fails is removed).
+    :param test_input_data: inputs stored as test data; the new package is
+        loaded and run on them before this returns, and with
+        ``test_expected_out`` its outputs are compared (a package that fails
+        is removed; the error is a ValueError).
+    :param persist_test_data: keep the test data in the package (``test_data/``).
+    :param zip_compression: the ``zipfile`` method when ``package_as_zip``.
+    :param neuropod_load_args: keyword arguments for ``load_neuropod`` when
+        the new package is checked (e.g. ``{"use_ope": True}``).
     :returns: the path written.
     """
     sources = [frozen_graph_path, graph_def, saved_model_dir, trackable_obj]
-    if sum(s is not None for s in sources) != 1:
-        raise NeuropodError(
-            "create_tensorflow_neuropod needs exactly one of frozen_graph_path=, graph_def=, saved_model_dir= "
-            "or trackable_obj="
+    given = sum(s is not None for s in sources)
+    if given != 1:
+        raise PackageError(
+            "Exactly one of `frozen_graph_path`, `graph_def`, `saved_model_dir` and `trackable_obj` must be "
+            f"provided: create_tensorflow_neuropod got {given}"
         )
     frozen = frozen_graph_path is not None or graph_def is not None
     if frozen and not node_name_mapping:
-        raise NeuropodError("A frozen graph needs node_name_mapping={spec name: graph tensor name, ...}")
+        raise PackageError(
+            "node_name_mapping is required when using `frozen_graph_path` or `graph_def`: "
+            "{spec name: graph tensor name, ...}"
+        )
     if not frozen and node_name_mapping:
-        raise NeuropodError(
+        raise PackageError(
             "node_name_mapping is for frozen graphs; a SavedModel is called through its serving_default signature, "
             "whose keys must be the spec's names"
         )
@@ -83,7 +97,7 @@ def create_tensorflow_neuropod(
             files = {FROZEN_GRAPH_PATH: Path(frozen_graph_path)}
         elif graph_def is not None:
             if not hasattr(graph_def, "SerializeToString"):
-                raise NeuropodError(f"graph_def must be a tf.compat.v1.GraphDef, not {type(graph_def).__name__}")
+                raise PackageError(f"graph_def must be a tf.compat.v1.GraphDef, not {type(graph_def).__name__}")
             files = {FROZEN_GRAPH_PATH: graph_def.SerializeToString()}
         elif saved_model_dir is not None:
             if not (Path(saved_model_dir) / "saved_model.pb").is_file():
@@ -92,18 +106,33 @@ def create_tensorflow_neuropod(
         else:
             files = {SAVED_MODEL_PATH: _save_trackable(trackable_obj, Path(tmp) / "savedmodel")}
         if frozen:
-            backend_config = {"node_name_mapping": dict(node_name_mapping or {}), "init_op_names": list(init_op_names)}
+            mapping = dict(node_name_mapping or {})
+            backend_config = {"node_name_mapping": mapping, "init_op_names": _op_names(init_op_names)}
         return _write(
             neuropod_path, model_name, parse_spec(input_spec, "input_spec"), parse_spec(output_spec, "output_spec"),
             files, backend_config, platform_version_semver, custom_ops, input_tensor_device,
             default_input_tensor_device, test_input_data, test_expected_out, package_as_zip, test_rtol, test_atol,
+            persist_test_data, zip_compression, neuropod_load_args,
         )  # fmt: skip
+
+
+def _op_names(init_op_names: str | Sequence[str] | None) -> list[str]:
+    """``init_op_names`` as a list: one name given as a str is that one op (as the original took it)."""
+    if init_op_names is None:
+        return []
+    names = [init_op_names] if isinstance(init_op_names, str) else list(init_op_names)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise PackageError(f"init_op_names must be op names (non-empty str), not {bad[0]!r}")
+    return names
 
 
 def create_keras_neuropod(
     neuropod_path: str | os.PathLike[str],
     model_name: str,
-    model: Any,
+    sess: Any = None,
+    model: Any = None,
+    node_name_mapping: Mapping[str, str] | None = None,
     input_spec: Sequence[Mapping[str, Any]] | None = None,
     output_spec: Sequence[Mapping[str, Any]] | None = None,
     platform_version_semver: str = "*",
@@ -113,43 +142,79 @@ def create_keras_neuropod(
     test_input_data: Mapping[str, Any] | None = None,
     test_expected_out: Mapping[str, Any] | None = None,
     package_as_zip: bool = False,
+    persist_test_data: bool = True,
+    zip_compression: int = zipfile.ZIP_DEFLATED,
+    neuropod_load_args: Mapping[str, Any] | None = None,
     test_rtol: float = 1e-5,
     test_atol: float = 1e-6,
 ) -> Path:
     """Package a Keras model as a Neuropod (a SavedModel with a ``serving_default`` signature).
 
+    Called as the original Neuropod was, ``create_keras_neuropod(neuropod_path=..., model_name=...,
+    sess=None, model=model, ...)`` (or with ``sess`` and ``model`` as the third and fourth
+    positional arguments), or as ``create_keras_neuropod(path, name, model)``.
+
+    :param sess: the original's TensorFlow session holding the weights. A Keras 3
+        model holds its own weights, so the only accepted value is None; a
+        ``tf.compat.v1.Session`` is refused with what to do instead.
     :param model: a built Keras model (functional or sequential).
-    :param input_spec: defaults to the model's inputs: their names, dtypes
-        and shapes, with the first dim as the symbol ``batch_size``.
-    :param output_spec: defaults to the model's outputs likewise, named by
-        ``model.output_names`` (else ``output_0``, ``output_1``, ...).
+    :param node_name_mapping: spec name -> Keras input or output name, when
+        the spec's names are not the model's (``{"x": "input_1", "out": "fc1000"}``).
+        Keras input names are the ``Input`` layers' names; output names are
+        ``model.output_names`` (else the names of the layers that produce them).
+    :param input_spec: defaults to :func:`infer_keras_input_spec`.
+    :param output_spec: defaults to :func:`infer_keras_output_spec`; it may
+        name a subset of the model's outputs.
     :returns: the path written.
     """
+    model = _keras_call_style(sess, model)
     import tensorflow as tf
 
-    keras_inputs = list(getattr(model, "inputs", None) or [])
-    keras_outputs = list(getattr(model, "outputs", None) or [])
-    if not keras_inputs or not keras_outputs:
-        raise NeuropodError("create_keras_neuropod needs a built model with known inputs and outputs (call it once)")
-    inputs = parse_spec(input_spec, "input_spec") if input_spec is not None else _keras_spec(keras_inputs, None)
-    names = list(getattr(model, "output_names", None) or [f"output_{i}" for i in range(len(keras_outputs))])
-    outputs = parse_spec(output_spec, "output_spec") if output_spec is not None else _keras_spec(keras_outputs, names)
-    if len(inputs) != len(keras_inputs) or len(outputs) != len(keras_outputs):
-        raise NeuropodError(
-            f"The spec has {len(inputs)} inputs and {len(outputs)} outputs, the Keras model "
-            f"{len(keras_inputs)} and {len(keras_outputs)}"
+    in_names, out_names = _keras_names(model)
+    mapping = dict(node_name_mapping) if node_name_mapping else None
+    if mapping:
+        for name, keras_name in mapping.items():
+            if keras_name not in in_names and keras_name not in out_names:
+                raise PackageError(
+                    f"node_name_mapping maps {name!r} to {keras_name!r}, which is neither a Keras input name nor a "
+                    f"Keras output name (inputs: {', '.join(map(repr, in_names))}; outputs: "
+                    f"{', '.join(map(repr, out_names))})"
+                )
+    if input_spec is None:
+        input_spec = infer_keras_input_spec(model, mapping)
+    if output_spec is None:
+        output_spec = infer_keras_output_spec(model, mapping)
+    inputs, outputs = parse_spec(input_spec, "input_spec"), parse_spec(output_spec, "output_spec")
+    in_index = _keras_positions(inputs, "input", in_names, mapping)
+    out_index = _keras_positions(outputs, "output", out_names, mapping)
+    fed = set(in_index.values())
+    unfed = [in_names[i] for i in range(len(in_names)) if i not in fed]
+    if unfed:
+        raise PackageError(
+            f"The input spec does not feed the Keras model's input(s) {', '.join(map(repr, unfed))}; "
+            "every input of the model must be in the spec"
         )
     signature = [
-        tf.TensorSpec([d if isinstance(d, int) else None for d in s.shape], s.dtype if s.dtype != "string" else tf.string, name=s.name)
+        tf.TensorSpec([d if isinstance(d, int) else None for d in s.shape], tf.string if s.dtype == "string" else s.dtype,
+                      name=s.name)
         for s in inputs
-    ]
-    output_names = [s.name for s in outputs]
+    ]  # fmt: skip
+    keras_inputs, keras_outputs = list(model.inputs), list(model.outputs)
+    # The model is called with its own input structure (a tensor, a list or a dict)
+    # and returns its own output structure; both are matched by position in
+    # model.inputs / model.outputs, which are those structures flattened.
+    in_struct = _structure(model, "input", keras_inputs)
+    in_slots = _flat_positions(tf, in_struct, keras_inputs)
+    out_slots = _flat_positions(tf, _structure(model, "output", keras_outputs), keras_outputs)
+    arg_of_input = {keras: i for i, keras in enumerate(in_index[s.name] for s in inputs)}
+    result_of_output = {keras: r for r, keras in enumerate(out_slots)}
+    picks = [(s.name, result_of_output[out_index[s.name]]) for s in outputs]
 
     @tf.function(input_signature=signature)  # type: ignore[untyped-decorator]
     def serve(*args: Any) -> dict[str, Any]:
-        result = model(list(args) if len(args) > 1 else args[0], training=False)
-        results = list(result) if isinstance(result, (list, tuple)) else [result]
-        return dict(zip(output_names, results))
+        flat = [args[arg_of_input[k]] for k in in_slots]
+        results = tf.nest.flatten(model(tf.nest.pack_sequence_as(in_struct, flat), training=False))
+        return {name: results[slot] for name, slot in picks}
 
     holder = tf.Module()
     holder.model = model
@@ -159,19 +224,165 @@ def create_keras_neuropod(
         return _write(
             neuropod_path, model_name, inputs, outputs, {SAVED_MODEL_PATH: saved}, None, platform_version_semver,
             custom_ops, input_tensor_device, default_input_tensor_device, test_input_data, test_expected_out,
-            package_as_zip, test_rtol, test_atol,
+            package_as_zip, test_rtol, test_atol, persist_test_data, zip_compression, neuropod_load_args,
         )  # fmt: skip
 
 
-def _keras_spec(tensors: list[Any], names: list[str] | None) -> tuple[TensorSpec, ...]:
+def infer_keras_input_spec(model: Any, node_name_mapping: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The input spec of a Keras model, as the original Neuropod inferred it.
+
+    One entry per model input: ``{"name", "dtype", "shape"}`` with the
+    Keras name (or, with ``node_name_mapping`` from spec names to Keras
+    names, the spec name that maps to it), the tensor's dtype, and the
+    shape as a tuple whose first dim is the symbol ``"batch_size"``
+    (``("batch_size", 4)`` for ``Input(shape=(4,))``; unknown dims None).
+
+    :raises PackageError: (a ValueError) ``node_name_mapping`` does not
+        cover every input.
+    """
+    in_names, _ = _keras_names(model)
+    return _infer_keras_spec(in_names, list(model.inputs), node_name_mapping)
+
+
+def infer_keras_output_spec(model: Any, node_name_mapping: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The output spec of a Keras model, as :func:`infer_keras_input_spec` does for its inputs."""
+    _, out_names = _keras_names(model)
+    return _infer_keras_spec(out_names, list(model.outputs), node_name_mapping)
+
+
+def _infer_keras_spec(
+    names: Sequence[str], tensors: Sequence[Any], node_name_mapping: Mapping[str, str] | None
+) -> list[dict[str, Any]]:
+    spec_name = {keras: name for name, keras in (node_name_mapping or {}).items()}
     entries = []
-    for i, t in enumerate(tensors):
-        dims = list(t.shape)
-        shape = ["batch_size" if j == 0 else (int(d) if d is not None else None) for j, d in enumerate(dims)]
-        dtype = str(getattr(t.dtype, "name", t.dtype))
-        name = names[i] if names else str(getattr(t, "name", f"input_{i}")).split(":")[0]
-        entries.append({"name": name, "dtype": "string" if dtype == "string" else dtype, "shape": shape})
-    return parse_spec(entries, "the Keras model's spec")
+    for keras_name, tensor in zip(names, tensors):
+        name = spec_name.get(keras_name) if spec_name else keras_name
+        if name is None:
+            raise PackageError(
+                f"Keras input/output layer {keras_name} is not covered by node_name_mapping "
+                f"(it maps {', '.join(map(repr, node_name_mapping or {}))})"
+            )
+        dims = [d if d is None else int(d) for d in _dims(tensor)]
+        dtype = str(getattr(tensor.dtype, "name", tensor.dtype))
+        shape = ("batch_size", *dims[1:]) if dims else ()
+        entries.append({"name": name, "dtype": dtype, "shape": shape})
+    return entries
+
+
+def _dims(tensor: Any) -> list[Any]:
+    shape = tensor.shape
+    dims = getattr(shape, "dims", shape)  # a tf.TensorShape (tf.keras 2) or a tuple (Keras 3)
+    if dims is None:
+        raise PackageError(f"The Keras tensor {getattr(tensor, 'name', tensor)!r} has an unknown rank; give the spec")
+    return [getattr(d, "value", d) for d in dims]
+
+
+def _is_keras_model(obj: Any) -> bool:
+    """Whether ``obj`` is a Keras model (Keras 3, tf.keras or tf_keras), without importing Keras."""
+    packages = ("keras", "tf_keras", "tensorflow")
+    return any(
+        c.__name__ in ("Model", "Functional", "Sequential") and c.__module__.split(".")[0] in packages
+        for c in type(obj).__mro__
+    )
+
+
+def _keras_call_style(sess: Any, model: Any) -> Any:
+    """The model, from the original's ``(path, name, sess, model)`` or our ``(path, name, model)`` call."""
+    if model is None and _is_keras_model(sess):
+        return sess  # create_keras_neuropod(path, name, model)
+    if model is None:
+        raise PackageError("create_keras_neuropod needs model= (a built Keras model)")
+    if _is_keras_model(sess):
+        raise PackageError(
+            "create_keras_neuropod got a Keras model as sess (the third positional argument) and model= too; "
+            "call it as create_keras_neuropod(path, name, model) or create_keras_neuropod(path, name, sess=None, "
+            "model=model)"
+        )
+    if sess is not None:
+        what = "a TensorFlow session" if _is_session(sess) else f"a {type(sess).__name__}"
+        raise PackageError(
+            f"create_keras_neuropod got {what} as sess. The original Neuropod froze the session's graph; a Keras 3 "
+            "model holds its own weights and runs without a session, so sess is not used: pass sess=None (or "
+            "leave it out). A model that only exists as a tf.compat.v1 graph in a session: freeze that graph and "
+            "package it with create_tensorflow_neuropod(graph_def=..., node_name_mapping=...)"
+        )
+    if not _is_keras_model(model):
+        raise PackageError(f"create_keras_neuropod needs a Keras model as model=, not a {type(model).__name__}")
+    return model
+
+
+def _is_session(obj: Any) -> bool:
+    return any(c.__name__ == "BaseSession" and c.__module__.startswith("tensorflow.") for c in type(obj).__mro__)
+
+
+def _keras_names(model: Any) -> tuple[list[str], list[str]]:
+    """The model's input and output names (what ``node_name_mapping`` maps to)."""
+    try:
+        inputs, outputs = list(model.inputs), list(model.outputs)
+    except (AttributeError, ValueError) as e:
+        raise PackageError(f"create_keras_neuropod needs a built model with known inputs and outputs: {e}") from e
+    if not inputs or not outputs:
+        raise PackageError("create_keras_neuropod needs a built model with known inputs and outputs (call it once)")
+    given = list(getattr(model, "input_names", None) or [])  # tf.keras 2 has it; Keras 3 does not
+    in_names = given if len(given) == len(inputs) else [str(t.name).split(":")[0] for t in inputs]
+    given = list(getattr(model, "output_names", None) or [])  # Keras 3 Sequential has none
+    if len(given) == len(outputs):
+        out_names = [str(n) for n in given]
+    else:
+        out_names = []
+        for i, t in enumerate(outputs):
+            layer = getattr(getattr(t, "_keras_history", None), "operation", None) or getattr(t, "node", None)
+            out_names.append(str(getattr(layer, "name", None) or f"output_{i}"))
+    for kind, names in (("input", in_names), ("output", out_names)):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise PackageError(
+                f"The Keras model has several {kind}s named {', '.join(map(repr, twice))}; name its layers apart"
+            )
+    return in_names, out_names
+
+
+def _keras_positions(
+    specs: Sequence[TensorSpec], kind: str, names: Sequence[str], mapping: Mapping[str, str] | None
+) -> dict[str, int]:
+    """Spec name -> position in the model's inputs or outputs, checked as the original did."""
+    found = {}
+    for s in specs:
+        if mapping:
+            keras_name = mapping.get(s.name)
+            if keras_name is None:
+                raise PackageError(f"{kind.capitalize()} {s.name} is not mapped in node_name_mapping.")
+            if keras_name not in names:
+                raise PackageError(
+                    f"{kind.capitalize()} {s.name} mapped to {keras_name} is not in model {kind}s. "
+                    f"The model's {kind}s: {', '.join(map(repr, names))}"
+                )
+        else:
+            keras_name = s.name
+            if keras_name not in names:
+                raise PackageError(
+                    f"{kind.capitalize()} {s.name} is not in model {kind}s. The model's {kind}s: "
+                    f"{', '.join(map(repr, names))} (give node_name_mapping= to use other names)"
+                )
+        found[s.name] = list(names).index(keras_name)
+    return found
+
+
+def _structure(model: Any, which: str, flat: list[Any]) -> Any:
+    """``model.input`` or ``model.output``: the tensor, list or dict the model takes or gives."""
+    try:
+        return getattr(model, which)
+    except (AttributeError, ValueError):
+        return flat if len(flat) > 1 else flat[0]
+
+
+def _flat_positions(tf: Any, struct: Any, tensors: list[Any]) -> list[int]:
+    """For each leaf of ``struct`` flattened, its position in ``tensors`` (matched by identity)."""
+    flat = tf.nest.flatten(struct)
+    where = {id(t): i for i, t in enumerate(tensors)}
+    if len(flat) != len(tensors) or any(id(t) not in where for t in flat):
+        return list(range(len(tensors)))
+    return [where[id(t)] for t in flat]
 
 
 def _save_trackable(obj: Any, path: Path) -> Path:
@@ -207,6 +418,9 @@ def _write(
     package_as_zip: bool,
     rtol: float,
     atol: float,
+    persist_test_data: bool,
+    zip_compression: int,
+    neuropod_load_args: Mapping[str, Any] | None,
 ) -> Path:
     config = packager_config(
         model_name, PLATFORM, inputs, outputs, platform_version_semver=platform_version_semver,
@@ -216,11 +430,15 @@ def _write(
     path = write_package(
         neuropod_path, config, files, backend_config=backend_config, custom_ops=custom_ops,
         test_input_data=test_input_data, test_expected_out=test_expected_out, package_as_zip=package_as_zip,
+        zip_compression=zip_compression, persist_test_data=persist_test_data,
     )  # fmt: skip
     # Loads the package once (a mapping or signature that does not fit fails
     # now) and runs the test data; a package that fails is removed.
-    check_packaged(path, backend=PLATFORM, rtol=rtol, atol=atol)
+    check_packaged(
+        path, backend=PLATFORM, rtol=rtol, atol=atol, test_input_data=test_input_data,
+        test_expected_out=test_expected_out, neuropod_load_args=neuropod_load_args,
+    )  # fmt: skip
     return path
 
 
-__all__ = ["create_keras_neuropod", "create_tensorflow_neuropod"]
+__all__ = ["create_keras_neuropod", "create_tensorflow_neuropod", "infer_keras_input_spec", "infer_keras_output_spec"]
