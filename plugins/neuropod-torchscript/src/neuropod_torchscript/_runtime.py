@@ -9,8 +9,9 @@ time (as the original Neuropod supported them):
   ``Dict[str, Union[Tensor, List[str]]]``: one dict of every input.
 
 String tensors travel as ``List[str]`` (so they must be 1-D). ``forward``
-may return a dict of tensors and/or ``List[str]``, a single tensor (when the
-output spec has exactly one entry), a named tuple, or a tuple of dicts.
+may return a dict of tensors and/or ``List[str]``, a single tensor or
+``List[str]`` (when the output spec has exactly one entry), a named tuple, or
+a tuple of dicts (a name in two of them is an error, as in the original).
 """
 
 from __future__ import annotations
