@@ -254,6 +254,18 @@ def test_tf2_addition_model(tmp_path: Path, source: str) -> None:
     np.testing.assert_allclose(neuropod.infer({"x": x, "y": 2 * x})["out"], 3 * x, rtol=1e-6)
 
 
+def test_tf2_spec_that_does_not_match_the_signature_is_a_value_error(tmp_path: Path) -> None:
+    only_x = {**ADDITION_SPEC, "input_spec": ADDITION_SPEC["input_spec"][:1]}
+    with pytest.raises(ValueError, match="The supplied SavedModel expects inputs that are not in the spec: 'y'"):
+        create_tensorflow_neuropod(neuropod_path=str(tmp_path / "m"), model_name="m", trackable_obj=AdditionModule(),
+                                   **only_x)  # fmt: skip
+    other_out = {**ADDITION_SPEC, "output_spec": [{"name": "sum", "dtype": "float32", "shape": (None,)}]}
+    with pytest.raises(ValueError, match="The supplied SavedModel does not return the following outputs in the spec"):
+        create_tensorflow_neuropod(neuropod_path=str(tmp_path / "m"), model_name="m", trackable_obj=AdditionModule(),
+                                   **other_out)  # fmt: skip
+    assert not (tmp_path / "m").exists()
+
+
 # --- Keras -------------------------------------------------------------------------------
 
 

@@ -195,13 +195,15 @@ def test_saved_model_dir_and_signature_problems(tmp_path: Path) -> None:
     path = create_tensorflow_neuropod(tmp_path / "ok", "scaler", in_spec, spec(("y", "float32", ["n"])), saved_model_dir=saved)
     with neuropod.load_neuropod(path) as model:
         np.testing.assert_allclose(model.infer({"x": np.ones(2, np.float32), "shift": np.zeros(2, np.float32)})["y"], [3, 3])
-    with pytest.raises(SpecError, match="input keys do not match.*'bias', which the signature lacks.*'shift', which the spec lacks"):
+    with pytest.raises(ValueError, match="input keys do not match the input spec. The supplied SavedModel is missing the "
+                       "following inputs in the spec: 'bias'. The supplied SavedModel expects inputs that are not in "
+                       "the spec: 'shift'. Signature keys: 'shift', 'x'"):  # fmt: skip
         create_tensorflow_neuropod(tmp_path / "keys", "scaler", spec(("x", "float32", ["n"]), ("bias", "float32", ["n"])),
                                    spec(("y", "float32", ["n"])), saved_model_dir=saved)  # fmt: skip
-    with pytest.raises(SpecError, match="output keys do not match.*'z', which the signature lacks"):
+    with pytest.raises(PackageError, match="output keys do not match.*does not return the following outputs in the spec: 'z'"):
         create_tensorflow_neuropod(tmp_path / "out", "scaler", in_spec, spec(("z", "float32", ["n"])), saved_model_dir=saved)
     other = models.save_without_serving_default(tmp_path / "other")
-    with pytest.raises(SpecError, match="has no 'serving_default' signature \\(it has: 'other'\\)"):
+    with pytest.raises(PackageError, match="has no 'serving_default' signature \\(it has: 'other'\\)"):
         create_tensorflow_neuropod(tmp_path / "nosig", "m", spec(("x", "float32", [None])),
                                    spec(("y", "float32", [None])), saved_model_dir=other)  # fmt: skip
     assert not any((tmp_path / n).exists() for n in ("keys", "out", "nosig"))

@@ -328,7 +328,7 @@ class SavedModelModel:
             raise BackendError(f"{where}: tensorflow {tf.__version__} could not load 0/data/{SAVED_MODEL}: {e}") from e
         signatures = dict(getattr(self.loaded, "signatures", {}) or {})
         if SIGNATURE not in signatures:
-            raise SpecError(
+            raise PackageError(
                 f"{where}: the SavedModel has no {SIGNATURE!r} signature (it has: "
                 f"{', '.join(map(repr, signatures)) or 'none'}); save it with "
                 f"signatures={{'{SIGNATURE}': fn}}"
@@ -346,17 +346,19 @@ class SavedModelModel:
 
     @staticmethod
     def _check_keys(where: str, kind: str, spec_names: list[str], keys: list[str], exact: bool) -> None:
+        """A PackageError (a ValueError, as the original's packager raised, in its words) when they differ."""
         missing = [n for n in spec_names if n not in keys]
         extra = [k for k in keys if k not in spec_names] if exact else []
         if missing or extra:
             parts = []
             if missing:
-                parts.append(f"the spec names {', '.join(map(repr, missing))}, which the signature lacks")
+                said = "is missing the following inputs" if kind == "input" else "does not return the following outputs"
+                parts.append(f"The supplied SavedModel {said} in the spec: {', '.join(map(repr, missing))}")
             if extra:
-                parts.append(f"the signature takes {', '.join(map(repr, extra))}, which the spec lacks")
-            raise SpecError(
-                f"{where}: the {SIGNATURE!r} signature's {kind} keys do not match the {kind} spec "
-                f"({'; '.join(parts)}). Signature keys: {', '.join(map(repr, keys))}"
+                parts.append(f"The supplied SavedModel expects inputs that are not in the spec: {', '.join(map(repr, extra))}")
+            raise PackageError(
+                f"{where}: the {SIGNATURE!r} signature's {kind} keys do not match the {kind} spec. "
+                f"{'. '.join(parts)}. Signature keys: {', '.join(map(repr, keys))}"
             )
 
     def run(self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
