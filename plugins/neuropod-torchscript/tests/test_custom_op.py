@@ -213,7 +213,13 @@ def test_two_packages_with_the_same_library_in_one_process(ops: Ops, tmp_path: P
     # What the probe learnt about the library is kept in the cache, per content and torch version.
     (probe,) = (Path(os.environ["NEUROPOD_CACHE_DIR"]) / "probes").glob("torch-ops-*.json")
     assert torch.__version__ in probe.name
-    assert json.loads(probe.read_text()) == {"ops": ["neuropod_test_ops::scale_plus_one"], "namespaces": ["neuropod_test_ops"]}
+    learnt = {"ops": ["neuropod_test_ops::scale_plus_one"], "namespaces": ["neuropod_test_ops"]}
+    assert json.loads(probe.read_text()) == learnt
+    # A damaged entry is probed again (in a subprocess: this process does not load the library).
+    from neuropod_torchscript._ops_probe import library_registrations
+
+    probe.write_text('["not", "an", "answer"]')
+    assert library_registrations(ops.ours, torch.__version__, "test") == learnt
 
 
 @pytest.mark.parametrize(

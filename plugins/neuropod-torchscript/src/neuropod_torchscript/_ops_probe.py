@@ -53,7 +53,9 @@ def library_registrations(path: Path, torch_version: str, where: str) -> dict[st
     """
     key = f"{cache.sha256_file(path)}-torch-{torch_version}"
     found = cached_probe("torch-ops", key, lambda: _probe(path, torch_version, where))
-    return {k: [str(v) for v in found.get(k, ())] for k in ("ops", "namespaces")}
+    if not (isinstance(found, dict) and all(isinstance(found.get(k), list) for k in ("ops", "namespaces"))):
+        found = _probe(path, torch_version, where)  # a cache entry someone else wrote or damaged
+    return {k: [str(v) for v in found[k]] for k in ("ops", "namespaces")}
 
 
 def clash(path: Path, where: str) -> str | None:
