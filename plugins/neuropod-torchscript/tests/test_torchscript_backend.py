@@ -95,6 +95,14 @@ def test_dict_of_tensors(tmp_path: Path) -> None:
         np.testing.assert_allclose(model.infer(inputs)["out"], inputs["x"] + inputs["y"], rtol=1e-6)
 
 
+def test_no_custom_ops_no_probe(tmp_path: Path, neuropod_cache: Path) -> None:
+    """A package without custom ops never starts the op probe (a subprocess importing torch)."""
+    path = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT)
+    with neuropod.load_neuropod(path) as model:
+        assert model.infer(xy())["out"].shape == (2, 2)
+    assert not (neuropod_cache / "probes").exists()
+
+
 def test_dict_of_string_lists(tmp_path: Path) -> None:
     words = ["apple", "Banana", "carrot cake"]
     path = package(tmp_path, models.Upper(), spec(("text", "string", [None])), spec(("upper", "string", [None])),
