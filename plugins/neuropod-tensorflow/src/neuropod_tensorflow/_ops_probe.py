@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import neuropod
+import neuropod_tensorflow
 from neuropod import cache
 from neuropod.backend import cached_probe
 from neuropod.errors import PackageError
@@ -45,6 +47,8 @@ def library_ops(tf: Any, path: Path, where: str) -> list[str]:
     """
     key = f"{cache.sha256_file(path)}-tensorflow-{tf.__version__}"
     ops = cached_probe("tensorflow-ops", key, lambda: _probe(path, tf.__version__, where))
+    if not isinstance(ops, list):  # a damaged cache entry
+        ops = _probe(path, tf.__version__, where)
     return [str(name) for name in ops]
 
 
@@ -66,11 +70,19 @@ def clash(tf: Any, path: Path, where: str) -> str | None:
 
 
 def _probe(path: Path, version: str, where: str) -> list[str]:
-    what = f"{where}: custom op library {path.name} failed to load in tensorflow {version} (loaded alone in a fresh process to learn its ops)"
+    what = (
+        f"{where}: custom op library {path.name} failed to load in tensorflow {version} "
+        "(loaded alone in a fresh process to learn its ops)"
+    )
     if not sys.executable:
         raise PackageError(f"{what}: this interpreter does not know its own executable (sys.executable is empty)")
     env = {**os.environ}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Wherever this process found neuropod and this plugin (a path added at run time too), the probe
+    # finds them; appended, so nothing the environment already resolves is shadowed.
+    found = [str(Path(m.__file__).resolve().parents[1]) for m in (neuropod, neuropod_tensorflow) if m.__file__]
+    paths = [*env.get("PYTHONPATH", "").split(os.pathsep), *found]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in dict.fromkeys(paths) if p)
     try:
         done = subprocess.run(
             [sys.executable, "-m", "neuropod_tensorflow._ops_probe", str(path)],
