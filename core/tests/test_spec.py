@@ -433,12 +433,26 @@ def test_check_inputs_object_element_repr_is_truncated() -> None:
     assert _message(excinfo).endswith("an element is bytes (" + repr(b"x" * 100)[:40] + ") (model 'm')")
 
 
-def test_check_inputs_bytes_array_hints_to_decode() -> None:
-    v = _validator([("s", "string", (None,))])
+def test_check_inputs_bytes_array_is_decoded_as_utf8() -> None:
+    # As the original Neuropod took string inputs: bytes, UTF-8 encoded.
+    v = _validator([("s", "string", ("n",))])
+    arr = np.array(["é".encode(), b"bc"])
+    out, bindings = v.check_inputs({"s": arr})
+    assert out["s"].dtype.kind == "U" and out["s"].tolist() == ["é", "bc"] and bindings == {"n": (2, "s")}
     with pytest.raises(SpecError) as excinfo:
-        v.check_inputs({"s": np.array([b"a", b"bc"])})
+        v.check_inputs({"s": np.array([b"a", b"\xff"])})
     assert _message(excinfo) == (
-        "Tensor 's' in the input spec is expected to be of type string, but was of type |S2 "
+        "Tensor 's' in the input spec is expected to be of type string, but holds bytes that are not UTF-8 text "
+        "(invalid start byte at byte 0) (model 'm')"
+    )
+
+
+def test_check_outputs_bytes_array_hints_to_decode() -> None:
+    v = _validator([], [("s", "string", (None,))])
+    with pytest.raises(SpecError) as excinfo:
+        v.check_outputs({"s": np.array([b"a", b"bc"])}, {})
+    assert _message(excinfo) == (
+        "Tensor 's' in the output spec is expected to be of type string, but was of type |S2 "
         "(model 'm': a numpy unicode array or an object array of str; decode bytes to str first)"
     )
 

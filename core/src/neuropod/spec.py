@@ -16,7 +16,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -266,7 +266,7 @@ class SpecValidator:
             )
         bindings: Bindings = {}
         specs = self._inputs
-        copied: list[str] = []
+        replaced: dict[str, np.ndarray] = {}
         for name, arr in tensors.items():
             compiled = specs.get(name)
             if compiled is None:
@@ -274,18 +274,20 @@ class SpecValidator:
                     f"Tensor name(s) {name!r} are not found in the input spec; model {self.model_name!r} has no "
                     "input named " + repr(name) + "; its inputs are: " + ", ".join(str(c[5]) for c in specs.values())
                 )
-            if type(arr) is not np.ndarray and isinstance(arr, np.generic):
-                arr = np.asarray(arr)
-                copied.append(name)
+            if type(arr) is not np.ndarray:
+                if isinstance(arr, np.generic):  # a numpy scalar: a 0-d tensor
+                    arr = replaced[name] = np.asarray(arr)
+            elif compiled[1] is None and arr.dtype.kind == "S":
+                # Bytes for a string tensor, as the original Neuropod took them: UTF-8 text.
+                arr = replaced[name] = _decode_utf8(arr, compiled[5], self.model_name)
             _check(arr, compiled, bindings, "input", self.model_name)
             if not arr.flags.c_contiguous:
-                copied.append(name)
+                replaced[name] = np.ascontiguousarray(arr)
         # The common case passes the caller's dict through: no new dict per call.
-        if not copied and type(tensors) is dict:
+        if not replaced and type(tensors) is dict:
             return tensors, bindings
         out = dict(tensors)
-        for name in copied:
-            out[name] = np.ascontiguousarray(out[name]) if isinstance(out[name], np.ndarray) else np.asarray(out[name])
+        out.update(replaced)
         return out, bindings
 
     def check_outputs(
@@ -404,6 +406,16 @@ def _check(arr: Any, compiled: _Compiled, bindings: Bindings, kind: str, model: 
             )  # fmt: skip
 
 
+def _decode_utf8(arr: np.ndarray, spec: TensorSpec, model: str) -> np.ndarray:
+    try:
+        return np.char.decode(arr, "utf-8")
+    except UnicodeDecodeError as e:
+        _fail(
+            f"Tensor {spec.name!r} in the input spec is expected to be of type string, but holds bytes that are "
+            f"not UTF-8 text ({e.reason} at byte {e.start})", model,
+        )  # fmt: skip
+
+
 def _check_strings(arr: np.ndarray, spec: TensorSpec, kind: str, model: str) -> None:
     k = arr.dtype.kind
     if k == "U":
@@ -423,7 +435,7 @@ def _check_strings(arr: np.ndarray, spec: TensorSpec, kind: str, model: str) -> 
     )  # fmt: skip
 
 
-def _fail(sentence: str, model: str, detail: str = "") -> None:
+def _fail(sentence: str, model: str, detail: str = "") -> NoReturn:
     raise SpecError(f"{sentence} (model {model!r}{': ' + detail if detail else ''})")
 
 
