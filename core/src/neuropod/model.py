@@ -467,9 +467,11 @@ def check_packaged(
     the model runs once on them; with expected outputs too, its outputs must
     match. A package that cannot load (say, a spec that does not fit the
     model), fails on its test inputs or does not reproduce its expected
-    outputs is removed, so nobody deploys it by mistake; the error says why
-    (a :class:`PackageError`, also a ``ValueError`` as the original Neuropod
-    raised). Without expected outputs, a package that no backend here can
+    outputs is removed, so nobody deploys it by mistake, and the error is
+    raised: the loader's or the model's own (a :class:`SpecError`,
+    :class:`BackendError`, ...), or a :class:`PackageError` (also a
+    ``ValueError``, as the original Neuropod raised) for outputs that differ
+    from the expected ones. Without expected outputs, a package that no backend here can
     run (made for another framework version) is kept with a warning that it
     was not checked.
 
