@@ -120,8 +120,10 @@ def _in_range(backend: Backend, version_range: str) -> bool:
         return False
 
 
-def _wants_gpu(config: ModelConfig) -> tuple[bool, bool]:
-    """(prefers a GPU, requires a GPU) for a package."""
+def gpu_preference(config: ModelConfig) -> tuple[bool, bool]:
+    """(prefers a GPU, requires a GPU) for a package: it requires one when its
+    ``device_requirements`` say so (a TensorRT engine), and prefers one when it
+    requires one or an input's ``input_tensor_device`` is GPU (the original's default)."""
     req = config.device_requirements or {}
     kind = str(req.get("device", "")).lower()
     requires = kind in ("gpu", "cuda")
@@ -180,7 +182,7 @@ def _driver_ok(host: Host, caps: DeviceCaps) -> str | None:
 def _pick_device(
     config: ModelConfig, caps: DeviceCaps, host: Host, device: str | None
 ) -> tuple[str | None, str]:
-    prefers, requires = _wants_gpu(config)
+    prefers, requires = gpu_preference(config)
     if device == "cpu":
         if requires:
             return None, "device='cpu' was requested, but the model needs a GPU"
@@ -279,7 +281,7 @@ def resolve(
             continue
         chosen_device, reason = _pick_device(config, c, host, want_device)
         candidates.append(Candidate(b, c, chosen_device, reason))
-    prefers, _ = _wants_gpu(config)
+    prefers, _ = gpu_preference(config)
     accepted = [c for c in candidates if c.accepted]
 
     def rank(c: Candidate) -> tuple[Any, ...]:
@@ -305,4 +307,4 @@ def _sort_version(v: str) -> Version:
         return Version("0")
 
 
-__all__ = ["Candidate", "Resolution", "describe_range", "parse_backend_pin", "resolve"]
+__all__ = ["Candidate", "Resolution", "describe_range", "gpu_preference", "parse_backend_pin", "resolve"]

@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -73,7 +73,7 @@ class _Refused(Exception):
 Handler = Callable[[Any, grpc.ServicerContext], Any]
 
 
-class _Servicer:
+class Servicer:
     """The six RPCs of GRPCInferenceService over one engine."""
 
     def __init__(self, engine: Engine) -> None:
@@ -97,40 +97,74 @@ class _Servicer:
     def model_metadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
         metadata = self.engine.get(request.name, request.version or None).metadata
         # The exact spec shapes (symbol names) ride in a trailer: TensorMetadata has no parameters.
-        context.set_trailing_metadata(((codec.SHAPES_METADATA_KEY, codec.shapes_metadata(metadata)),))
+        # A list: Ray Serve's context (neuropod_serving.ray) adds its own trailers to it.
+        context.set_trailing_metadata([(codec.SHAPES_METADATA_KEY, codec.shapes_metadata(metadata))])
         return codec.model_metadata_response(metadata)
 
     def model_infer(self, call: InferCall, context: Any) -> bytes:
         started = time.perf_counter()
-        engine = self.engine
-        name = call.model_name
-        failure: str | None = "client"
+        state = _InferState(call)
         try:
-            request = call.request
-            if request is None:
-                assert call.error is not None
-                raise call.error
-            served = engine.get(name, request.model_version or None)
-            decoded = request.decode(served.input_specs)
-            requested = list(decoded.outputs) if decoded.outputs is not None else None
-            failure = "model"
-            try:
-                outputs = engine.infer_blocking(served, decoded.inputs, requested)
-            except CLIENT_ERRORS:
-                failure = "client"
-                raise
-            try:
-                response = codec.serialize_model_infer_response(
-                    served.name, outputs, model_version=MODEL_VERSION, id=decoded.id
-                )
-            except ProtocolError as e:
-                # An output the protocol cannot carry is the model's fault, not the request's.
-                raise NeuropodError(f"its outputs cannot be sent: {e}") from e
-            failure = None
-            return response
+            served, decoded, requested = self.begin_infer(call, state)
+            outputs = self.engine.infer_blocking(served, decoded.inputs, requested)
+            return self.finish_infer(state, served, decoded, outputs)
+        except CLIENT_ERRORS:
+            state.failure = "client"
+            raise
         finally:
-            if name in engine.registry:
-                self.metrics.request(name, "grpc", time.perf_counter() - started, failure)
+            self.count(state, started)
+
+    async def model_infer_async(self, call: InferCall, context: Any) -> bytes:
+        """:meth:`model_infer` for a caller on an event loop (the Ray Serve deployment):
+        the model runs through :meth:`Engine.infer`, never blocking the loop on a batch."""
+        started = time.perf_counter()
+        state = _InferState(call)
+        try:
+            served, decoded, requested = self.begin_infer(call, state)
+            outputs = await self.engine.infer(served, decoded.inputs, requested)
+            return self.finish_infer(state, served, decoded, outputs)
+        except CLIENT_ERRORS:
+            state.failure = "client"
+            raise
+        finally:
+            self.count(state, started)
+
+    def begin_infer(self, call: InferCall, state: _InferState) -> tuple[Any, Any, list[str] | None]:
+        """The model and the decoded request of ``call``; afterwards a failure is the model's."""
+        request = call.request
+        if request is None:
+            assert call.error is not None
+            raise call.error
+        served = self.engine.get(call.model_name, request.model_version or None)
+        decoded = request.decode(served.input_specs)
+        state.failure = "model"
+        return served, decoded, list(decoded.outputs) if decoded.outputs is not None else None
+
+    def finish_infer(self, state: _InferState, served: Any, decoded: Any, outputs: dict[str, Any]) -> bytes:
+        try:
+            response = codec.serialize_model_infer_response(
+                served.name, outputs, model_version=MODEL_VERSION, id=decoded.id
+            )
+        except ProtocolError as e:
+            # An output the protocol cannot carry is the model's fault, not the request's.
+            raise NeuropodError(f"its outputs cannot be sent: {e}") from e
+        state.failure = None
+        return response
+
+    def count(self, state: _InferState, started: float) -> None:
+        name = state.model
+        if name in self.engine.registry:
+            self.metrics.request(name, "grpc", time.perf_counter() - started, state.failure)
+
+
+class _InferState:
+    """What one ModelInfer call has come to: who is at fault if it fails now."""
+
+    __slots__ = ("failure", "model")
+
+    def __init__(self, call: InferCall) -> None:
+        self.model = call.model_name
+        self.failure: str | None = "client"
 
 
 class InferCall:
@@ -170,26 +204,10 @@ def _wrap(
         details = ""
         try:
             if expected_auth is not None:
-                _authenticate(context, expected_auth)
+                authenticate(context, expected_auth)
             return handler(request, context)
-        except _Refused as e:
-            code, details = e.code, e.details
-        except (ProtocolError, SpecError, UnknownModelError) as e:
-            code = (
-                grpc.StatusCode.NOT_FOUND
-                if isinstance(e, UnknownModelError)
-                else _STATUS_OF_PROTOCOL_ERROR.get(getattr(e, "status", 400), grpc.StatusCode.INVALID_ARGUMENT)
-            )
-            details = str(e)
-        except NeuropodError as e:
-            # The model failed, not the request: log it with its cause for the
-            # operator, answer INTERNAL naming the model, and keep serving.
-            model = model_of(request) if model_of is not None else "?"
-            log.error("model %r failed: %s", model, e, exc_info=e)
-            code, details = grpc.StatusCode.INTERNAL, f"model {model!r} failed: {e}"
-        except Exception as e:
-            log.exception("gRPC %s failed", method)
-            code, details = grpc.StatusCode.INTERNAL, f"{method} failed: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status (status_of logs the unexpected)
+            code, details = status_of(e, method, model_of(request) if model_of is not None else "?")
         finally:
             if access_log and access.isEnabledFor(logging.INFO):
                 access.info(
@@ -202,7 +220,30 @@ def _wrap(
     return rpc
 
 
-def _authenticate(context: grpc.ServicerContext, expected: bytes) -> None:
+def status_of(exc: Exception, method: str, model: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and details a gRPC client gets for ``exc`` raised by ``method``.
+
+    A model's failure and any unexpected error are logged here with their cause
+    for the operator; the client gets INTERNAL naming the model (or the method).
+    """
+    if isinstance(exc, _Refused):
+        return exc.code, exc.details
+    if isinstance(exc, (ProtocolError, SpecError, UnknownModelError)):
+        code = (
+            grpc.StatusCode.NOT_FOUND
+            if isinstance(exc, UnknownModelError)
+            else _STATUS_OF_PROTOCOL_ERROR.get(getattr(exc, "status", 400), grpc.StatusCode.INVALID_ARGUMENT)
+        )
+        return code, str(exc)
+    if isinstance(exc, NeuropodError):
+        # The model failed, not the request: answer INTERNAL naming the model, and keep serving.
+        log.error("model %r failed: %s", model, exc, exc_info=exc)
+        return grpc.StatusCode.INTERNAL, f"model {model!r} failed: {exc}"
+    log.exception("gRPC %s failed", method, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"{method} failed: {type(exc).__name__}: {exc}"
+
+
+def authenticate(context: grpc.ServicerContext, expected: bytes) -> None:
     given = b""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
@@ -217,28 +258,61 @@ def _authenticate(context: grpc.ServicerContext, expected: bytes) -> None:
         )
 
 
+class Method(NamedTuple):
+    """One RPC of the service, as both servers (``neuropod serve``'s and Ray Serve's proxy) register it."""
+
+    #: The servicer's method that answers it.
+    handler: str
+    #: Parses the request bytes (``FromString``, or a class taking the bytes).
+    request: Any
+    #: Serializes the answer; None when the handler returns bytes already.
+    response: Any
+    #: The model a request names (for errors and the access log), None for server-level RPCs.
+    model_of: Callable[[Any], str] | None
+    #: Answered without the bearer token (health probes).
+    open: bool
+
+    def parse(self, data: bytes) -> Any:
+        return getattr(self.request, "FromString", self.request)(data)
+
+
+def _by_name(request: Any) -> str:
+    return str(request.name)
+
+
+def _by_call(request: Any) -> str:
+    return str(request.model_name)
+
+
+#: The six RPCs of GRPCInferenceService, by method name.
+METHODS: dict[str, Method] = {
+    "ServerLive": Method("server_live", pb.ServerLiveRequest, pb.ServerLiveResponse, None, True),
+    "ServerReady": Method("server_ready", pb.ServerReadyRequest, pb.ServerReadyResponse, None, True),
+    "ModelReady": Method("model_ready", pb.ModelReadyRequest, pb.ModelReadyResponse, _by_name, False),
+    "ServerMetadata": Method("server_metadata", pb.ServerMetadataRequest, pb.ServerMetadataResponse, None, False),
+    "ModelMetadata": Method("model_metadata", pb.ModelMetadataRequest, pb.ModelMetadataResponse, _by_name, False),
+    # Requests are parsed by InferCall, answers serialized by the codec (bytes): big tensors
+    # then skip protobuf's copies (grpc_codec.serialize_model_infer_response).
+    "ModelInfer": Method("model_infer", InferCall, None, _by_call, False),
+}
+
+
 def _handlers(engine: Engine, *, auth_token: str | None, access_log: bool) -> dict[str, grpc.RpcMethodHandler]:
-    servicer = _Servicer(engine)
+    servicer = Servicer(engine)
     expected = None if auth_token is None else f"Bearer {auth_token}".encode()
-    by_name = lambda r: r.name  # noqa: E731
-    methods: list[tuple[str, Handler, Any, Any, Callable[[Any], str] | None, bool]] = [
-        # name, handler, request class, response class, model name of a request, open to all
-        ("ServerLive", servicer.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse, None, True),
-        ("ServerReady", servicer.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse, None, True),
-        ("ModelReady", servicer.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse, by_name, False),
-        ("ServerMetadata", servicer.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse, None, False),
-        ("ModelMetadata", servicer.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse, by_name, False),
-        # Requests are parsed by InferCall, answers serialized by the codec (bytes): big tensors
-        # then skip protobuf's copies (grpc_codec.serialize_model_infer_response).
-        ("ModelInfer", servicer.model_infer, InferCall, None, lambda r: r.model_name, False),
-    ]
     return {
         name: grpc.unary_unary_rpc_method_handler(
-            _wrap(name, handler, model_of=model_of, expected_auth=None if open_ else expected, access_log=access_log),
-            request_deserializer=getattr(request_class, "FromString", request_class),
-            response_serializer=None if response_class is None else response_class.SerializeToString,
+            _wrap(
+                name,
+                getattr(servicer, m.handler),
+                model_of=m.model_of,
+                expected_auth=None if m.open else expected,
+                access_log=access_log,
+            ),
+            request_deserializer=getattr(m.request, "FromString", m.request),
+            response_serializer=None if m.response is None else m.response.SerializeToString,
         )
-        for name, handler, request_class, response_class, model_of, open_ in methods
+        for name, m in METHODS.items()
     }
 
 
@@ -283,7 +357,7 @@ def start_grpc_server(
             # grpcio sets SO_REUSEPORT by default: a second server on a port in use would
             # silently share it instead of failing the start.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     # Registered methods skip the per-call lookup by name (grpcio >= 1.62).
@@ -327,4 +401,15 @@ def default_threads(engine: Engine) -> int:
     return max(MIN_THREADS, 2 * per_model)
 
 
-__all__ = ["EXTENSIONS", "SERVICE", "GrpcServer", "default_threads", "start_grpc_server"]
+__all__ = [
+    "EXTENSIONS",
+    "METHODS",
+    "SERVICE",
+    "GrpcServer",
+    "Method",
+    "Servicer",
+    "authenticate",
+    "default_threads",
+    "start_grpc_server",
+    "status_of",
+]
