@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from neuropod.errors import NeuropodError
 
+log = logging.getLogger("neuropod_serving.cli")
 DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
 
 
@@ -87,6 +88,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"refuse larger request bodies with 413 (gRPC: RESOURCE_EXHAUSTED) (default {DEFAULT_MAX_REQUEST_BYTES:,})",
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no start-up table and no access log (warnings and errors only)")
+    ray = parser.add_argument_group(
+        "Ray Serve", "deploy each package as a Ray Serve application (pip install 'neuropod-serving[ray]')"
+    )
+    ray.add_argument(
+        "--ray", action="store_true",
+        help="serve through Ray Serve: replicas across the cluster, its HTTP and gRPC proxies on "
+        "--http-port and --grpc-port; metrics through Ray's metrics agents",
+    )  # fmt: skip
+    ray.add_argument(
+        "--address", metavar="ADDR",
+        help="with --ray: the cluster to join (ray://host:10001, host:6379 or auto; default: start a local one)",
+    )  # fmt: skip
+    ray.add_argument("--replicas", type=_positive, default=1, metavar="N", help="with --ray: replicas per model (default 1)")
+    ray.add_argument(
+        "--num-cpus", type=float, metavar="C",
+        help="with --ray: CPUs each replica reserves (default: --workers); fractions let small models share a core",
+    )  # fmt: skip
 
 
 def read_token(path: Path) -> str:
@@ -197,6 +215,13 @@ def _check_server_libraries() -> None:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Load every package, print the table, and serve until interrupted."""
     out = out or sys.stdout
+    if getattr(args, "ray", False):
+        return run_ray(args, out)
+    for flag in ("address",):
+        if getattr(args, flag, None) is not None:
+            raise NeuropodError(f"--{flag} is an option of --ray")
+    if getattr(args, "replicas", 1) != 1 or getattr(args, "num_cpus", None) is not None:
+        raise NeuropodError("--replicas and --num-cpus are options of --ray")
     _check_server_libraries()
     token = read_token(args.auth_token_file) if args.auth_token_file is not None else None
     tls = read_tls(args.tls_cert, args.tls_key)
@@ -222,6 +247,81 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     finally:
         engine.close()
     return 0
+
+
+def run_ray(args: argparse.Namespace, out: TextIO) -> int:
+    """``neuropod serve --ray``: each package becomes a Ray Serve application named after its model,
+    on the cluster at ``--address`` (or a local one); Ctrl-C deletes them again."""
+    import time
+
+    if args.tls_cert is not None or args.tls_key is not None:
+        raise NeuropodError(
+            "--tls-cert/--tls-key are not supported with --ray: Ray Serve's proxies serve plain HTTP and gRPC "
+            "(terminate TLS in front of them)"
+        )
+    if args.metrics_port not in (0, 8002):
+        raise NeuropodError(
+            "--metrics-port does not apply with --ray: each node's Ray metrics agent exports the replicas' metrics"
+        )
+    try:
+        import ray
+        from ray import serve
+
+        from neuropod_serving import ray as neuropod_ray
+    except ImportError as e:
+        from neuropod.errors import PluginNotInstalledError
+
+        raise PluginNotInstalledError(
+            f"`neuropod serve --ray` needs Ray Serve ({e.name} is not installed): pip install 'neuropod-serving[ray]'"
+        ) from None
+    from neuropod_serving.server import find_packages
+
+    token = read_token(args.auth_token_file) if args.auth_token_file is not None else None
+    packages = [pkg for path in args.paths for pkg in find_packages(path)]
+    ray.init(address=args.address, logging_level=logging.WARNING if args.quiet else logging.INFO)
+    names: list[str] = []
+    try:
+        neuropod_ray.start(http_host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
+        refs = [neuropod_ray.publish(pkg) for pkg in packages]
+        seen: dict[str, str] = {}
+        for ref in refs:
+            if ref.name in seen:
+                raise NeuropodError(
+                    f"two packages are both named {ref.name!r}: {seen[ref.name]} and {ref.source}; "
+                    "a server answers to one model per name"
+                )
+            seen[ref.name] = ref.source
+        for i, ref in enumerate(refs):
+            application = neuropod_ray.build(
+                ref, num_replicas=args.replicas, workers=args.workers, max_batch_size=args.max_batch_size,
+                max_queue_delay_us=args.max_queue_delay_us, auth_token=token, max_request_bytes=args.max_request_bytes,
+                ray_actor_options=None if args.num_cpus is None else {"num_cpus": args.num_cpus},
+            )  # fmt: skip
+            # The first model answers the server-wide routes (/v2, health); the others their own paths.
+            prefix = "/" if i == 0 else f"/v2/models/{ref.name}"
+            serve.run(application, name=ref.name, route_prefix=prefix, blocking=False)
+            names.append(ref.name)
+        if not args.quiet:
+            host = _show_host(args.host)
+            where = [f"REST http://{host}:{args.http_port}/v2"]
+            if args.grpc_port:
+                where.append(f"gRPC {host}:{args.grpc_port}")
+            print(
+                f"serving {len(names)} model(s) on Ray Serve ({args.replicas} replica(s) each): {', '.join(where)}; "
+                f"models: {', '.join(names)}; metrics: each node's Ray metrics agent (ray_neuropod_*)",
+                file=out, flush=True,
+            )  # fmt: skip
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for name in names:
+            try:
+                serve.delete(name)
+            except Exception:  # the cluster may be gone already
+                log.debug("could not delete application %r", name, exc_info=True)
+        ray.shutdown()
 
 
 #: How long a thread may keep the GIL while another waits (Python's default is 5 ms).

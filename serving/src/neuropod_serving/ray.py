@@ -254,6 +254,13 @@ class RayMetrics:
     (``ray_neuropod_requests_total{model,protocol,replica,...}``).
     """
 
+    #: What ``GET /metrics`` on a replica answers (with 404): one replica's numbers behind a
+    #: load-balancing proxy would mislead a scraper.
+    elsewhere = (
+        "on Ray Serve, each replica's metrics are exported by its node's Ray metrics agent "
+        "(ray_neuropod_* with a replica tag; ray start --metrics-export-port), not at /metrics"
+    )
+
     def __init__(self, replica: str, application: str) -> None:
         from ray.util import metrics as m
 

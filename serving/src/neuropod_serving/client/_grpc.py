@@ -50,7 +50,13 @@ class GrpcTransport:
             self._channel = grpc.secure_channel(target.address, credentials, options=options)
         else:
             self._channel = grpc.insecure_channel(target.address, options=options)
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        # "application": Ray Serve's gRPC proxy routes a call by it when it serves several
+        # applications (`neuropod serve --ray` names each after its model); other servers ignore it.
+        printable = target.model.isascii() and target.model.isprintable()
+        metadata: tuple[tuple[str, str], ...] = (("application", target.model),) if printable else ()
+        if auth_token:
+            metadata += (("authorization", f"Bearer {auth_token}"),)
+        self._metadata = metadata
         unary = self._channel.unary_unary
         # Requests and answers of ModelInfer are bytes: the codec writes and reads the wire form itself.
         self._infer = unary(_SERVICE + "ModelInfer")

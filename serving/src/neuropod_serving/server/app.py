@@ -340,7 +340,8 @@ def create_app(
 
     async def prometheus(request: Request) -> Response:
         if not isinstance(metrics, ServerMetrics):
-            return _error(404, "this server keeps no metrics")
+            # Metrics kept elsewhere (Ray's metrics agents) say where; none kept at all, that.
+            return _error(404, getattr(metrics, "elsewhere", "this server keeps no metrics"))
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def repository_index(request: Request) -> Response:
