@@ -359,7 +359,7 @@ class NeuropodModel:
     """One replica: one package, loaded once, served over REST (``neuropod serve``'s app) and
     gRPC (its servicer's methods, named as the protocol's RPCs for Ray's gRPC proxy)."""
 
-    async def __init__(self, package: PackageRef, options: Mapping[str, Any]) -> None:
+    async def __init__(self, package: PackageRef, options: Mapping[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
         from neuropod import load_neuropod
         from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry, ServedModel
         from neuropod_serving.server.grpc_service import Servicer
@@ -632,8 +632,8 @@ def app(args: Mapping[str, Any]) -> Any:
             values[key] = _ARGS[key](value)
         except (TypeError, ValueError):
             raise NeuropodError(f"neuropod_serving.ray:app: {key}={value!r} is not a valid {key}") from None
-    actor = {k: values.pop(k) for k in ("num_cpus", "num_gpus") if k in values}
-    scaling = {k: values.pop(k) for k in _AUTOSCALING if k in values}
+    actor: dict[str, Any] = {k: values.pop(k) for k in ("num_cpus", "num_gpus") if k in values}
+    scaling: dict[str, Any] = {k: values.pop(k) for k in _AUTOSCALING if k in values}
     try:
         return build(
             package,

@@ -27,7 +27,7 @@ import numpy as np
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.spec import SpecValidator
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol
-from neuropod_serving.server.metrics import NoMetrics, ServerMetrics
+from neuropod_serving.server.metrics import NoMetrics, Recorder
 from neuropod_serving.server.registry import ModelRegistry, ServedModel, UnknownModelError
 
 log = logging.getLogger("neuropod_serving.server")
@@ -77,12 +77,12 @@ class Engine:
         registry: ModelRegistry,
         *,
         batching: BatchPolicy | None = None,
-        metrics: ServerMetrics | None = None,
+        metrics: Recorder | None = None,
         threads: int | None = None,
     ) -> None:
         self.registry = registry
         self.batching = batching if batching is not None and batching.max_batch_size > 1 else None
-        self.metrics: ServerMetrics | NoMetrics = metrics if metrics is not None else NoMetrics()
+        self.metrics: Recorder = metrics if metrics is not None else NoMetrics()
         #: OPE workers per model (1 in-process): batches in flight, and the thread pool's size.
         self.workers = max(1, int(registry.load_options.get("workers", 1)))
         self._executor = concurrent.futures.ThreadPoolExecutor(

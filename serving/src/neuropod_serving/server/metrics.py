@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 #: Seconds: 50 µs to 10 s, dense where a small model's latency lies.
 LATENCY_BUCKETS = (
@@ -180,6 +180,21 @@ class _Collector:
 
     def collect(self) -> Iterator[Any]:
         yield from self.metrics.families()
+
+
+class Recorder(Protocol):
+    """What the engine and the front ends record into: :class:`ServerMetrics`, :class:`NoMetrics`,
+    or another sink with the same calls (the Ray deployment's, into Ray's metrics)."""
+
+    def request(self, model: str, protocol: str, seconds: float, failure: str | None = None) -> None: ...
+
+    def queued(self, model: str, seconds: float) -> None: ...
+
+    def ran(self, model: str, queued: float, seconds: float) -> None: ...
+
+    def computed(self, model: str, seconds: float, rows: int | None) -> None: ...
+
+    def loaded(self, count: int) -> None: ...
 
 
 class NoMetrics:
