@@ -23,11 +23,11 @@ import pytest
 pytest.importorskip("ray.serve")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import adder_and_echo, free_port  # noqa: E402
+import neuropod
+from neuropod.errors import NeuropodError, PackageError
+from neuropod_serving import ray as neuropod_ray
 
-import neuropod  # noqa: E402
-from neuropod.errors import NeuropodError, PackageError  # noqa: E402
-from neuropod_serving import ray as neuropod_ray  # noqa: E402
+from conftest import adder_and_echo, free_port
 
 
 def _get(url: str) -> tuple[int, Any]:
