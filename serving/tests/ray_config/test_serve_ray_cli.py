@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,9 @@ import pytest
 pytest.importorskip("ray.serve")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ray_procs import stop_with_ctrl_c
+
 import neuropod
 from neuropod.errors import NeuropodError, PackageError
 from neuropod_serving import ray as neuropod_ray
@@ -99,13 +101,7 @@ def test_serve_ray_deploys_every_package_and_routes_rest_and_grpc_by_model(tmp_p
                 np.testing.assert_array_equal(out["n1"], n + 1)
                 assert out["s_out"].tolist() == s.tolist()
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        stop_with_ctrl_c(proc, log)
     output = (tmp_path / "serve.log").read_text(errors="replace")
     assert proc.returncode == 0, output[-3000:]  # Ctrl-C: the applications deleted, the local cluster stopped
 

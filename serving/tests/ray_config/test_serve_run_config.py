@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ray_procs import stop_with_ctrl_c
 
 yaml = pytest.importorskip("yaml")  # Ray Serve's own dependency: there when Ray Serve is
 
@@ -122,12 +124,5 @@ def test_serve_run_with_the_example_config_serves_the_quick_start_package_to_tri
         for protocol in ("http", "grpc"):
             assert result[protocol] == {"live": True, "ready": True, "inputs": ["x", "y"], "out": expected}, protocol
     finally:
-        # Ctrl-C, as a user stops it: serve run deletes the application and stops the cluster it started.
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        stop_with_ctrl_c(proc, log)
     assert proc.returncode is not None

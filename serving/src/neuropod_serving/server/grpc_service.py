@@ -25,10 +25,11 @@ the model failed              INTERNAL, naming the model; logged
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, NamedTuple
 
@@ -102,34 +103,34 @@ class Servicer:
         return codec.model_metadata_response(metadata)
 
     def model_infer(self, call: InferCall, context: Any) -> bytes:
-        started = time.perf_counter()
-        state = _InferState(call)
-        try:
-            served, decoded, requested = self.begin_infer(call, state)
+        with self._counted(call) as state:
+            served, decoded, requested = self._begin(call, state)
             outputs = self.engine.infer_blocking(served, decoded.inputs, requested)
-            return self.finish_infer(state, served, decoded, outputs)
-        except CLIENT_ERRORS:
-            state.failure = "client"
-            raise
-        finally:
-            self.count(state, started)
+            return self._finish(state, served, decoded, outputs)
 
     async def model_infer_async(self, call: InferCall, context: Any) -> bytes:
         """:meth:`model_infer` for a caller on an event loop (the Ray Serve deployment):
         the model runs through :meth:`Engine.infer`, never blocking the loop on a batch."""
+        with self._counted(call) as state:
+            served, decoded, requested = self._begin(call, state)
+            outputs = await self.engine.infer(served, decoded.inputs, requested)
+            return self._finish(state, served, decoded, outputs)
+
+    @contextlib.contextmanager
+    def _counted(self, call: InferCall) -> Iterator[_InferState]:
+        """Count one ModelInfer in the metrics, as failed by the client, the model or neither."""
         started = time.perf_counter()
         state = _InferState(call)
         try:
-            served, decoded, requested = self.begin_infer(call, state)
-            outputs = await self.engine.infer(served, decoded.inputs, requested)
-            return self.finish_infer(state, served, decoded, outputs)
+            yield state
         except CLIENT_ERRORS:
             state.failure = "client"
             raise
         finally:
-            self.count(state, started)
+            if state.model in self.engine.registry:
+                self.metrics.request(state.model, "grpc", time.perf_counter() - started, state.failure)
 
-    def begin_infer(self, call: InferCall, state: _InferState) -> tuple[Any, Any, list[str] | None]:
+    def _begin(self, call: InferCall, state: _InferState) -> tuple[Any, Any, list[str] | None]:
         """The model and the decoded request of ``call``; afterwards a failure is the model's."""
         request = call.request
         if request is None:
@@ -140,7 +141,7 @@ class Servicer:
         state.failure = "model"
         return served, decoded, list(decoded.outputs) if decoded.outputs is not None else None
 
-    def finish_infer(self, state: _InferState, served: Any, decoded: Any, outputs: dict[str, Any]) -> bytes:
+    def _finish(self, state: _InferState, served: Any, decoded: Any, outputs: dict[str, Any]) -> bytes:
         try:
             response = codec.serialize_model_infer_response(
                 served.name, outputs, model_version=MODEL_VERSION, id=decoded.id
@@ -150,11 +151,6 @@ class Servicer:
             raise NeuropodError(f"its outputs cannot be sent: {e}") from e
         state.failure = None
         return response
-
-    def count(self, state: _InferState, started: float) -> None:
-        name = state.model
-        if name in self.engine.registry:
-            self.metrics.request(name, "grpc", time.perf_counter() - started, state.failure)
 
 
 class _InferState:
