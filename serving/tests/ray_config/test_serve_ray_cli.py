@@ -155,3 +155,45 @@ def test_package_bytes_zips_a_directory_deterministically_and_refuses_what_is_no
     (tmp_path / "plain").mkdir()
     with pytest.raises(PackageError, match="is not a Neuropod package"):
         neuropod_ray.package_bytes(tmp_path / "plain")
+
+
+def test_placement_from_the_package_and_the_package_store(tmp_path: Path) -> None:
+    """A package that needs a GPU reserves one (unless overridden); a CPU model reserves `workers`
+    CPUs; the store keeps one copy per distinct package, and a replica cannot fetch a forgotten one."""
+    import asyncio
+    import shutil
+
+    import ray
+
+    os.environ["NEUROPOD_CACHE_DIR"] = str(tmp_path / "cache")
+    adder_and_echo(tmp_path / "models", echo_as_zip=True)
+    gpu = tmp_path / "gpu_adder"
+    shutil.copytree(tmp_path / "models" / "adder", gpu)
+    config = json.loads((gpu / "config.json").read_text())
+    config["device_requirements"] = {"device": "gpu"}  # what a TensorRT engine's package says
+    (gpu / "config.json").write_text(json.dumps(config))
+
+    ray.init(num_cpus=1, include_dashboard=False, namespace="placement-test")
+    try:
+        def actor_options(app: Any) -> dict[str, Any]:
+            return dict(app._bound_deployment.ray_actor_options)  # what Serve will reserve per replica
+
+        assert actor_options(neuropod_ray.build(gpu))["num_gpus"] == 1
+        assert actor_options(neuropod_ray.build(gpu, ray_actor_options={"num_gpus": 0}))["num_gpus"] == 0
+        cpu = actor_options(neuropod_ray.build(tmp_path / "models" / "adder", workers=3))
+        assert cpu["num_cpus"] == 3 and not cpu.get("num_gpus")  # prefers a GPU, but the cluster has none
+
+        first = neuropod_ray.publish(tmp_path / "models" / "echo.zip")
+        again = neuropod_ray.publish(tmp_path / "models" / "echo.zip")
+        assert first == again and first.name == "echo"
+        store = ray.get_actor(neuropod_ray.STORE_NAME, namespace=neuropod_ray.STORE_NAMESPACE)
+        assert first.digest in ray.get(store.digests.remote())
+        fetched = asyncio.run(neuropod_ray.fetch(first))
+        assert fetched.read_bytes() == (tmp_path / "models" / "echo.zip").read_bytes()
+
+        fetched.unlink()  # not on this node any more, and not in the store either
+        assert neuropod_ray.forget(first) and not neuropod_ray.forget(first)
+        with pytest.raises(PackageError, match="no longer holds package 'echo'.*deploy the application again"):
+            asyncio.run(neuropod_ray.fetch(first))
+    finally:
+        ray.shutdown()
