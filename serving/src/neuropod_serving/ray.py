@@ -330,6 +330,10 @@ class RayMetrics:
 # -- the deployment ------------------------------------------------------------------------------------------
 
 
+class _TooLarge(Exception):
+    """A gRPC request over ``max_request_bytes`` (RESOURCE_EXHAUSTED)."""
+
+
 class _Serialized:
     """Bytes the servicer already serialized, in the form Ray's replica sends gRPC answers."""
 
@@ -388,6 +392,7 @@ class NeuropodModel:
             model.close()
             raise
         self._servicer = Servicer(self._engine)
+        self._max_request_bytes = int(self._options.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
         token = self._options.get("auth_token")
         self._expected_auth = None if not token else f"Bearer {token}".encode()
         log.info(
@@ -431,6 +436,8 @@ class NeuropodModel:
     # with the request's bytes (add_inference_servicer registers no parser) and the call's context.
 
     async def _rpc(self, method: str, data: bytes, grpc_context: Any) -> Any:
+        import grpc
+
         from neuropod_serving.server.grpc_service import METHODS, authenticate, status_of
 
         spec = METHODS[method]
@@ -438,6 +445,12 @@ class NeuropodModel:
         try:
             if self._expected_auth is not None and not spec.open:
                 authenticate(grpc_context, self._expected_auth)
+            if len(data) > self._max_request_bytes:
+                # neuropod serve's grpcio refuses these before a handler sees them; Ray's proxy takes up to 2 GiB.
+                raise _TooLarge(
+                    f"the request is {len(data):,} bytes, more than this server's limit of "
+                    f"{self._max_request_bytes:,} (max_request_bytes)"
+                )
             request = _parse(spec, data)
             handler = getattr(self._servicer, spec.handler)
             if method == "ModelInfer":
@@ -445,7 +458,11 @@ class NeuropodModel:
             return handler(request, grpc_context)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status (status_of logs the unexpected)
             model = spec.model_of(request) if spec.model_of is not None and request is not None else "?"
-            code, details = status_of(e, method, model)
+            code, details = (
+                (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                if isinstance(e, _TooLarge)
+                else status_of(e, method, model)
+            )
             grpc_context.set_code(code)
             grpc_context.set_details(details)
             return _Serialized(b"")
