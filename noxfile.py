@@ -11,6 +11,8 @@
     nox -s tests_serving           neuropod-serving: `neuropod serve` (REST, gRPC, batching, metrics) with tritonclient,
                                    remote models against it and against MLServer
     nox -s tests_client_only       a remote model loaded from a venv with only neuropod + neuropod-serving[client]
+    nox -s tests_ray               neuropod_serving.ray on local Ray clusters: replicas, two nodes, a killed replica,
+                                   autoscaling, neuropod serve's errors, serve run / --ray; tritonclient (~4 min)
     nox -s lint types              ruff, mypy
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~12 min)
@@ -220,6 +222,28 @@ def tests_client_only(session: nox.Session) -> None:
             server.kill()
             server.wait()
         shutil.rmtree(work, ignore_errors=True)
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # about 4 min, most of it installing Ray
+def tests_ray(session: nox.Session) -> None:
+    """neuropod_serving.ray on local Ray clusters (serving/tests/ray_serve: two replicas driven by
+    tritonclient and remote models, a simulated two-node cluster, a replica killed mid-stream,
+    autoscaling, the errors of `neuropod serve`, per-replica metrics; serving/tests/ray_config:
+    `serve run` with the example config and `neuropod serve --ray`, each starting its own cluster,
+    so each in its own pytest process). tritonclient pins protobuf < 7 and Ray needs 7: it runs
+    from a venv of its own in this session's folder."""
+    # Ray pinned to the release tested. Not tritonclient: it would pull protobuf < 7.
+    session.install(f"{CORE}[test]", f"{SERVING}[ray]", "ray[serve]==2.60.0", f"{ROOT / 'plugins/neuropod-onnx'}",
+                    "onnx", f"onnxruntime=={ONNXRUNTIME_DEFAULT}")  # fmt: skip
+    triton = Path(session.virtualenv.location) / "triton-venv"
+    if not (triton / "bin" / "python").exists():
+        session.run("python", "-m", "venv", str(triton))
+    session.run(str(triton / "bin" / "python"), "-m", "pip", "install", "--quiet", "tritonclient[http,grpc]>=2.40",
+                "numpy", external=True)  # fmt: skip
+    env = {"NEUROPOD_TEST_TRITON_PYTHON": str(triton / "bin" / "python")}
+    _pytest(session, "serving/tests/ray_serve", env=env)  # one cluster per module, shut down between them
+    for module in sorted((SERVING / "tests" / "ray_config").glob("test_*.py")):
+        _pytest(session, str(module.relative_to(ROOT)), env=env)
 
 
 def _free_ports(n: int) -> list[int]:
