@@ -205,6 +205,54 @@ def test_per_replica_metrics_have_neuropod_serves_names_and_a_replica_tag(served
     assert durations == requests
 
 
+def test_each_replica_batches_concurrent_requests_by_the_specs_batch_symbol(served: Served) -> None:
+    """max_batch_size in build(): the replica's engine joins concurrent requests along the spec's
+    batch_size dim into one run, and splits the answers back, each matching numpy."""
+    app = "batched"
+    serve.run(
+        neuropod_ray.build(served.package, num_replicas=1, max_batch_size=16, max_queue_delay_us=20_000,
+                           ray_actor_options={"num_cpus": 0.25}),
+        name=app, route_prefix="/batched",
+    )  # fmt: skip
+    try:
+        (info,) = replica_infos(app, 1).values()
+        assert info["batched"] is True and info["model"] == "adder"
+        rng = np.random.default_rng(7)
+        requests = [adder_inputs(rng, rows) for rows in (1, 2, 3) * 8]
+        results: list[Any] = [None] * len(requests)
+        # The model is named adder; the application is not: Ray's gRPC proxy routes by the metadata.
+        channel = grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}")
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+
+        def call(i: int) -> None:
+            data = codec.serialize_model_infer_request("adder", requests[i])
+            results[i] = codec.deserialize_model_infer_response(infer(data, metadata=(("application", app),))).outputs
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        channel.close()
+        for inputs, outputs in zip(requests, results):
+            check_adder(inputs, outputs)
+        # Ray's export of neuropod_batch_size: fewer runs than requests, more rows than runs.
+        deadline = time.monotonic() + 30
+        while True:
+            samples = scrape(served.metrics_port)
+            runs = by_label(samples.get("ray_neuropod_batch_size_count", []), "replica", application=app)
+            rows = by_label(samples.get("ray_neuropod_batch_size_sum", []), "replica", application=app)
+            if rows.get(info["replica"], 0) >= sum(len(r["x"]) for r in requests):
+                break
+            assert time.monotonic() < deadline, f"the batch sizes were not exported within 30 s: {runs} {rows}"
+            time.sleep(0.5)
+        assert runs[info["replica"]] < len(requests), (runs, rows)
+        print(f"batched: {len(requests)} requests ran as {runs[info['replica']]:g} runs of "
+              f"{rows[info['replica']] / runs[info['replica']]:.1f} rows on average")  # fmt: skip
+    finally:
+        serve.delete(app)
+
+
 # --- the same errors as `neuropod serve` ------------------------------------------------------------------
 
 
