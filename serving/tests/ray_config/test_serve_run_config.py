@@ -23,7 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ray_procs import stop_with_ctrl_c
 
-yaml = pytest.importorskip("yaml")  # Ray Serve's own dependency: there when Ray Serve is
+pytest.importorskip("ray.serve")
+yaml = pytest.importorskip("yaml")  # Ray Serve's own dependency
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "serving" / "examples" / "ray-serve.yaml"
