@@ -17,6 +17,7 @@
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~12 min)
     nox -s bench_remote            remote models' latency against in-process, tritonclient and the transport floor
+    nox -s bench_ray               the Ray Serve deployment (1, 2 replicas, Ray's floor) against neuropod serve (~4 min)
     nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
     nox -s wheels                  the same wheels, installed alone into a fresh venv and smoke-tested
     nox -s tests_example           the outside backend in examples/ against the conformance suite
@@ -308,7 +309,7 @@ def bench(session: nox.Session) -> None:
         f"{ROOT / 'plugins/neuropod-tensorflow'}", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}",
     )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
-        if script.name not in ("bench_serve.py", "bench_remote.py"):  # their own sessions
+        if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py"):  # their own sessions
             session.run("python", str(script), *session.posargs)
 
 
@@ -329,6 +330,16 @@ def bench_remote(session: nox.Session) -> None:
     session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
                     f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", "tritonclient[grpc,http]")  # fmt: skip
     session.run("python", "bench/bench_remote.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_ray(session: nox.Session) -> None:
+    """The Ray Serve deployment (1 and 2 replicas) against neuropod serve, REST and gRPC, same model,
+    load and machine, with a no-model Ray deployment as Ray's floor (about 4 min; wrk, taskset, two
+    cores). No tritonclient: it pins protobuf < 7 and Ray needs 7."""
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[ray]", "ray[serve]==2.60.0",
+                    f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx")  # fmt: skip
+    session.run("python", "bench/bench_ray.py", *session.posargs)
 
 
 @nox.session(python=DEFAULT_PYTHON)
