@@ -161,6 +161,14 @@ class Environment:
     neuropod_version: str = ""
     #: Why this environment cannot be used (empty when it can).
     problem: str = ""
+    #: ``"backend"`` (made by ``neuropod env create``) or ``"lock"`` (built for a
+    #: package's ``0/requirements.lock``, see :func:`lock_environment`).
+    kind: str = "backend"
+    #: For a lock environment: the packages loaded with it, each
+    #: ``{"name", "source", "last_used"}``, most recent first.
+    used_by: tuple[dict[str, str], ...] = ()
+    #: ISO 8601 time of its last use by a package (lock environments), else "".
+    last_used: str = ""
 
     @property
     def location(self) -> str:
@@ -182,6 +190,9 @@ class Environment:
             "neuropod": self.neuropod_version,
             "backends": [backend_record(b, c) for b, c in self.backends],
             "problem": self.problem,
+            "kind": self.kind,
+            "used_by": [dict(u) for u in self.used_by],
+            "last_used": self.last_used,
         }
 
 
@@ -255,6 +266,8 @@ def _read_record(path: Path) -> Environment:
             name, path, python, "",
             problem=f"unreadable {env_file}: {e}; remove it with: neuropod env remove {name}",
         )
+    kind = "lock" if data.get("kind") == "lock" else "backend"
+    used_by = _read_users(path) if kind == "lock" else ()
     env = Environment(
         name=name,
         path=path,
@@ -264,21 +277,29 @@ def _read_record(path: Path) -> Environment:
         created=str(data.get("created", "")),
         python_version=str(data.get("python_version", "")),
         neuropod_version=str(data.get("neuropod", "")),
+        kind=kind,
+        used_by=used_by,
+        last_used=used_by[0]["last_used"] if used_by else "",
     )
     fingerprint = data.get("neuropod_fingerprint") or "unrecorded"
     if fingerprint != _running_fingerprint():
         env = dataclasses.replace(env, problem=(
             f"its neuropod core ({env.neuropod_version or '?'}, sources {fingerprint}) is not the one running here "
             f"({__version__}, sources {_running_fingerprint()}), and a worker must run the same core as its caller; "
-            f"recreate it with: neuropod env create {env.spec or 'PLATFORM==VERSION'} --replace"
+            f"{_recreate_advice(env)}"
         ))  # fmt: skip
     elif not python.exists():  # also a dangling link: the base interpreter is gone
         problem = (
-            f"its interpreter {python} is missing (was the Python it was made from removed?); "
-            f"recreate it with: neuropod env create {env.spec or 'PLATFORM==VERSION'} --replace"
+            f"its interpreter {python} is missing (was the Python it was made from removed?); {_recreate_advice(env)}"
         )
         env = dataclasses.replace(env, problem=problem)
     return env
+
+
+def _recreate_advice(env: Environment) -> str:
+    if env.kind == "lock":
+        return "it is rebuilt the next time a package with its lock is loaded (or remove it: neuropod env prune)"
+    return f"recreate it with: neuropod env create {env.spec or 'PLATFORM==VERSION'} --replace"
 
 
 def _entries() -> Iterator[Path]:
@@ -323,8 +344,11 @@ def get_environment(name: str) -> Environment:
 
 
 def environment_backends() -> list[tuple[Backend, DeviceCaps]]:
-    """The backends of every usable environment, for resolution."""
-    return [pair for env in list_environments() if env.ok for pair in env.backends]
+    """The backends of every usable backend environment, for resolution.
+
+    Lock environments are left out: each serves only the packages whose lock it was built from.
+    """
+    return [pair for env in list_environments() if env.ok and env.kind == "backend" for pair in env.backends]
 
 
 def environment_of(backend: Backend) -> Environment | None:
@@ -549,6 +573,23 @@ def create_environment(
             f"`neuropod env remove {name}`, pass --replace, or choose another --name"
         )
     base_python = _resolve_python(python)
+    reqs = install_requirements(platform, version)
+    links = [arg for d in find_links for arg in ("--find-links", str(d))]
+    return _build(
+        name, base_python, spec, platform, [([*links, *reqs], f"pip install of {spec} into the new environment")],
+        {"requirements": reqs}, replace=replace, out=out,
+    )  # fmt: skip
+
+
+def _build(
+    name: str | None, base_python: str, spec: str, platform: str, installs: Sequence[tuple[list[str], str]],
+    extra: dict[str, Any], *, replace: bool, out: TextIO,
+) -> Environment:  # fmt: skip
+    """Make a venv from ``base_python`` in a hidden directory, run each ``pip install``, record what it
+    offers and move it into place as ``name`` (by default ``<platform>-<version found>``).
+
+    :raises NeuropodError: any step failed; nothing is left behind.
+    """
     root = envs_dir()
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name or platform}-", dir=root))
@@ -556,13 +597,9 @@ def create_environment(
         env_python = _env_python(tmp)
         print(f"Creating backend environment for {spec} with {base_python} in {tmp}", file=out, flush=True)
         _stream([base_python, "-m", "venv", "--prompt", f"neuropod:{name or spec}", str(tmp)], out, f"Creating a virtual environment with {base_python}")
-        reqs = install_requirements(platform, version)
-        links = [arg for d in find_links for arg in ("--find-links", str(d))]
-        print(f"Installing {' '.join(reqs)}", file=out, flush=True)
-        _stream(
-            [str(env_python), "-m", "pip", "install", *links, *reqs], out,
-            f"pip install of {spec} into the new environment",
-        )
+        for args, what in installs:
+            print(f"Installing {' '.join(a for a in args if not a.startswith('-'))}", file=out, flush=True)
+            _stream([str(env_python), "-m", "pip", "install", *args], out, what)
         python_version, core_dir = _ask(
             env_python, "-c", "import os, platform, neuropod; print(platform.python_version()); "
             "print(os.path.dirname(neuropod.__file__))", what="Asking the new environment's Python and core",
@@ -580,7 +617,10 @@ def create_environment(
         )
         try:
             listed = _json.loads(report)
-            raw_backends = [b for b in listed["backends"] if isinstance(b, dict)]
+            # Its own backends only: not those it can reach through environments or other interpreters.
+            raw_backends = [
+                b for b in listed["backends"] if isinstance(b, dict) and b.get("location", "in-process") == "in-process"
+            ]
         except (ValueError, KeyError, TypeError) as e:
             raise NeuropodError(f"`neuropod backends --json` in the new environment printed no backend list: {e}") from e
         offered = [b for b in raw_backends if b.get("platform") == platform]
@@ -596,12 +636,12 @@ def create_environment(
             "format": FORMAT_VERSION,
             "name": name,
             "spec": spec,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": _now(),
             "python_version": python_version,
             "base_python": base_python,
             "neuropod": listed.get("neuropod", ""),
             "neuropod_fingerprint": fingerprint,
-            "requirements": reqs,
+            **extra,
             "backends": [{k: v for k, v in b.items() if k != "location"} for b in raw_backends],
             "failed_plugins": listed.get("failed_plugins") or [],
         }
@@ -616,6 +656,10 @@ def create_environment(
     print(f"Created backend environment {env.name!r} at {env.path}: "
           + ", ".join(b.id for b, _ in env.backends), file=out, flush=True)
     return env
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _move_into_place(tmp: Path, final: Path, replace: bool) -> None:
@@ -649,6 +693,260 @@ def remove_environment(name: str) -> None:
     _remove_tree(env.path)
 
 
+# --- lock environments ------------------------------------------------------
+
+#: Per lock environment: the packages loaded with it, and when.
+USERS_FILE = "neuropod-users.json"
+LOCK_PREFIX = "lock-"
+_MAX_USERS = 100
+_MAX_LOCK_BYTES = 1 << 20
+# name==version, optionally with extras and an environment marker; then only --hash options.
+_PIN_RE = re.compile(
+    r"(?P<req>(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)(?:\[[A-Za-z0-9._,\s-]*\])?\s*===?\s*[^\s;\\]+"
+    r"(?:\s*;[^-]*)?)(?P<hashes>(?:\s+--hash[=\s]\S+)*)"
+)
+_COMMENT_RE = re.compile(r"(^|\s+)#.*$")
+
+
+def lock_lines(lock: str, where: str = "requirements.lock") -> list[str]:
+    """The requirements of a pip lock file, one normalized line each (``name==version --hash=...``).
+
+    Comments and blank lines are dropped and continuation lines joined. Only
+    pinned requirements are allowed, with ``--hash`` options: no ``-r``,
+    ``-e``, index options, paths or URLs, which would make the lock mean
+    something else on another machine.
+
+    :raises PackageError: a line that is not a pin, naming it.
+    """
+    from neuropod.errors import PackageError
+
+    lines: list[str] = []
+    current = ""
+    for raw in lock.splitlines():
+        line = _COMMENT_RE.sub("", raw).rstrip()
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        line, current = (current + line).strip(), ""
+        if not line:
+            continue
+        normalized = " ".join(line.split())
+        if not _PIN_RE.fullmatch(normalized):
+            raise PackageError(
+                f"{where}: {normalized[:200]!r} is not a pinned requirement; a lock holds only "
+                "'name==version' lines, each optionally with --hash=sha256:... options"
+            )
+        lines.append(normalized)
+    if current.strip():
+        raise PackageError(f"{where}: the last line ends with a continuation backslash")
+    return lines
+
+
+def _pins(lines: Sequence[str]) -> list[str]:
+    """The lock's requirements without hashes or extras: a pip constraints file."""
+    out = []
+    for line in lines:
+        m = _PIN_RE.fullmatch(line)
+        assert m is not None
+        out.append(re.sub(r"\[[^\]]*\]", "", m["req"]))
+    return out
+
+
+def _base_interpreter(backend: Backend) -> tuple[str, str]:
+    """(interpreter, its X.Y) a lock environment for ``backend`` is made from."""
+    if backend.location.startswith("python:"):
+        return backend.location[len("python:"):], ".".join(backend.version.split(".")[:2])
+    if backend.location.startswith(LOCATION_PREFIX):
+        env = get_environment(backend.location[len(LOCATION_PREFIX):])
+        return str(env.python), ".".join(env.python_version.split(".")[:2])
+    return sys.executable, f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def lock_environment_name(lock: str, backend: Backend) -> str:
+    """``lock-py<X.Y>-<hash>``: the environment a lock gets with ``backend``'s interpreter and framework."""
+    lines = lock_lines(lock)
+    _, xy = _base_interpreter(backend)
+    framework = _framework_pin(backend)
+    key = "\n".join([*sorted(lines), f"# python {xy}", f"# {backend.platform} {framework or ''}"])
+    return f"{LOCK_PREFIX}py{xy}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _framework_pin(backend: Backend) -> str | None:
+    if backend.platform not in FRAMEWORK_DISTRIBUTIONS:
+        return None  # e.g. python: the plugin needs no framework
+    return f"{backend.framework or FRAMEWORK_DISTRIBUTIONS[backend.platform]}=={backend.version}"
+
+
+def lock_environment(
+    lock: str, backend: Backend, *, package_name: str = "", package_source: str = "", out: TextIO = sys.stderr,
+) -> Environment:  # fmt: skip
+    """The environment for a package's ``0/requirements.lock``, built on first use.
+
+    It holds the lock's exact pins (installed with ``--no-deps``; pip checks
+    the hashes when the lock has them), then the neuropod core and the plugin
+    for ``backend``'s platform (with its framework pinned to the backend's
+    version, for platforms that have one), constrained to the lock's pins.
+    Its name comes from the lock's requirements, the interpreter's X.Y and
+    the framework (:func:`lock_environment_name`), so every package with the
+    same lock shares it. It is made from ``backend``'s interpreter: this
+    one for an in-process backend, ``python:<path>``'s, or a backend
+    environment's.
+
+    Concurrent loads wait for one build (a file lock). An environment that
+    became unusable (a new neuropod core, a removed interpreter) is rebuilt.
+    Each call records the package as a user (``neuropod env list``,
+    :func:`prune_environments`).
+
+    :raises PackageError: the lock holds something other than pins.
+    :raises NeuropodError: the build failed (the end of pip's output is in
+        the message); nothing is left behind.
+    """
+    lines = lock_lines(lock, f"requirements.lock of model {package_name!r}" if package_name else "requirements.lock")
+    name = lock_environment_name(lock, backend)
+    base_python, xy = _base_interpreter(backend)
+    root = envs_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(root / f".{name}.lock"):
+        env = _read(root / name) if (root / name).is_dir() else None
+        if env is None or not env.ok:
+            if env is not None:
+                print(f"Rebuilding lock environment {name}: {env.problem}", file=out, flush=True)
+            env = _build_lock(name, lines, backend, base_python, xy, package_name, out)
+        _record_use(env.path, package_name, package_source)
+    return _read(env.path)
+
+
+def _build_lock(
+    name: str, lines: list[str], backend: Backend, base_python: str, xy: str, package_name: str, out: TextIO
+) -> Environment:
+    what = f"model {package_name!r}'s requirements" if package_name else "the requirements"
+    print(f"Building the Python {xy} environment {name} for {what} ({len(lines)} pinned requirement(s)); "
+          "this happens once per lock, later loads reuse it", file=out, flush=True)  # fmt: skip
+    plugin, plugin_version = _plugin_distribution(backend.platform)
+    reqs = [_local_source("neuropod") or f"neuropod=={__version__}",
+            _local_source(plugin) or f"{plugin}=={plugin_version or __version__}"]  # fmt: skip
+    framework = _framework_pin(backend)
+    if framework:
+        reqs.append(framework)
+    with tempfile.TemporaryDirectory(prefix="neuropod-lock-") as tmp:
+        lock_file, constraints = Path(tmp) / "requirements.lock", Path(tmp) / "constraints.txt"
+        lock_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        constraints.write_text("\n".join(_pins(lines)) + "\n", encoding="utf-8")
+        installs = []
+        if lines:
+            installs.append((["--no-deps", "-r", str(lock_file)], f"pip install of {what} (the lock) into the new environment"))
+        installs.append(([*reqs, "-c", str(constraints)], "pip install of the neuropod core and plugin into the new environment"))
+        extra = {
+            "kind": "lock",
+            "lock": lines,
+            "requirements": reqs,
+            "lock_sha256": hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest(),
+        }
+        summary = ", ".join(_pins(lines)[:3]) + (f" +{len(lines) - 3} more" if len(lines) > 3 else "")
+        spec = f"lock: {summary or 'no requirements'}"
+        return _build(name, base_python, spec, backend.platform, installs, extra, replace=True, out=out)
+
+
+class _file_lock:
+    """An exclusive ``flock`` on a file (created if missing) for the ``with`` block."""
+
+    def __init__(self, path: Path, blocking: bool = True):
+        self.path = path
+        self.blocking = blocking
+        self.fd = -1
+
+    def __enter__(self) -> bool:
+        import fcntl
+
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(self.fd)
+            self.fd = -1
+            return False
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # releases the lock
+            self.fd = -1
+
+
+def _read_users(path: Path) -> tuple[dict[str, str], ...]:
+    try:
+        with open(path / USERS_FILE, encoding="utf-8") as f:
+            data = _json.loads(f.read(_json.MAX_BYTES + 1))
+        users = [
+            {k: str(u.get(k, "")) for k in ("name", "source", "last_used")}
+            for u in data.get("packages", []) if isinstance(u, dict)
+        ]  # fmt: skip
+    except (OSError, ValueError, TypeError, AttributeError):
+        return ()
+    return tuple(sorted(users, key=lambda u: u["last_used"], reverse=True))
+
+
+def _record_use(path: Path, name: str, source: str) -> None:
+    """Note that package ``name`` at ``source`` was loaded with this environment now (best effort)."""
+    users = {u["source"] or u["name"]: u for u in _read_users(path)}
+    users[source or name] = {"name": name, "source": source, "last_used": _now()}
+    kept = sorted(users.values(), key=lambda u: u["last_used"], reverse=True)[:_MAX_USERS]
+    tmp = path / f".{USERS_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps({"packages": kept}, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path / USERS_FILE)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        warnings.warn(f"Could not record the use of environment {path.name} ({e}); prune may remove it early", stacklevel=3)
+
+
+def _age_days(env: Environment, now: datetime.datetime) -> float | None:
+    stamp = env.last_used or env.created
+    try:
+        when = datetime.datetime.fromisoformat(stamp)
+    except ValueError:
+        try:
+            when = datetime.datetime.fromtimestamp((env.path / ENV_FILE).stat().st_mtime, datetime.timezone.utc)
+        except OSError:
+            return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return (now - when).total_seconds() / 86400
+
+
+def prune_environments(days: float = 30, *, dry_run: bool = False) -> list[Environment]:
+    """Remove the lock environments no package has used for ``days`` days.
+
+    Backend environments (``neuropod env create``) are never pruned; remove
+    them by name. An environment being built or loaded right now is skipped.
+
+    :param days: a number >= 0; 0 removes every lock environment.
+    :param dry_run: only say which would go.
+    :returns: the environments removed (or that would be).
+    """
+    if isinstance(days, bool) or not isinstance(days, (int, float)) or not (days >= 0):
+        raise ValueError(f"days must be a number >= 0, not {days!r}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    gone = []
+    for env in list_environments():
+        if env.kind != "lock" and not env.name.startswith(LOCK_PREFIX):
+            continue
+        age = _age_days(env, now)
+        if age is None or age < days:
+            continue
+        if dry_run:
+            gone.append(env)
+            continue
+        lock_path = env.path.parent / f".{env.name}.lock"
+        with _file_lock(lock_path, blocking=False) as free:
+            if not free:
+                continue
+            _remove_tree(env.path)
+        lock_path.unlink(missing_ok=True)
+        gone.append(env)
+    return gone
+
+
 __all__ = [
     "ENV_FILE",
     "FRAMEWORK_DISTRIBUTIONS",
@@ -660,7 +958,11 @@ __all__ = [
     "get_environment",
     "install_requirements",
     "list_environments",
+    "lock_environment",
+    "lock_environment_name",
+    "lock_lines",
     "neuropod_home",
     "parse_spec",
+    "prune_environments",
     "remove_environment",
 ]

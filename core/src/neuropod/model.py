@@ -296,7 +296,7 @@ def load_neuropod(
     package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)  # type: ignore[arg-type]  # a list is remote, above
     resolution = plan(package, device=device, backend=backend)
     chosen = resolution.raise_if_unresolved()
-    if use_ope or chosen.backend.location != "in-process":
+    if use_ope or chosen.backend.location != "in-process" or package.requirements_lock is not None:
         return _load_in_workers(package, resolution, load_options, workers=workers, restart=restart, timeout=timeout)
     load = plugins.bound_hook("load_model", chosen.backend)
     in_process = package
@@ -366,7 +366,12 @@ def _load_in_workers(
     chosen = resolution.raise_if_unresolved()
     backend = chosen.backend
     python = sys.executable
-    if backend.location.startswith("env:"):
+    lock = package.requirements_lock
+    if lock is not None or backend.location.startswith("python:"):
+        resolution, python = _lock_environment(package, resolution, lock or "")
+        chosen = resolution.raise_if_unresolved()
+        backend = chosen.backend
+    elif backend.location.startswith("env:"):
         from neuropod.envs import get_environment
 
         python = str(get_environment(backend.location[4:]).python)
@@ -378,6 +383,30 @@ def _load_in_workers(
         workers=workers, restart=restart, timeout=timeout, gpu_uuid=gpu_uuid, package=package,
     )  # fmt: skip
     return WorkerModel(package, resolution, pool)
+
+
+def _lock_environment(package: Package, resolution: Resolution, lock: str) -> tuple[Resolution, str]:
+    """The lock environment for the package (built on first use), and the resolution with its backend.
+
+    A package with ``0/requirements.lock``, or one whose backend is another
+    interpreter (``python:<path>``), runs in a worker from an environment
+    built from the lock (empty for the latter) on the chosen backend's
+    interpreter. The model then reports that environment's backend.
+    """
+    from neuropod.envs import lock_environment
+
+    chosen = resolution.raise_if_unresolved()
+    env = lock_environment(lock, chosen.backend, package_name=package.name, package_source=str(package.source))
+    found = [(b, c) for b, c in env.backends if b.platform == chosen.backend.platform]
+    if not found:
+        raise BackendError(
+            f"The lock environment {env.name} ({env.path}) offers no {chosen.backend.platform!r} backend; "
+            f"it offers: {', '.join(b.id for b, _ in env.backends) or 'none'}"
+        )
+    backend, caps = found[0]
+    swapped = replace(chosen, backend=backend, caps=caps)
+    candidates = tuple(swapped if c is chosen else c for c in resolution.candidates)
+    return replace(resolution, candidates=candidates, chosen=swapped), str(env.python)
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ from neuropod.versions import parse_range
 MANIFEST_VERSION = 1
 CONFIG = "config.json"
 MANIFEST = "manifest.json"
+REQUIREMENTS_LOCK = "requirements.lock"
 TEST_INPUTS = "test_data/inputs.npz"
 TEST_EXPECTED = "test_data/expected.npz"
 LEGACY_TEST_DATA = "test_data.pkl"
@@ -260,6 +261,30 @@ class Package:
     def data_dir(self) -> Path:
         """``0/data``: the model files."""
         return self.root / "0" / "data"
+
+    @property
+    def requirements_lock(self) -> str | None:
+        """The text of ``0/requirements.lock``, or None when the package has none.
+
+        A package with a lock runs in a worker whose Python environment is
+        built from it (see :func:`neuropod.envs.lock_environment`).
+
+        :raises PackageError: the file is not UTF-8 text of at most 1 MiB.
+        """
+        path = self.root / "0" / REQUIREMENTS_LOCK
+        if not path.is_file():
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read((1 << 20) + 1)
+        except OSError as e:
+            raise PackageError(f"Package {self.source}: cannot read 0/{REQUIREMENTS_LOCK}: {e.strerror}") from None
+        if len(data) > 1 << 20:
+            raise PackageError(f"Package {self.source}: 0/{REQUIREMENTS_LOCK} is larger than 1 MiB")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PackageError(f"Package {self.source}: 0/{REQUIREMENTS_LOCK} is not UTF-8 text ({e})") from None
 
     @property
     def custom_op_paths(self) -> list[Path]:

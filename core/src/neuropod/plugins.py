@@ -43,6 +43,7 @@ KNOWN_PLATFORMS = {
     "tensorflow": "neuropod-tensorflow",
     "keras": "neuropod-tensorflow",
     "tensorrt": "neuropod-tensorrt",
+    "python": "neuropod-python",
 }
 #: What to install when a platform's plugin is there but its framework is not.
 KNOWN_FRAMEWORKS = {
@@ -341,9 +342,14 @@ def bound_hook(hook_name: str, backend: Backend) -> Callable[..., Any]:
 
 
 def backend_caps(backend: Backend) -> DeviceCaps:
-    """What ``backend`` can run on; CPU only if its plugin does not say."""
+    """What ``backend`` can run on; CPU only if its plugin does not say.
+
+    Asked of the plugin that reported the backend even when the backend runs
+    elsewhere (e.g. the python plugin's other interpreters): ``device_caps``
+    reads metadata only, never the framework.
+    """
     try:
-        caps = bound_hook("device_caps", backend)(backend=backend)
+        caps = _impl("device_caps", backend.plugin)(backend=backend)
     except NoBackendError:
         return DeviceCaps(cpu=True, note="plugin does not report device_caps")
     except Exception as e:  # noqa: BLE001 - as above

@@ -1,0 +1,124 @@
+"""Python backend for Neuropod (platform ``python``): models as Python code.
+
+A package holds Python source (``0/code/``), data files (``0/data/``), an
+entrypoint (``0/config.json``) and, optionally, the exact requirements it
+runs with (``0/requirements.lock``). Loading imports
+``<entrypoint_package>.<entrypoint>`` and calls it with the data directory;
+it returns the callable that runs the model on keyword numpy arrays.
+
+The backend's version is the Python version: ``platform_version_semver``
+ranges such as ``">=3.10"`` or ``"==3.12.*"`` are matched against the running
+interpreter (in-process) and the other interpreters on ``PATH``
+(``python3.10`` ... ``python3.14``, location ``python:<path>``), whose
+models run in a worker from an environment built on that interpreter.
+
+This module imports nothing but the core: the model's code is imported in
+:func:`load_model` only.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from neuropod import hookimpl
+from neuropod.backend import Backend, DeviceCaps
+from neuropod.errors import BackendError, NeuropodError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from neuropod.package import Package
+
+PLATFORM = "python"
+#: Interpreter names looked up on PATH besides the running one.
+OTHER_PYTHONS = tuple(f"python3.{minor}" for minor in range(10, 15))
+
+
+def _framework() -> str:
+    return sys.implementation.name  # "cpython"
+
+
+def other_interpreters() -> list[tuple[str, str]]:
+    """``(X.Y, path)`` of the interpreters on PATH of another X.Y than the running one.
+
+    The version comes from the name (``python3.12`` is 3.12), so nothing is
+    started to find them.
+    """
+    running = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    found = []
+    for name in OTHER_PYTHONS:
+        version = name[len("python"):]
+        if version == running:
+            continue
+        path = shutil.which(name)
+        if path and os.access(path, os.X_OK):
+            found.append((version, path))
+    return found
+
+
+@hookimpl
+def supported_versions() -> list[Backend]:
+    """This interpreter (in-process), and the other Python versions on PATH (through environments)."""
+    backends = [Backend(platform=PLATFORM, version=platform.python_version(), framework=_framework())]
+    backends += [
+        Backend(platform=PLATFORM, version=version, framework="cpython", location=f"python:{path}")
+        for version, path in other_interpreters()
+    ]
+    return backends
+
+
+@hookimpl
+def device_caps(backend: Backend) -> DeviceCaps | None:
+    """The CPU: the model's own code decides whether it uses a GPU."""
+    if backend.platform != PLATFORM:
+        return None
+    where = backend.location[len("python:"):]
+    note = "" if backend.location == "in-process" else f"{where}: runs in a worker, from an environment built on it"
+    return DeviceCaps(cpu=True, note=note)
+
+
+@hookimpl
+def load_model(package: Package, backend: Backend, device: str, options: Mapping[str, Any]) -> Any:
+    """Import the package's code in isolation and call its entrypoint with the data directory."""
+    if backend.platform != PLATFORM:
+        return None
+    if options:
+        raise NeuropodError(
+            f"The python backend takes no load options; got {', '.join(map(repr, sorted(options)))}"
+        )
+    from neuropod_python._runtime import load
+
+    return load(package, device)
+
+
+@hookimpl
+def infer(model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None) -> Any:
+    """Call the model's function with the inputs as keyword arguments."""
+    try:
+        outputs = model.fn(**inputs)
+    except Exception as e:
+        raise BackendError(_raised(model.name, e)) from e
+    if type(outputs) is not dict:
+        outputs = model.outputs_dict(outputs)
+    for value in outputs.values():
+        if type(value) is not model.ndarray:
+            return model.convert(outputs, requested_outputs)
+    if requested_outputs is not None:
+        return {k: outputs[k] for k in requested_outputs if k in outputs}
+    return outputs
+
+
+def _raised(name: str, e: BaseException) -> str:
+    """The model's exception with its traceback, from the model's own frames on."""
+    tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # skip infer's own frame
+    text = "".join(traceback.format_exception(type(e), e, tb)).rstrip()
+    return f"Model {name!r} raised {type(e).__name__}: {e}\nThe model's traceback:\n{text}"
+
+
+__all__ = ["OTHER_PYTHONS", "PLATFORM", "device_caps", "infer", "load_model", "other_interpreters", "supported_versions"]
