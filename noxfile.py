@@ -7,6 +7,7 @@
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
     nox -s tests_compat            code written for the original Neuropod (tests/compat), ONNX + torch + TensorFlow
+    nox -s tests_python            the Python backend: isolation, lock environments (scikit-learn, torch), other Pythons
     nox -s tests_tensorrt          the TensorRT plugin (GPU tests skip without a GPU and TensorRT)
     nox -s tests_serving           neuropod-serving: `neuropod serve` (REST, gRPC, batching, metrics) with tritonclient,
                                    remote models against it and against MLServer
@@ -140,6 +141,15 @@ def tests_tensorflow(session: nox.Session, tensorflow: str) -> None:
     """The TensorFlow plugin against one tensorflow-cpu release (needs g++ for the custom-op test)."""
     session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-tensorflow'}[test]", f"tensorflow-cpu=={tensorflow}")
     _pytest(session, "plugins/neuropod-tensorflow/tests")
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # about 4 min, most of it building lock environments
+def tests_python(session: nox.Session) -> None:
+    """The Python backend (neuropod-python): conformance, isolation, errors, and lock environments
+    built for real (scikit-learn, torch) in the session's NEUROPOD_HOME. The session has no
+    scikit-learn: its packages run in their own environments."""
+    session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-python'}[test]", f"torch=={TORCH_DEFAULT}")
+    _pytest(session, "plugins/neuropod-python/tests")
 
 
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])

@@ -8,7 +8,8 @@ r"""The ``neuropod`` command.
     neuropod test PKG                 run the package's bundled test data
     neuropod infer PKG --input x=x.npy [--output-dir DIR]
     neuropod demo                     package a small model, explain, run it
-    neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME
+    neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME,
+                                      env prune [--days N] (lock environments no package used for N days)
     neuropod cache verify [--repair]  re-hash every extracted zip package against its record
     neuropod serve PKG...             an Open Inference Protocol server (from neuropod-serving)
 
@@ -535,14 +536,41 @@ def cmd_env_list(args: argparse.Namespace, out: TextIO) -> int:
         print(f"No backend environments in {envs_dir()} "
               "(create one with: neuropod env create onnx==1.20.1)", file=out)
         return 0
-    print(f"Backend environments in {envs_dir()}:", file=out)
+    print(f"Environments in {envs_dir()}:", file=out)
     rows = [("name", "spec", "backends", "python", "path")]
     rows += [(e.name, e.spec or "?", _env_backends_text(e) if e.ok else "UNUSABLE (below)",
-              e.python_version or "?", str(e.path)) for e in envs]
-    _print_table(rows, out)
+              e.python_version or "?", str(e.path)) for e in envs if e.kind == "backend"]
+    if len(rows) > 1:
+        _print_table(rows, out)
+    locks = [e for e in envs if e.kind == "lock"]
+    if locks:
+        if len(rows) > 1:
+            print(file=out)
+        print("Lock environments (built for packages' requirements.lock; `neuropod env prune` removes unused ones):",
+              file=out)
+        rows = [("name", "requirements", "python", "last used", "used by")]
+        for e in locks:
+            users = ", ".join(u["name"] for u in e.used_by[:3]) + (f" +{len(e.used_by) - 3} more" if len(e.used_by) > 3 else "")
+            rows.append((e.name, e.spec.removeprefix("lock: ") or "?", e.python_version or "?",
+                         (e.last_used or e.created or "?")[:19].replace("T", " "), users or "-"))
+        _print_table(rows, out)
     for e in envs:
         if not e.ok:
             print(f"{e.name}: {e.problem}", file=out)
+    return 0
+
+
+def cmd_env_prune(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.envs import envs_dir, prune_environments
+
+    if args.days < 0:
+        raise NeuropodError(f"--days must be >= 0, not {args.days:g}")
+    gone = prune_environments(args.days, dry_run=args.dry_run)
+    verb = "Would remove" if args.dry_run else "Removed"
+    for e in gone:
+        users = ", ".join(u["name"] for u in e.used_by) or "no package"
+        print(f"{verb} {e.name} (last used {(e.last_used or e.created or '?')[:19].replace('T', ' ')} by {users})", file=out)
+    print(f"{verb} {len(gone)} lock environment(s) unused for {args.days:g} day(s) in {envs_dir()}", file=out)
     return 0
 
 
@@ -722,6 +750,10 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     e = env_sub.add_parser("list", help="the environments, what each offers, and where it is")
     e.add_argument("--json", action="store_true", help="machine-readable output")
     e.set_defaults(func=cmd_env_list)
+    e = env_sub.add_parser("prune", help="remove the lock environments no package has used for --days days")
+    e.add_argument("--days", type=float, default=30, help="unused for at least this many days (default 30)")
+    e.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    e.set_defaults(func=cmd_env_prune)
     e = env_sub.add_parser("remove", help="delete an environment")
     e.add_argument("name", metavar="NAME")
     e.set_defaults(func=cmd_env_remove)

@@ -15,6 +15,7 @@ environment's interpreter.
     neuropod env create onnx==1.24.* --name ort124
     neuropod env list [--json]
     neuropod env remove onnx-1.20.1
+    neuropod env prune --days 30              # lock environments unused for 30 days
 
 Where: ``$NEUROPOD_HOME``, else ``$XDG_DATA_HOME/neuropod``, else
 ``~/.local/share/neuropod`` (see :func:`neuropod_home`).
@@ -43,8 +44,18 @@ Any failure removes the temporary directory and raises a
 existing environment of the same name is an error unless ``replace=True``
 (``--replace``), which swaps the new one in only once it is complete.
 
-Hidden entries (``.tmp-*`` being created, ``.trash-*`` being removed) are not
-environments. A directory without a readable ``neuropod-env.json`` or whose
+Lock environments (:func:`lock_environment`) are the other kind: a package
+with ``0/requirements.lock`` (for example a ``python`` package with its
+requirements) runs in a worker from an environment built from that lock,
+the core and the package's plugin, named ``lock-py<X.Y>-<hash of the lock>``
+and shared by every package with the same lock. They are built on first
+load (pip's output streamed to stderr), rebuilt when the core changes, never
+offered to resolution for other packages, and ``neuropod env prune`` removes
+those no package used for N days (each load records its package in
+``neuropod-users.json``).
+
+Hidden entries (``.tmp-*`` being created, ``.trash-*`` being removed,
+``.<name>.lock`` build locks) are not environments. A directory without a readable ``neuropod-env.json`` or whose
 interpreter is gone is listed with a ``problem`` and offers no backends.
 """
 
@@ -811,16 +822,18 @@ def lock_environment(
         if env is None or not env.ok:
             if env is not None:
                 print(f"Rebuilding lock environment {name}: {env.problem}", file=out, flush=True)
-            env = _build_lock(name, lines, backend, base_python, xy, package_name, out)
+            env = _build_lock(name, lock, lines, backend, base_python, xy, package_name, out)
         _record_use(env.path, package_name, package_source)
     return _read(env.path)
 
 
 def _build_lock(
-    name: str, lines: list[str], backend: Backend, base_python: str, xy: str, package_name: str, out: TextIO
+    name: str, lock_text: str, lines: list[str], backend: Backend, base_python: str, xy: str, package_name: str,
+    out: TextIO,
 ) -> Environment:
-    what = f"model {package_name!r}'s requirements" if package_name else "the requirements"
-    print(f"Building the Python {xy} environment {name} for {what} ({len(lines)} pinned requirement(s)); "
+    what = f"the requirements of model {package_name!r}" if package_name else "the requirements"
+    contents = f"{len(lines)} pinned requirement(s)" if lines else "no requirements: the core and plugin only"
+    print(f"Building the Python {xy} environment {name} for {what} ({contents}); "
           "this happens once per lock, later loads reuse it", file=out, flush=True)  # fmt: skip
     plugin, plugin_version = _plugin_distribution(backend.platform)
     reqs = [_local_source("neuropod") or f"neuropod=={__version__}",
@@ -842,9 +855,27 @@ def _build_lock(
             "requirements": reqs,
             "lock_sha256": hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest(),
         }
-        summary = ", ".join(_pins(lines)[:3]) + (f" +{len(lines) - 3} more" if len(lines) > 3 else "")
-        spec = f"lock: {summary or 'no requirements'}"
+        spec = f"lock: {_lock_summary(lock_text, lines)}"
         return _build(name, base_python, spec, backend.platform, installs, extra, replace=True, out=out)
+
+
+def _lock_summary(lock: str, lines: list[str]) -> str:
+    """What a lock was made from, for ``neuropod env list``: the requirements its header names
+    (``# from these requirements:`` then ``#   <requirement>`` lines, as neuropod-python writes),
+    else its first pins."""
+    asked, on = [], False
+    for raw in lock.splitlines():
+        if raw.startswith("# from these requirements:"):
+            on = True
+        elif on and raw.startswith("#   "):
+            asked.append(raw[4:].strip())
+        elif on:
+            break
+    shown = asked or _pins(lines)
+    text = ", ".join(shown[:3]) + (f" +{len(shown) - 3} more" if len(shown) > 3 else "")
+    if asked:
+        text += f" ({len(lines)} pins)"
+    return text or "no requirements"
 
 
 class _file_lock:
@@ -888,9 +919,10 @@ def _read_users(path: Path) -> tuple[dict[str, str], ...]:
 
 def _record_use(path: Path, name: str, source: str) -> None:
     """Note that package ``name`` at ``source`` was loaded with this environment now (best effort)."""
-    users = {u["source"] or u["name"]: u for u in _read_users(path)}
-    users[source or name] = {"name": name, "source": source, "last_used": _now()}
-    kept = sorted(users.values(), key=lambda u: u["last_used"], reverse=True)[:_MAX_USERS]
+    key = source or name
+    # Newest first; the sort in _read_users is stable, so this use stays first among uses in the same second.
+    kept = [{"name": name, "source": source, "last_used": _now()}]
+    kept += [u for u in _read_users(path) if (u["source"] or u["name"]) != key][: _MAX_USERS - 1]
     tmp = path / f".{USERS_FILE}.{os.getpid()}.tmp"
     try:
         tmp.write_text(json.dumps({"packages": kept}, indent=2) + "\n", encoding="utf-8")

@@ -24,6 +24,7 @@ import shutil
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuropod import hookimpl
@@ -45,10 +46,12 @@ def _framework() -> str:
 
 
 def other_interpreters() -> list[tuple[str, str]]:
-    """``(X.Y, path)`` of the interpreters on PATH of another X.Y than the running one.
+    """``(version, path)`` of the interpreters on PATH of another X.Y than the running one.
 
-    The version comes from the name (``python3.12`` is 3.12), so nothing is
-    started to find them.
+    Nothing is started to find them: the version is ``X.Y`` from the name
+    (``python3.12``), or the full version of a pyenv installation. A pyenv
+    shim only answers for the active version, so shims are looked up in
+    ``$PYENV_ROOT/versions`` instead (the newest ``X.Y.*`` there).
     """
     running = f"{sys.version_info[0]}.{sys.version_info[1]}"
     found = []
@@ -57,9 +60,24 @@ def other_interpreters() -> list[tuple[str, str]]:
         if version == running:
             continue
         path = shutil.which(name)
-        if path and os.access(path, os.X_OK):
+        if path is None:
+            continue
+        shims = Path(path).parent
+        if shims.name == "shims" and (shims.parent / "versions").is_dir():  # pyenv
+            installs = sorted(
+                (p for p in (shims.parent / "versions").glob(f"{version}.*/bin/{name}") if os.access(p, os.X_OK)),
+                key=lambda p: _release(p.parent.parent.name),
+            )
+            if not installs:
+                continue
+            path, version = str(installs[-1]), installs[-1].parent.parent.name
+        if os.access(path, os.X_OK):
             found.append((version, path))
     return found
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else -1 for p in text.split("."))
 
 
 @hookimpl
