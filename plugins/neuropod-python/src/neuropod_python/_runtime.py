@@ -55,7 +55,7 @@ def entrypoint_of(package: Package) -> tuple[str, str]:
 
 def _top_level_names(code_dir: Path) -> set[str]:
     """The module and package names ``code_dir`` provides at its top level."""
-    names = set()
+    names: set[str] = set()
     try:
         entries = list(os.scandir(code_dir))
     except OSError:

@@ -111,7 +111,7 @@ def requirement_names(requirements: str) -> set[str]:
     from packaging.requirements import InvalidRequirement, Requirement
     from packaging.utils import canonicalize_name
 
-    names = set()
+    names: set[str] = set()
     for raw in requirements.splitlines():
         line = raw.split("#", 1)[0].strip()
         if not line or line.startswith("-"):

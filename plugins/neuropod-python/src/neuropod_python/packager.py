@@ -159,7 +159,7 @@ def _check_name(what: str, value: object, *, dotted: bool) -> None:
         raise ValueError(f"{what} {value!r} is not {kind}")
 
 
-def _data_files(data_paths: Sequence[Mapping[str, Any]]) -> dict[str, Path]:
+def _data_files(data_paths: Any) -> dict[str, Path]:
     if isinstance(data_paths, (str, bytes)) or not isinstance(data_paths, Sequence):
         raise TypeError('data_paths must be a list of {"path": ..., "packaged_name": ...} dicts')
     files: dict[str, Path] = {}
@@ -178,7 +178,7 @@ def _data_files(data_paths: Sequence[Mapping[str, Any]]) -> dict[str, Path]:
     return files
 
 
-def _code_roots(code_path_spec: Sequence[Mapping[str, Any]], dest: Path) -> list[tuple[Path, str]]:
+def _code_roots(code_path_spec: Any, dest: Path) -> list[tuple[Path, str]]:
     if isinstance(code_path_spec, (str, bytes)) or not isinstance(code_path_spec, Sequence):
         raise TypeError('code_path_spec must be a list of {"python_root": ..., "dirs_to_package": [...]} dicts')
     out = []
