@@ -27,16 +27,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from neuropod import hookimpl
 from neuropod.backend import Backend, DeviceCaps
 from neuropod.errors import BackendError, NeuropodError
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from neuropod.package import Package
 
 PLATFORM = "python"
+_ndarray = np.ndarray
 #: Interpreter names looked up on PATH besides the running one.
 OTHER_PYTHONS = tuple(f"python3.{minor}" for minor in range(10, 15))
 
@@ -122,14 +123,13 @@ def infer(model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Seque
         outputs = model.fn(**inputs)
     except Exception as e:
         raise BackendError(_raised(model.name, e)) from e
-    if type(outputs) is not dict:
-        outputs = model.outputs_dict(outputs)
-    for value in outputs.values():
-        if type(value) is not model.ndarray:
-            return model.convert(outputs, requested_outputs)
-    if requested_outputs is not None:
-        return {k: outputs[k] for k in requested_outputs if k in outputs}
-    return outputs
+    if type(outputs) is dict and requested_outputs is None:
+        for value in outputs.values():
+            if type(value) is not _ndarray:
+                break
+        else:
+            return outputs  # the common case: a dict of arrays, all of them wanted
+    return model.finish(outputs, requested_outputs)
 
 
 def _raised(name: str, e: BaseException) -> str:

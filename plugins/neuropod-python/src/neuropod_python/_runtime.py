@@ -117,23 +117,19 @@ class PythonModel:
 
     __slots__ = ("fn", "name", "output_names")
 
-    ndarray = np.ndarray  # read by the infer hook without a module lookup
-
     def __init__(self, fn: Any, name: str, output_names: Sequence[str]):
         self.fn = fn
         self.name = name
         self.output_names = tuple(output_names)
 
-    def outputs_dict(self, outputs: Any) -> dict[str, Any]:
-        if isinstance(outputs, Mapping):
-            return dict(outputs)
-        raise BackendError(
-            f"Model {self.name!r} returned {type(outputs).__name__}, not a dict of output name to numpy array "
-            f"(outputs: {', '.join(self.output_names)})"
-        )
-
-    def convert(self, outputs: dict[str, Any], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
-        """Outputs as numpy arrays: torch tensors and ``__array__`` objects are converted, others refused."""
+    def finish(self, outputs: Any, requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+        """The outputs as a dict of numpy arrays (requested ones only): torch tensors and ``__array__``
+        objects are converted; anything else is a BackendError naming the output."""
+        if not isinstance(outputs, Mapping):
+            raise BackendError(
+                f"Model {self.name!r} returned {type(outputs).__name__}, not a dict of output name to numpy array "
+                f"(outputs: {', '.join(self.output_names)})"
+            )
         names = outputs if requested is None else [k for k in requested if k in outputs]
         return {k: self._array(k, outputs[k]) for k in names}
 
