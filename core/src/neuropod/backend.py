@@ -52,7 +52,8 @@ class DeviceCaps:
 
     #: Runs on the CPU.
     cpu: bool = True
-    #: The CUDA version the build targets (``"12.4"``), or None when it cannot use a GPU.
+    #: The CUDA version the build targets (``"12.4"``), or None when it cannot use a GPU;
+    #: ``"any"`` for a backend that brings no CUDA of its own (the python backend: the model's code does).
     cuda: str | None = None
     #: Compute capabilities it has kernels for (``("8.0", "9.0")``); empty means
     #: every GPU its CUDA version supports.

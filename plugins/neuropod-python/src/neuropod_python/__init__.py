@@ -94,12 +94,17 @@ def supported_versions() -> list[Backend]:
 
 @hookimpl
 def device_caps(backend: Backend) -> DeviceCaps | None:
-    """The CPU: the model's own code decides whether it uses a GPU."""
+    """The CPU, and any GPU: the model's own code decides what it runs on.
+
+    ``cuda="any"``: no CUDA version of our own. A package that asks for a GPU
+    (``input_tensor_device``) on a host with one gets a device, as with the
+    original's ``visible_gpu``: in a worker, that GPU is the only one visible
+    (as ``cuda:0``); in-process, the code sees what the process sees.
+    """
     if backend.platform != PLATFORM:
         return None
-    where = backend.location[len("python:"):]
-    note = "" if backend.location == "in-process" else f"{where}: runs in a worker, from an environment built on it"
-    return DeviceCaps(cpu=True, note=note)
+    note = "" if backend.location == "in-process" else f"in a worker, on {backend.location[len('python:'):]}"
+    return DeviceCaps(cpu=True, cuda="any", note=note)
 
 
 @hookimpl
