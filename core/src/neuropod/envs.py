@@ -55,7 +55,7 @@ those no package used for N days (each load records its package in
 ``neuropod-users.json``).
 
 Hidden entries (``.tmp-*`` being created, ``.trash-*`` being removed,
-``.<name>.lock`` build locks) are not environments. A directory without a readable ``neuropod-env.json`` or whose
+``.locks/`` for building) are not environments. A directory without a readable ``neuropod-env.json`` or whose
 interpreter is gone is listed with a ``problem`` and offers no backends.
 """
 
@@ -816,8 +816,12 @@ def lock_environment(
     name = lock_environment_name(lock, backend)
     base_python, xy = _base_interpreter(backend)
     root = envs_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{name}.lock"):
+    lock_path = _build_lock_path(name)
+    with _file_lock(lock_path, blocking=False) as free:
+        pass
+    if not free:
+        print(f"Waiting for another process to finish building the environment {name} ...", file=out, flush=True)
+    with _file_lock(lock_path):
         env = _read(root / name) if (root / name).is_dir() else None
         if env is None or not env.ok:
             if env is not None:
@@ -856,7 +860,16 @@ def _build_lock(
             "lock_sha256": hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest(),
         }
         spec = f"lock: {_lock_summary(lock_text, lines)}"
-        return _build(name, base_python, spec, backend.platform, installs, extra, replace=True, out=out)
+        try:
+            return _build(name, base_python, spec, backend.platform, installs, extra, replace=True, out=out)
+        except NeuropodError as e:
+            if "DO NOT MATCH THE HASHES" in str(e):
+                raise NeuropodError(
+                    f"{e}\nThe lock's hashes are those of the files pip chose where the package was made (its "
+                    "header says for which Python and platform); on another Python or platform pip needs other "
+                    "files. Package the model on the Python and platform it runs on."
+                ) from e.__cause__
+            raise
 
 
 def _lock_summary(lock: str, lines: list[str]) -> str:
@@ -876,6 +889,13 @@ def _lock_summary(lock: str, lines: list[str]) -> str:
     if asked:
         text += f" ({len(lines)} pins)"
     return text or "no requirements"
+
+
+def _build_lock_path(name: str) -> Path:
+    """The file whose ``flock`` guards building (and pruning) environment ``name``."""
+    locks = envs_dir() / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / f"{name}.lock"
 
 
 class _file_lock:
@@ -969,7 +989,7 @@ def prune_environments(days: float = 30, *, dry_run: bool = False) -> list[Envir
         if dry_run:
             gone.append(env)
             continue
-        lock_path = env.path.parent / f".{env.name}.lock"
+        lock_path = _build_lock_path(env.name)
         with _file_lock(lock_path, blocking=False) as free:
             if not free:
                 continue
