@@ -135,3 +135,17 @@ def test_env_list_shows_lock_environments_with_their_users(tmp_path: Path, monke
     assert cli.main(["env", "list", "--json"], out) == 0
     (record,) = json.loads(out.getvalue())["environments"]
     assert record["kind"] == "lock" and record["used_by"][0]["source"] == "/models/a"
+
+
+def test_inspect_shows_the_locked_requirements(tmp_path: Path) -> None:
+    from neuropod.package import parse_config, write_package
+
+    from _toy_backend import ADD_CONFIG
+
+    path = write_package(
+        tmp_path / "m", parse_config(dict(ADD_CONFIG), "toy config"),
+        {"0/data/op.json": b'{"op": "add"}', "0/requirements.lock": SKLEARN_LOCK.encode()},
+    )  # fmt: skip
+    out = io.StringIO()
+    assert cli.main(["inspect", str(path)], out) == 0
+    assert "Requires:  2 pinned (joblib==1.6.0, scikit-learn==1.9.1); runs in a worker" in out.getvalue()

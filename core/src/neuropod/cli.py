@@ -297,6 +297,14 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     )
     print(f"Manifest:  {manifest}", file=out)
     print("Test data: " + ("yes" if pkg.has_test_data else "no"), file=out)
+    lock = pkg.requirements_lock
+    if lock is not None:
+        from neuropod.envs import lock_lines
+
+        pins = lock_lines(lock)
+        shown = ", ".join(_safe(p.split(" --hash", 1)[0]) for p in pins[:6]) + (f", +{len(pins) - 6} more" if len(pins) > 6 else "")
+        print(f"Requires:  {len(pins)} pinned ({shown or 'none'}); runs in a worker from an environment built from "
+              "0/requirements.lock", file=out)  # fmt: skip
     print("Files:", file=out)
     for f in pkg.files():
         size = (pkg.root / f).stat().st_size
