@@ -149,3 +149,14 @@ def test_inspect_shows_the_locked_requirements(tmp_path: Path) -> None:
     out = io.StringIO()
     assert cli.main(["inspect", str(path)], out) == 0
     assert "Requires:  2 pinned (joblib==1.6.0, scikit-learn==1.9.1); runs in a worker" in out.getvalue()
+
+
+def test_env_prepare_says_when_a_package_needs_no_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from _toy_backend import toy_plugin, write_toy
+
+    monkeypatch.setenv("NEUROPOD_HOME", str(tmp_path / "home"))
+    out = io.StringIO()
+    with toy_plugin():
+        assert cli.main(["env", "prepare", str(write_toy(tmp_path / "m"))], out) == 0
+    assert "needs no environment of its own (runs with toy==" in out.getvalue()
+    assert not (tmp_path / "home" / "envs").exists()

@@ -9,6 +9,7 @@ r"""The ``neuropod`` command.
     neuropod infer PKG --input x=x.npy [--output-dir DIR]
     neuropod demo                     package a small model, explain, run it
     neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME,
+                                      env prepare PACKAGE (build the environment its requirements need),
                                       env prune [--days N] (lock environments no package used for N days)
     neuropod cache verify [--repair]  re-hash every extracted zip package against its record
     neuropod serve PKG...             an Open Inference Protocol server (from neuropod-serving)
@@ -568,6 +569,25 @@ def cmd_env_list(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def cmd_env_prepare(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.envs import lock_environment
+    from neuropod.model import plan
+    from neuropod.package import read_package
+
+    for path in args.packages:
+        pkg = read_package(path)
+        chosen = plan(pkg).raise_if_unresolved()
+        lock = pkg.requirements_lock
+        if lock is None and not chosen.backend.location.startswith("python:"):
+            print(f"{_safe(pkg.name)}: needs no environment of its own (runs with {chosen.backend.id}, "
+                  f"{chosen.backend.location})", file=out)  # fmt: skip
+            continue
+        t0 = time.perf_counter()
+        env = lock_environment(lock or "", chosen.backend, package_name=pkg.name, package_source=str(pkg.source))
+        print(f"{_safe(pkg.name)}: environment {env.name} ready ({env.path}, {time.perf_counter() - t0:.1f} s)", file=out)
+    return 0
+
+
 def cmd_env_prune(args: argparse.Namespace, out: TextIO) -> int:
     from neuropod.envs import envs_dir, prune_environments
 
@@ -758,6 +778,10 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     e = env_sub.add_parser("list", help="the environments, what each offers, and where it is")
     e.add_argument("--json", action="store_true", help="machine-readable output")
     e.set_defaults(func=cmd_env_list)
+    e = env_sub.add_parser("prepare", help="build the lock environments packages need, without loading them "
+                           "(e.g. while building a container image)")
+    e.add_argument("packages", nargs="+", metavar="PACKAGE")
+    e.set_defaults(func=cmd_env_prepare)
     e = env_sub.add_parser("prune", help="remove the lock environments no package has used for --days days")
     e.add_argument("--days", type=float, default=30, help="unused for at least this many days (default 30)")
     e.add_argument("--dry-run", action="store_true", help="only list what would be removed")

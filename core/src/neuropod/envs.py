@@ -609,7 +609,7 @@ def _build(
         print(f"Creating backend environment for {spec} with {base_python} in {tmp}", file=out, flush=True)
         _stream([base_python, "-m", "venv", "--prompt", f"neuropod:{name or spec}", str(tmp)], out, f"Creating a virtual environment with {base_python}")
         for args, what in installs:
-            print(f"Installing {' '.join(a for a in args if not a.startswith('-'))}", file=out, flush=True)
+            print(f"Running {what}: pip install {' '.join(args)}", file=out, flush=True)
             _stream([str(env_python), "-m", "pip", "install", *args], out, what)
         python_version, core_dir = _ask(
             env_python, "-c", "import os, platform, neuropod; print(platform.python_version()); "
