@@ -73,17 +73,20 @@ def _owned(names: set[str]) -> list[str]:
     return [k for k in list(sys.modules) if k.split(".", 1)[0] in names]
 
 
-def import_isolated(code_dir: Path, module_name: str, where: str) -> Any:
+def import_isolated(code_dir: Path, module_name: str, where: str, ops_dir: Path | None = None) -> Any:
     """Import ``module_name`` from ``code_dir`` and take the code's modules back out of ``sys.modules``.
 
+    :param ops_dir: a directory of extension modules (the package's custom
+        ops) that is on the import path too, after ``code_dir``.
     :raises PackageError: ``module_name`` is not in the code.
     :raises BackendError: importing it raised; the message has the code's traceback.
     """
+    dirs = [code_dir] + ([ops_dir] if ops_dir is not None and ops_dir.is_dir() else [])
     with _IMPORT_LOCK:
-        names = _top_level_names(code_dir) | {module_name.split(".", 1)[0]}
+        names = {n for d in dirs for n in _top_level_names(d)} | {module_name.split(".", 1)[0]}
         shadowed = {k: sys.modules.pop(k) for k in _owned(names)}
-        entry = str(code_dir)
-        sys.path.insert(0, entry)
+        entries = [str(d) for d in dirs]
+        sys.path[:0] = entries
         importlib.invalidate_caches()
         try:
             return importlib.import_module(module_name)
@@ -98,10 +101,11 @@ def import_isolated(code_dir: Path, module_name: str, where: str) -> Any:
         except Exception as e:
             raise BackendError(_import_failed(where, module_name, e)) from e
         finally:
-            try:
-                sys.path.remove(entry)
-            except ValueError:
-                pass  # the code removed it itself
+            for entry in entries:
+                try:
+                    sys.path.remove(entry)
+                except ValueError:
+                    pass  # the code removed it itself
             for k in _owned(names):
                 del sys.modules[k]
             sys.modules.update(shadowed)
@@ -161,7 +165,7 @@ def load(package: Package, device: str) -> PythonModel:
     code_dir = package.root / "0" / CODE_DIR
     if not code_dir.is_dir():
         raise PackageError(f"{where}: the package has no 0/{CODE_DIR} directory with the model's code")
-    module = import_isolated(code_dir, module_name, where)
+    module = import_isolated(code_dir, module_name, where, package.root / "0" / "ops")
     entry = getattr(module, function, None)
     if entry is None:
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))

@@ -40,6 +40,7 @@ def create_python_neuropod(
     output_spec: Sequence[Mapping[str, Any]],
     requirements: str | None = None,
     platform_version_semver: str = "*",
+    custom_ops: Sequence[str | os.PathLike[str]] = (),
     input_tensor_device: Mapping[str, str] | None = None,
     default_input_tensor_device: str = "GPU",
     test_input_data: Mapping[str, Any] | None = None,
@@ -73,6 +74,9 @@ def create_python_neuropod(
         process whose environment is built from that lock, once per lock.
     :param platform_version_semver: the Python versions the code works with,
         e.g. ``">=3.10"`` or ``"==3.12.*"``.
+    :param custom_ops: Python extension modules (``.so`` files) the code
+        imports by name, as the original allowed: they go into ``0/ops/``,
+        which is on the import path while the code is imported.
     :param test_input_data: inputs to store as test data; with
         ``test_expected_out``, the new package is loaded and checked before
         this returns (a package that fails is removed).
@@ -103,7 +107,7 @@ def create_python_neuropod(
         _stage_code(roots, code)
         files["0/code"] = code
         path = write_package(
-            dest, config, files, test_input_data=test_input_data, test_expected_out=test_expected_out,
+            dest, config, files, custom_ops=custom_ops, test_input_data=test_input_data, test_expected_out=test_expected_out,
             package_as_zip=package_as_zip, persist_test_data=persist_test_data, zip_compression=zip_compression,
         )  # fmt: skip
     check_packaged(
