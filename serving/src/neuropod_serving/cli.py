@@ -217,9 +217,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if getattr(args, "ray", False):
         return run_ray(args, out)
-    for flag in ("address",):
-        if getattr(args, flag, None) is not None:
-            raise NeuropodError(f"--{flag} is an option of --ray")
+    if getattr(args, "address", None) is not None:
+        raise NeuropodError("--address is an option of --ray")
     if getattr(args, "replicas", 1) != 1 or getattr(args, "num_cpus", None) is not None:
         raise NeuropodError("--replicas and --num-cpus are options of --ray")
     _check_server_libraries()

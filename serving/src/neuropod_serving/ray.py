@@ -36,7 +36,6 @@ import hashlib
 import io
 import logging
 import os
-import time
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -406,7 +405,7 @@ class NeuropodModel:
         app = create_app(
             self._engine,
             auth_token=self._options.get("auth_token") or None,
-            max_request_bytes=int(self._options.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)),
+            max_request_bytes=self._max_request_bytes,
         )
         return _absolute_paths(app)
 
@@ -685,21 +684,6 @@ def start(
     serve.start(**kwargs)
 
 
-def wait_ready(name: str, timeout: float = 120.0) -> None:
-    """Wait until application ``name`` is RUNNING. :raises NeuropodError: it failed, or the time ran out."""
-    deadline = time.monotonic() + timeout
-    state = "?"
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(name)
-        state = str(getattr(status, "status", "NOT_STARTED"))
-        if state.endswith("RUNNING"):
-            return
-        if state.endswith("DEPLOY_FAILED"):
-            raise NeuropodError(f"Ray Serve could not deploy {name!r}: {getattr(status, 'message', '')}")
-        time.sleep(0.25)
-    raise NeuropodError(f"Ray Serve application {name!r} was not running after {timeout:g} s (state {state})")
-
-
 __all__ = [
     "DEPLOYMENT_NAME",
     "GRPC_SERVICER",
@@ -715,5 +699,4 @@ __all__ = [
     "package_bytes",
     "publish",
     "start",
-    "wait_ready",
 ]
