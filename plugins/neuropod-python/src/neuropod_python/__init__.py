@@ -27,17 +27,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from neuropod import hookimpl
 from neuropod.backend import Backend, DeviceCaps
 from neuropod.errors import BackendError, NeuropodError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from neuropod.package import Package
 
 PLATFORM = "python"
-_ndarray = np.ndarray
 #: Interpreter names looked up on PATH besides the running one.
 OTHER_PYTHONS = tuple(f"python3.{minor}" for minor in range(10, 15))
 
@@ -129,8 +128,9 @@ def infer(model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Seque
     except Exception as e:
         raise BackendError(_raised(model.name, e)) from e
     if type(outputs) is dict and requested_outputs is None:
+        ndarray = model.ndarray  # numpy is not imported here: discovery must not import it
         for value in outputs.values():
-            if type(value) is not _ndarray:
+            if type(value) is not ndarray:
                 break
         else:
             return outputs  # the common case: a dict of arrays, all of them wanted

@@ -120,6 +120,7 @@ class PythonModel:
     """The model's callable and what ``infer`` needs around it."""
 
     __slots__ = ("fn", "name", "output_names")
+    ndarray = np.ndarray  # for the infer hook's type check
 
     def __init__(self, fn: Any, name: str, output_names: Sequence[str]):
         self.fn = fn
