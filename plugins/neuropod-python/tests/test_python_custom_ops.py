@@ -6,26 +6,16 @@ headers (skipped when there is no C compiler).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import neuropod
 from neuropod.packagers import create_python_neuropod
 
-EXTENSION_C = r"""
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-static PyObject *scale(PyObject *self, PyObject *arg) { return PyFloat_FromDouble(SCALE * PyFloat_AsDouble(arg)); }
-static PyMethodDef methods[] = {{"scale", scale, METH_O, "x * SCALE"}, {NULL, NULL, 0, NULL}};
-static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "fastops", NULL, -1, methods};
-PyMODINIT_FUNC PyInit_fastops(void) { return PyModule_Create(&mod); }
-"""
+from conftest import compile_extension
 
 MODEL = """
 import numpy as np
@@ -38,18 +28,6 @@ def get_model(_):
 """
 
 
-def _compile(tmp: Path, scale: int) -> Path:
-    cc = shutil.which("gcc") or shutil.which("cc")
-    include = sysconfig.get_paths()["include"]
-    if cc is None or not (Path(include) / "Python.h").is_file():
-        pytest.skip("needs a C compiler and Python's headers to build the extension module")
-    src = tmp / "fastops.c"
-    src.write_text(EXTENSION_C.replace("SCALE", str(scale)))
-    lib = tmp / f"fastops{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run([cc, "-shared", "-fPIC", f"-I{include}", str(src), "-o", str(lib)], check=True)
-    return lib
-
-
 def _package(tmp: Path, scale: int) -> Path:
     (tmp / "code").mkdir(parents=True)
     (tmp / "code" / "scaler.py").write_text(MODEL)
@@ -57,7 +35,7 @@ def _package(tmp: Path, scale: int) -> Path:
     path: Path = create_python_neuropod(
         tmp / "pkg", f"scaler{scale}", [], [{"python_root": tmp / "code", "dirs_to_package": [""]}], "scaler",
         "get_model", [{"name": "x", "dtype": "float64", "shape": [None]}],
-        [{"name": "out", "dtype": "float64", "shape": [None]}], custom_ops=[_compile(tmp, scale)],
+        [{"name": "out", "dtype": "float64", "shape": [None]}], custom_ops=[compile_extension(tmp / "ext", "fastops", scale)],
         test_input_data={"x": x}, test_expected_out={"out": x * scale},
     )  # fmt: skip
     return path
