@@ -317,6 +317,7 @@ def bench(session: nox.Session) -> None:
         f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx",
         f"{ROOT / 'plugins/neuropod-torchscript'}", f"torch=={TORCH_DEFAULT}",
         f"{ROOT / 'plugins/neuropod-tensorflow'}", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}",
+        f"{ROOT / 'plugins/neuropod-python'}",
     )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
         if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py"):  # their own sessions
