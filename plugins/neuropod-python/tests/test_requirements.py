@@ -203,6 +203,29 @@ def test_an_original_lock_of_plain_pins(tmp_path: Path, neuropod_home: Path) -> 
         neuropod.load_neuropod(_with_lock(tmp_path / "bad", "six>=1\n"))
 
 
+def test_neuropod_demo_python(tmp_path: Path, neuropod_home: Path) -> None:
+    # `neuropod demo python`: packaging (requirements "scikit-learn", locked) and running, step by step.
+    out = io.StringIO()
+    assert cli.main(["demo", "python", "--dir", str(tmp_path)], out) == 0
+    text = out.getvalue()
+    for step in ("1. Packaging a small python model", "Requires:", "3. Resolution on this machine", "output label",
+                 "SpecError: Dim 1 of tensor 'x' in the input spec is expected to be of size 4, but was of size 3"):
+        assert step in text, step
+    # Its answers against the nearest class mean of the packaged training data (computed here with numpy).
+    path = tmp_path / "demo_flowers"
+    with np.load(path / "0" / "data" / "train.npz") as data:
+        means = np.stack([data["x"][data["y"] == k].mean(axis=0) for k in (0, 1)])
+    probe = neuropod.load_neuropod(path)
+    try:
+        x = np.array([[5.1, 3.5, 1.4, 0.2], [6.7, 3.1, 5.6, 2.1], [5.0, 3.3, 1.6, 0.3], [6.4, 2.9, 5.3, 1.9]])
+        result = probe.infer({"x": x})
+    finally:
+        probe.close()
+    nearest = np.argmin(((x[:, None, :] - means[None]) ** 2).sum(-1), axis=1)
+    np.testing.assert_array_equal(result["label"], nearest)
+    np.testing.assert_allclose(result["proba"].sum(axis=1), 1.0)
+
+
 def test_prune_removes_the_lock_environments(neuropod_home: Path) -> None:
     built = lock_envs(neuropod_home)
     if not built:
@@ -215,4 +238,3 @@ def test_prune_removes_the_lock_environments(neuropod_home: Path) -> None:
     assert all(name in out.getvalue() for name in built) and lock_envs(neuropod_home) == built
     assert cli.main(["env", "prune", "--days", "0"], io.StringIO()) == 0
     assert lock_envs(neuropod_home) == []
-
