@@ -328,3 +328,11 @@ def test_a_package_for_another_python_runs_on_it(tmp_path: Path, neuropod_home: 
             [{"name": "x", "dtype": "float32", "shape": [None]}], [{"name": "out", "dtype": "float32", "shape": [None]}],
             requirements="six", platform_version_semver="<3",
         )  # fmt: skip
+
+
+def test_the_originals_import_paths() -> None:
+    from neuropod.backends.python.packager import create_python_neuropod as original_python
+    from neuropod.backends.pytorch.packager import create_pytorch_neuropod as original_pytorch
+    from neuropod.packagers import create_pytorch_neuropod
+
+    assert original_python is create_python_neuropod and original_pytorch is create_pytorch_neuropod

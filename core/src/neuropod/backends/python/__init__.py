@@ -1,0 +1,1 @@
+"""The original Neuropod's python backend package; see :mod:`neuropod.backends`."""

@@ -1,0 +1,1 @@
+"""The original Neuropod's pytorch backend package (eager PyTorch as Python code); see :mod:`neuropod.backends`."""
