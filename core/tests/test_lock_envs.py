@@ -160,3 +160,22 @@ def test_env_prepare_says_when_a_package_needs_no_environment(tmp_path: Path, mo
         assert cli.main(["env", "prepare", str(write_toy(tmp_path / "m"))], out) == 0
     assert "needs no environment of its own (runs with toy==" in out.getvalue()
     assert not (tmp_path / "home" / "envs").exists()
+
+
+def test_prune_skips_an_environment_a_running_process_was_started_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("NEUROPOD_HOME", str(tmp_path))
+    path = _fake_lock_env(tmp_path, "lock-py3.11-busy00000000", used=_ago(90))
+    (path / "bin" / "python").symlink_to(sys.executable)
+    worker = subprocess.Popen([str(path / "bin" / "python"), "-c", "import time; time.sleep(60)"])
+    try:
+        assert envs.prune_environments(30) == [] and path.is_dir()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert [e.name for e in envs.prune_environments(30)] == ["lock-py3.11-busy00000000"]
+    assert not path.exists()

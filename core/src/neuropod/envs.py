@@ -55,7 +55,8 @@ those no package used for N days (each load records its package in
 ``neuropod-users.json``).
 
 Hidden entries (``.tmp-*`` being created, ``.trash-*`` being removed,
-``.locks/`` for building) are not environments. A directory without a readable ``neuropod-env.json`` or whose
+``.locks/`` for building) are not environments. A directory without a
+readable ``neuropod-env.json`` or whose
 interpreter is gone is listed with a ``problem`` and offers no backends.
 """
 
@@ -710,7 +711,6 @@ def remove_environment(name: str) -> None:
 USERS_FILE = "neuropod-users.json"
 LOCK_PREFIX = "lock-"
 _MAX_USERS = 100
-_MAX_LOCK_BYTES = 1 << 20
 # name==version, optionally with extras and an environment marker; then only --hash options.
 _PIN_RE = re.compile(
     r"(?P<req>(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)(?:\[[A-Za-z0-9._,\s-]*\])?\s*===?\s*[^\s;\\]+"
@@ -966,11 +966,30 @@ def _age_days(env: Environment, now: datetime.datetime) -> float | None:
     return (now - when).total_seconds() / 86400
 
 
+def _in_use(path: Path) -> bool:
+    """Whether a running process was started from this environment's ``bin/`` (Linux's ``/proc``)."""
+    prefix = (str(path / "bin") + os.sep).encode()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv0 = f.read(4096).split(b"\0", 1)[0]
+        except OSError:
+            continue
+        if argv0.startswith(prefix):
+            return True
+    return False
+
+
 def prune_environments(days: float = 30, *, dry_run: bool = False) -> list[Environment]:
     """Remove the lock environments no package has used for ``days`` days.
 
     Backend environments (``neuropod env create``) are never pruned; remove
-    them by name. An environment being built or loaded right now is skipped.
+    them by name. An environment being built right now, or whose interpreter
+    a running process was started with (a loaded model's worker), is skipped.
 
     :param days: a number >= 0; 0 removes every lock environment.
     :param dry_run: only say which would go.
@@ -985,6 +1004,8 @@ def prune_environments(days: float = 30, *, dry_run: bool = False) -> list[Envir
             continue
         age = _age_days(env, now)
         if age is None or age < days:
+            continue
+        if _in_use(env.path):
             continue
         if dry_run:
             gone.append(env)

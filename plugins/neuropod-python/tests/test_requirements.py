@@ -226,7 +226,7 @@ def test_neuropod_demo_python(tmp_path: Path, neuropod_home: Path) -> None:
     np.testing.assert_allclose(result["proba"].sum(axis=1), 1.0)
 
 
-def test_prune_removes_the_lock_environments(neuropod_home: Path) -> None:
+def test_prune_removes_the_lock_environments(tmp_path: Path, neuropod_home: Path) -> None:
     built = lock_envs(neuropod_home)
     if not built:
         pytest.skip("no lock environment was built in this session")
@@ -236,5 +236,11 @@ def test_prune_removes_the_lock_environments(neuropod_home: Path) -> None:
     out = io.StringIO()
     assert cli.main(["env", "prune", "--days", "0", "--dry-run"], out) == 0
     assert all(name in out.getvalue() for name in built) and lock_envs(neuropod_home) == built
+    # An environment a loaded model's worker runs from is kept.
+    with neuropod.load_neuropod(_with_lock(tmp_path, "six==1.16.0\n")) as model:
+        busy = model.backend.location[len("env:"):]
+        assert cli.main(["env", "prune", "--days", "0"], io.StringIO()) == 0
+        assert lock_envs(neuropod_home) == [busy]
+        np.testing.assert_array_equal(model.infer({"x": np.zeros(2, np.int32)})["out"], np.ones(2, np.int32))
     assert cli.main(["env", "prune", "--days", "0"], io.StringIO()) == 0
     assert lock_envs(neuropod_home) == []
