@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,9 @@ def test_lock_lines_refuse_a_dangling_continuation() -> None:
 
 
 def test_lock_environment_name_depends_on_pins_and_python_only() -> None:
-    name = envs.lock_environment_name(SKLEARN_LOCK, HERE)
-    assert name.startswith("lock-py3.11-") and len(name) == len("lock-py3.11-") + 12
+    name = envs.lock_environment_name(SKLEARN_LOCK, HERE)  # in-process: this interpreter's X.Y
+    prefix = f"lock-py{sys.version_info[0]}.{sys.version_info[1]}-"
+    assert name.startswith(prefix) and len(name) == len(prefix) + 12
     reordered = "\n".join(reversed(envs.lock_lines(SKLEARN_LOCK))) + "\n# another comment\n"
     assert envs.lock_environment_name(reordered, HERE) == name
     other = Backend(platform="python", version="3.12.1", framework="cpython", location="python:/usr/bin/python3.12")
@@ -166,7 +168,6 @@ def test_prune_skips_an_environment_a_running_process_was_started_from(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import subprocess
-    import sys
 
     monkeypatch.setenv("NEUROPOD_HOME", str(tmp_path))
     path = _fake_lock_env(tmp_path, "lock-py3.11-busy00000000", used=_ago(90))
