@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +193,24 @@ def test_local_host_is_cached_and_uses_the_patched_reader(monkeypatch: pytest.Mo
     local_host.cache_clear()
     local_host()
     assert calls == [1, 1]
+
+
+def test_local_host_rereads_a_gpu_host_after_its_max_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A server that loads models for days must see today's free memory, not its start's.
+    gpu_host = load_host(HOSTS / "two-a100.json")
+    cpu_host = Host("cpu box", source="no-nvml", note="NVML not available: no driver")
+    readings = [gpu_host, replace(gpu_host, gpus=gpu_host.gpus[:1])]
+    monkeypatch.setattr(devices, "read_nvml", lambda: readings.pop(0))
+    monkeypatch.setattr(devices, "HOST_MAX_AGE", 0.0)
+    first = local_host()
+    time.sleep(0.01)
+    second = local_host()
+    assert (len(first.gpus), len(second.gpus)) == (2, 1) and readings == []
+    # A host without GPUs is read once: no driver appears while a process runs.
+    local_host.cache_clear()
+    calls: list[int] = []
+    monkeypatch.setattr(devices, "read_nvml", lambda: calls.append(1) or cpu_host)
+    assert local_host() is cpu_host and local_host() is cpu_host and calls == [1]
 
 
 def test_importing_devices_does_not_import_pynvml() -> None:

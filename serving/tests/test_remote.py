@@ -175,7 +175,7 @@ def test_spec_backend_and_device_come_from_the_server(server: Server, local: dic
         assert model.inputs == local["adder"].inputs and model.outputs == local["adder"].outputs
         assert model.backend.id == f"onnx=={onnxruntime.__version__}" == local["adder"].backend.id
         assert model.backend.location == f"remote: {protocol}://127.0.0.1:{server.grpc_port if protocol == 'grpc' else server.http_port}"
-        assert model.device == "cpu"
+        assert model.device == local["adder"].device  # the server's choice: cpu here, cuda:0 on a GPU host
         assert model.package is None
         assert protocol in repr(model)
 

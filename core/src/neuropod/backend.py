@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,14 +52,22 @@ class DeviceCaps:
 
     #: Runs on the CPU.
     cpu: bool = True
-    #: The CUDA version the build targets (``"12.4"``), or None when it cannot use a GPU;
-    #: ``"any"`` for a backend that brings no CUDA of its own (the python backend: the model's code does).
+    #: The CUDA version the build targets (``"12.4"``, or a major version ``"13"``), or None when
+    #: it cannot use a GPU; ``"any"`` for a backend that brings no CUDA of its own (the python
+    #: backend: the model's code does); ``"unknown"`` for a GPU build whose CUDA version its
+    #: metadata does not say (resolution then does not check the driver against it).
     cuda: str | None = None
     #: Compute capabilities it has kernels for (``("8.0", "9.0")``); empty means
     #: every GPU its CUDA version supports.
     compute_capabilities: tuple[str, ...] = field(default=())
     #: Anything the user should know, shown by ``neuropod backends``.
     note: str = ""
+    #: Something wrong with the installation that the user should fix (two builds of
+    #: the framework installed over one module, say); ``neuropod backends`` prints it as a warning.
+    warning: str = ""
+    #: ``infer`` takes inputs that live on the model's GPU (torch CUDA tensors, objects with
+    #: ``__dlpack__`` or ``__cuda_array_interface__``) and honours ``output_device``.
+    device_tensors: bool = False
 
     @property
     def gpu(self) -> bool:
@@ -134,6 +142,64 @@ def installed_distribution(*names: str) -> tuple[str, str] | None:
             return name, importlib_metadata.version(name)
         except importlib_metadata.PackageNotFoundError:
             continue
+    return None
+
+
+def installed_distributions(*names: str) -> list[tuple[str, str]]:
+    """Every one of ``names`` that is installed, as ``(name, version)``, in the order given.
+
+    Several distributions can provide one module (``onnxruntime`` and
+    ``onnxruntime-gpu``, ``tensorflow`` and ``tensorflow-cpu``); with two of
+    them installed, whichever pip installed last owns the module's files.
+    """
+    return [found for name in names if (found := installed_distribution(name)) is not None]
+
+
+def shared_module_warning(found: Sequence[tuple[str, str]], module: str) -> str:
+    """The warning for two or more installed distributions that provide one module, or ``""``."""
+    if len(found) < 2:
+        return ""
+    listed = ", ".join(f"{name} {version}" for name, version in found)
+    return (
+        f"{listed} are installed together and provide the same '{module}' module: whichever pip installed last "
+        f"owns its files, so the build that runs may not be the one reported. Keep one "
+        f"(pip uninstall {' '.join(name for name, _ in found)}, then install the one you want)"
+    )
+
+
+_CUDA_RUNTIME = re.compile(r"nvidia[-_.]cuda[-_.]runtime(?:[-_.]cu(?P<suffix>[0-9]{2,3}))?", re.IGNORECASE)
+
+
+def cuda_from_requirements(distribution: str) -> str | None:
+    """The CUDA major version a distribution's own metadata asks for, or None when it names none.
+
+    GPU builds on PyPI (``onnxruntime-gpu``, ``tensorflow[and-cuda]``) declare
+    the CUDA runtime they link against in an extra: ``nvidia-cuda-runtime~=13.0;
+    extra == "cuda"`` or ``nvidia-cuda-runtime-cu12~=12.0``. The ``-cuNN`` suffix,
+    else the specifier's first version, gives the major version. Reading it
+    parses the installed METADATA; nothing is imported.
+    """
+    import importlib_metadata
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        requires = importlib_metadata.distribution(distribution).requires or []
+    except importlib_metadata.PackageNotFoundError:
+        return None
+    for line in requires:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        m = _CUDA_RUNTIME.fullmatch(req.name)
+        if m is None:
+            continue
+        if m["suffix"]:
+            return m["suffix"]
+        for spec in req.specifier:
+            major = re.match(r"[0-9]+", spec.version)
+            if major:
+                return major.group(0)
     return None
 
 
@@ -293,7 +359,10 @@ __all__ = [
     "DeviceCaps",
     "backend_record",
     "cached_probe",
+    "cuda_from_requirements",
     "installed_distribution",
+    "installed_distributions",
     "load_libraries_once",
     "mapped_copy",
+    "shared_module_warning",
 ]

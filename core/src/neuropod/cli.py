@@ -161,12 +161,14 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
     caps = {b: plugins.backend_caps(b) for b in backends}
     host = load_host(args.host) if args.host else local_host()
     failures = plugins.plugin_failures()
+    warnings_ = [f"{b.id}: {caps[b].warning}" for b in backends if caps[b].warning]
     if args.json:
         data = {
             "neuropod": __version__,
             "python": sys.executable,
             "backends": [backend_record(b, caps[b]) for b in backends],
             "host": host.to_dict(),
+            "warnings": warnings_,
             "failed_plugins": [{"name": f.name, "distribution": f.distribution, "error": f.error} for f in failures],
             "plugins": [h.to_dict() for h in plugins.plugin_health()],
             # Backends of the backend environments (neuropod.envs), apart from this environment's own.
@@ -182,6 +184,8 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
         _print_table(rows, out)
     else:
         print("Backends: none installed (for example: pip install neuropod-onnx)", file=out)
+    for text in warnings_:
+        print(f"warning: {text}", file=out)
     infos = {i.name for i in plugins.plugin_infos()}
     idle = sorted(infos - {b.plugin for b in backends})
     if idle:

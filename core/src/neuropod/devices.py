@@ -1,6 +1,7 @@
 """What this machine has: GPUs seen through NVML, or just a CPU.
 
-:func:`local_host` asks NVML once per process. A machine without the NVIDIA
+:func:`local_host` asks NVML (again after :data:`HOST_MAX_AGE` seconds on a GPU host,
+so free memory stays current in a long-lived process). A machine without the NVIDIA
 driver is an ordinary CPU host, not an error: the returned :class:`Host` has
 no GPUs and a ``note`` saying why none were seen.
 
@@ -58,10 +59,11 @@ field.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import re
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,10 +214,43 @@ def read_nvml() -> Host:
     return Host(_LOCAL_NAME, gpus, driver, cuda, source="nvml", note=note)
 
 
-@functools.lru_cache(maxsize=1)
-def local_host() -> Host:
-    """This machine, read once per process (``local_host.cache_clear()`` to re-read)."""
-    return read_nvml()
+#: Seconds :func:`local_host` keeps what NVML said about a machine with GPUs before asking again.
+HOST_MAX_AGE = 1.0
+
+
+class _LocalHost:
+    """:func:`local_host`: NVML's answer, re-read when older than :data:`HOST_MAX_AGE` on a GPU host."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._host: Host | None = None
+        self._read_at = 0.0
+
+    def __call__(self) -> Host:
+        with self._lock:
+            host, now = self._host, time.monotonic()
+            # Free memory changes as models load and unload (a server's lifetime is long), so a GPU host
+            # is re-read; a host without NVML or GPUs will not grow any while this process runs.
+            if host is None or (host.has_gpu and now - self._read_at > HOST_MAX_AGE):
+                host = self._host = read_nvml()
+                self._read_at = now
+            return host
+
+    def cache_clear(self) -> None:
+        """Forget the last reading: the next call asks NVML."""
+        with self._lock:
+            self._host = None
+
+
+local_host = _LocalHost()
+local_host.__doc__ = """This machine: its GPUs as NVML reports them, or a CPU-only host.
+
+Resolution calls it on every load, so a long-lived process (a server) sees
+current free memory: a GPU host is re-read from NVML when the last reading is
+more than :data:`HOST_MAX_AGE` seconds old (a read costs about a millisecond).
+A host without NVML, or whose NVML sees no GPU, is read once per process.
+``local_host.cache_clear()`` forces the next call to read NVML.
+"""
 
 
 def load_host(path: str | os.PathLike[str]) -> Host:
@@ -429,4 +464,4 @@ def _memory(file: str, field: str, value: object) -> int:
     return size
 
 
-__all__ = ["GPU", "Host", "load_host", "local_host", "parse_device", "read_nvml"]
+__all__ = ["GPU", "HOST_MAX_AGE", "Host", "load_host", "local_host", "parse_device", "read_nvml"]

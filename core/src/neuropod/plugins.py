@@ -47,7 +47,7 @@ KNOWN_PLATFORMS = {
 }
 #: What to install when a platform's plugin is there but its framework is not.
 KNOWN_FRAMEWORKS = {
-    "onnx": "onnxruntime (or onnxruntime-gpu)",
+    "onnx": "neuropod-onnx[cpu] (or [gpu]; or install onnxruntime or onnxruntime-gpu yourself)",
     "torchscript": "torch",
     "tensorflow": "neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)",
     "keras": "neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)",

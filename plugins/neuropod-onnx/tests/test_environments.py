@@ -27,6 +27,7 @@ import pytest
 import neuropod
 from neuropod import cli, envs
 from neuropod.errors import NeuropodError
+from neuropod_onnx import _installed
 
 from conftest import xy
 
@@ -39,7 +40,7 @@ pytestmark = [
 ]
 
 OLD, NEWER = "1.20.1", "1.24.4"
-HERE = importlib_metadata.version("onnxruntime")  # this process's, e.g. 1.31.1
+HERE = _installed()[0][1]  # this process's onnxruntime (or onnxruntime-gpu), e.g. 1.31.1
 
 
 @pytest.fixture(scope="session")

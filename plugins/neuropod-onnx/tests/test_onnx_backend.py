@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import importlib_metadata
@@ -16,13 +18,16 @@ from onnx import helper
 
 import neuropod
 from neuropod import plugins
+from neuropod.devices import load_host
 from neuropod.errors import BackendError, NeuropodError, NoBackendError, PackageError, SpecError
 from neuropod.packagers import create_onnx_neuropod
 from neuropod.testing import run_in_threads
+from neuropod_onnx import _installed
 
 from conftest import ADDER_INPUT_SPEC, ADDER_OUTPUT_SPEC, make_model, spec, xy
 
-ORT_VERSION = importlib_metadata.version("onnxruntime")
+# Whichever build provides onnxruntime here: onnxruntime, or onnxruntime-gpu on a GPU host.
+ORT_DIST, ORT_VERSION = _installed()[0]
 
 
 # --- discovery ------------------------------------------------------------
@@ -32,7 +37,7 @@ def test_plugin_found_through_its_entry_point() -> None:
     eps = {ep.name: ep.value for ep in importlib_metadata.entry_points(group="neuropod.backends")}
     assert eps["onnx"] == "neuropod_onnx"
     backends = [b for b in plugins.installed_backends() if b.platform == "onnx"]
-    assert [(b.version, b.framework, b.plugin) for b in backends] == [(ORT_VERSION, "onnxruntime", "onnx")]
+    assert [(b.version, b.framework, b.plugin) for b in backends] == [(ORT_VERSION, ORT_DIST, "onnx")]
     assert backends[0].plugin_distribution.startswith("neuropod-onnx ")
 
 
@@ -383,3 +388,62 @@ def test_demo_model_matches_onnx_helper(tmp_path: Path) -> None:
         np.testing.assert_array_equal(m.infer(inputs)["out"], (inputs["x"] + inputs["y"]) * 2)
         with pytest.raises(SpecError, match="batch_size"):
             m.infer(bad)
+
+
+# --- onnxruntime builds: which one, what CUDA, two at once ------------------
+
+# The Requires-Dist lines of the real onnxruntime-gpu wheels (read from PyPI's files): 1.31.1 links
+# CUDA 13, 1.24.4 CUDA 12; older releases name no CUDA runtime at all.
+_GPU_REQUIRES = {
+    "1.31.1": ['nvidia-cuda-nvrtc~=13.0; extra == "cuda"', 'nvidia-cuda-runtime~=13.0; extra == "cuda"',
+               'nvidia-cudnn-cu13~=9.0; extra == "cudnn"'],
+    "1.24.4": ['nvidia-cuda-nvrtc-cu12~=12.0; extra == "cuda"', 'nvidia-cuda-runtime-cu12~=12.0; extra == "cuda"'],
+    "1.18.1": [],
+}
+
+
+def _fake_gpu_build(site: Path, version: str) -> Path:
+    """The dist-info of an onnxruntime-gpu wheel (metadata only: the module stays this environment's)."""
+    info = site / f"onnxruntime_gpu-{version}.dist-info"
+    info.mkdir(parents=True)
+    requires = "".join(f"Requires-Dist: {line}\n" for line in ["numpy>=1.21.6", *_GPU_REQUIRES[version]])
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: onnxruntime-gpu\nVersion: {version}\n{requires}")
+    return info
+
+
+@pytest.mark.parametrize(("version", "cuda"), [("1.31.1", "13"), ("1.24.4", "12"), ("1.18.1", "unknown")])
+def test_gpu_build_cuda_version_from_its_own_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str, cuda: str
+) -> None:
+    _fake_gpu_build(tmp_path, version)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import neuropod_onnx
+
+    (backend,) = neuropod_onnx.supported_versions()
+    assert (backend.framework, backend.version) == ("onnxruntime-gpu", version)
+    caps = neuropod_onnx.device_caps(backend)
+    assert caps is not None and caps.cpu and caps.cuda == cuda
+    # With onnxruntime installed too (this environment's), both own one module: a warning naming both.
+    assert f"onnxruntime-gpu {version}, onnxruntime {ORT_VERSION} are installed together" in caps.warning
+    assert "whichever pip installed last" in caps.warning
+    # "unknown" is not a version the driver is checked against: a CUDA 12 host may try it.
+    from neuropod.resolve import _driver_ok
+
+    host = load_host(Path(__file__).parents[3] / "core/tests/hosts/two-a100.json")
+    too_old = "12" if cuda == "13" else None
+    assert (_driver_ok(replace(host, cuda_driver_version="12.4"), caps) is not None) == (too_old is not None)
+
+
+def test_backends_warns_when_two_builds_are_installed(tmp_path: Path) -> None:
+    _fake_gpu_build(tmp_path, "1.31.1")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "neuropod", "backends"], env=env, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert re.search(r"onnx==1\.31\.1 +onnxruntime-gpu +neuropod-onnx \S+ +cpu \+ cuda 13\n", out), out
+    assert f"warning: onnx==1.31.1: onnxruntime-gpu 1.31.1, onnxruntime {ORT_VERSION} are installed together" in out
+    data = json.loads(subprocess.run([sys.executable, "-m", "neuropod", "backends", "--json"], env=env,
+                                     capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    assert [w.split(":")[0] for w in data["warnings"]] == ["onnx==1.31.1"]
+    # Alone, the CPU build gets no warning.
+    plain = subprocess.run([sys.executable, "-m", "neuropod", "backends"], capture_output=True, text=True, check=True)
+    assert "warning:" not in plain.stdout

@@ -24,7 +24,7 @@ from neuropod.packagers import create_tensorrt_neuropod
 from neuropod.versions import satisfies
 from neuropod_tensorrt import FRAMEWORK_DISTRIBUTIONS, device_caps
 from neuropod_tensorrt._engine import EngineInfo, check_io
-from neuropod_tensorrt.packager import profile_shapes
+from neuropod_tensorrt.packager import _gpu_here, profile_shapes
 
 from conftest import HOSTS, spec
 
@@ -121,7 +121,9 @@ def test_packaging_arguments(tmp_path: Path) -> None:
     with pytest.raises(NeuropodError, match="optimization_profile\\['batch_size'\\]"):
         create_tensorrt_neuropod(tmp_path / "p", "m", IN, OUT, onnx_path=onnx)
     if _installed_trt() is None:
-        with pytest.raises(NeuropodError, match="needs an NVIDIA GPU"):
+        # Without a GPU the builder says so first; with a GPU but no TensorRT, that TensorRT is missing.
+        missing = "needs an NVIDIA GPU" if _gpu_here() is None else r"needs tensorrt: pip install neuropod-tensorrt\[tensorrt\]"
+        with pytest.raises(NeuropodError, match=missing):
             create_tensorrt_neuropod(tmp_path / "p", "m", IN, OUT, onnx_path=onnx,
                                      optimization_profile={"batch_size": (1, 8, 32)})  # fmt: skip
     assert not (tmp_path / "p").exists()

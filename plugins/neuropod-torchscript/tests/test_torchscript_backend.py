@@ -78,7 +78,8 @@ def test_one_argument_per_input_with_shared_symbol(tmp_path: Path) -> None:
                    test_expected_out={"out": total, "doubled": total * 2})  # fmt: skip
     config = json.loads((path / "config.json").read_text())
     assert config["platform"] == "torchscript" and config["exported_with"]["platform_version"] == TORCH_VERSION
-    with neuropod.load_neuropod(path) as model:
+    # device="cpu": on a GPU host with a CUDA torch, resolution rightly picks cuda:0 (tests_gpu covers that).
+    with neuropod.load_neuropod(path, device="cpu") as model:
         assert model.backend.id == f"torchscript=={TORCH_VERSION}" and model.device == "cpu"
         out = model.infer(inputs)
         np.testing.assert_allclose(out["out"], total, rtol=1e-6)

@@ -9,10 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from packaging.version import Version
-
 from neuropod import hookimpl
-from neuropod.backend import Backend, DeviceCaps, installed_distribution
+from neuropod.backend import (
+    Backend,
+    DeviceCaps,
+    cuda_from_requirements,
+    installed_distributions,
+    shared_module_warning,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -29,7 +33,7 @@ _GPU_DISTRIBUTIONS = {"onnxruntime-gpu"}
 
 def _installed() -> list[tuple[str, str]]:
     """(distribution, version) of every installed onnxruntime build, best first."""
-    return [found for dist in FRAMEWORK_DISTRIBUTIONS if (found := installed_distribution(dist))]
+    return installed_distributions(*FRAMEWORK_DISTRIBUTIONS)
 
 
 @hookimpl
@@ -46,19 +50,22 @@ def supported_versions() -> list[Backend]:
 def device_caps(backend: Backend) -> DeviceCaps | None:
     """CPU always; CUDA for ``onnxruntime-gpu``.
 
-    The CUDA major version is inferred from the release: ``onnxruntime-gpu``
-    on PyPI targets CUDA 12 from 1.19 on and CUDA 11.8 before. Which GPUs
-    really work is only known when the CUDA provider loads, and loading
-    reports it (never falling back to the CPU in silence).
+    The CUDA major version is the one the wheel's own metadata asks for (its
+    ``cuda`` extra requires ``nvidia-cuda-runtime~=13.0``, or
+    ``nvidia-cuda-runtime-cu12`` before), ``"unknown"`` when it names none: no
+    table of releases to fall out of date. Which GPUs really work is only
+    known when the CUDA provider loads, and loading reports it (never falling
+    back to the CPU in silence). Two builds installed together (they own the
+    same ``onnxruntime`` module) get a warning.
     """
     if backend.platform != PLATFORM:
         return None
-    others = [d for d, _ in _installed() if d != backend.framework]
-    note = f"also installed: {', '.join(others)} (they share one module; keep one)" if others else ""
+    warning = shared_module_warning(_installed(), "onnxruntime")
     if backend.framework in _GPU_DISTRIBUTIONS:
-        cuda = "12" if Version(backend.version).release >= (1, 19) else "11.8"
-        return DeviceCaps(cpu=True, cuda=cuda, note=note)
-    return DeviceCaps(cpu=True, note=note)
+        cuda = cuda_from_requirements(backend.framework) or "unknown"
+        note = "" if cuda != "unknown" else "its metadata names no CUDA runtime; the driver is not checked against it"
+        return DeviceCaps(cpu=True, cuda=cuda, note=note, warning=warning, device_tensors=True)
+    return DeviceCaps(cpu=True, warning=warning, device_tensors=True)
 
 
 @hookimpl

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuropod import hookimpl
-from neuropod.backend import Backend, DeviceCaps, installed_distribution
+from neuropod.backend import Backend, DeviceCaps, installed_distribution, installed_distributions, shared_module_warning
 
 if TYPE_CHECKING:
     import numpy as np
@@ -73,20 +73,24 @@ def device_caps(backend: Backend) -> DeviceCaps | None:
     Read from ``build_info.py`` (see :func:`build_info`): ``is_cuda_build``,
     ``cuda_version`` and ``cuda_compute_capabilities`` (``sm_XY`` entries
     become ``"X.Y"``; when the build also ships PTX (``compute_XY``), newer
-    GPUs can run it too, so no list is given).
+    GPUs can run it too, so no list is given). Any of the distributions that
+    provide the ``tensorflow`` module will do (``tensorflow``,
+    ``tensorflow-cpu``...); two of them installed together get a warning.
     """
     if backend.platform != PLATFORM:
         return None
+    # tensorflow and tensorflow-cpu (or tf-nightly...) installed together share one module.
+    warning = shared_module_warning(installed_distributions(*FRAMEWORK_DISTRIBUTIONS), "tensorflow")
     info = build_info()
     if not info.get("is_cuda_build"):
         note = "" if info else "TensorFlow's build_info.py was not readable; assuming a CPU build"
-        return DeviceCaps(cpu=True, note=note)
+        return DeviceCaps(cpu=True, note=note, warning=warning)
     cuda = str(info.get("cuda_version") or "unknown")
     archs = [str(a) for a in info.get("cuda_compute_capabilities") or []]
     caps: tuple[str, ...] = ()
     if archs and not any(a.startswith("compute_") for a in archs):
         caps = tuple(f"{a[3:-1]}.{a[-1]}" for a in archs if a.startswith("sm_") and a[3:].isdigit())
-    return DeviceCaps(cpu=True, cuda=cuda, compute_capabilities=caps)
+    return DeviceCaps(cpu=True, cuda=cuda, compute_capabilities=caps, warning=warning)
 
 
 @hookimpl
