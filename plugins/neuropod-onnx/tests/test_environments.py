@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import importlib_metadata
 import numpy as np
 import pytest
 
