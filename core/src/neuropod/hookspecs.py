@@ -86,7 +86,9 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
 
 
 @hookspec(firstresult=True)
-def infer(model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None) -> Any:
+def infer(
+    model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None, output_device: str | None
+) -> Any:
     """Run a model this plugin loaded on one set of inputs.
 
     The core has already checked ``inputs`` against the input spec (names,
@@ -94,12 +96,22 @@ def infer(model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Seque
     numpy unicode or object arrays of ``str``) and checks the returned
     outputs against the output spec afterwards.
 
+    Device tensors (optional): a backend whose :func:`device_caps` says
+    ``device_tensors=True`` and whose ``infer`` takes ``output_device`` may
+    also get inputs that live on the model's GPU, as the caller passed them
+    (a torch CUDA tensor, or any object with ``__dlpack__`` or
+    ``__cuda_array_interface__``; already checked from their metadata, see
+    :mod:`neuropod.tensors`). Other backends only ever get numpy arrays.
+
     :param model: a handle returned by this plugin's :func:`load_model`.
-    :param inputs: input name to numpy array; inputs the caller left out are
-        absent.
+    :param inputs: input name to numpy array (or device tensor, above);
+        inputs the caller left out are absent.
     :param requested_outputs: output names to compute, or None for all.
-    :returns: ``dict`` of output name to numpy array. Stops at first non-None
-        result.
+    :param output_device: None: return numpy arrays. ``"cuda:N"`` (the
+        model's own GPU): leave numeric outputs there as the framework's
+        tensors, which must support ``__dlpack__``; strings stay numpy.
+    :returns: ``dict`` of output name to numpy array (or device tensor).
+        Stops at first non-None result.
     """
 
 

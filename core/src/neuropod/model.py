@@ -24,6 +24,7 @@ from neuropod.errors import BackendError, InProcessConflictError, NeuropodError,
 from neuropod.package import Package, read_package
 from neuropod.resolve import Resolution, parse_backend_pin, resolve
 from neuropod.spec import SpecValidator, TensorSpec
+from neuropod.tensors import TensorFacts
 
 
 class NeuropodModel:
@@ -46,15 +47,62 @@ class NeuropodModel:
             package.name, package.config.input_spec, package.config.output_spec,
             shared_symbols=not package.original_format,
         )  # fmt: skip
+        self._validator.device_policy = self._device_input_problem
         self._bind_infer()
         self._closed = False
         self._close_lock = threading.Lock()
 
+    #: Whether ``infer`` hands GPU tensors to the backend and honours ``output_device`` (set for
+    #: in-process models whose backend says it can; workers and remote models take host memory).
+    _device_tensors = False
+
     def _bind_infer(self) -> None:
         # Bound once: the per-call path does not loop over plugins.
         infer_impl = plugins.bound_hook("infer", self.backend)
-        self._infer = infer_impl.function  # type: ignore[attr-defined]
-        self._infer_args = infer_impl.argnames  # type: ignore[attr-defined]
+        self._infer = plugins.infer_caller(infer_impl)
+        chosen = self.resolution.chosen
+        if chosen and chosen.caps.device_tensors and "output_device" in infer_impl.argnames:  # type: ignore[attr-defined]
+            self._infer_on_device = infer_impl.function  # type: ignore[attr-defined]
+            self._device_tensors = True
+
+    def _no_device_tensors(self) -> str:
+        """Why this model takes no tensors on a GPU (for messages)."""
+        return f"backend {self.backend.id} takes numpy arrays (or CPU tensors) only"
+
+    def _device_input_problem(self, name: str, facts: TensorFacts) -> str | None:
+        """Why input ``name``, a tensor on a GPU, cannot go to this model as it is (None: it can)."""
+        if not self._device_tensors:
+            return self._no_device_tensors()
+        if self.device == "cpu":
+            return (
+                "the model runs on the cpu. Pass a numpy array (or a CPU tensor), or load the model on that GPU "
+                "(device='cuda:N')"
+            )
+        if facts.device != "cuda" and facts.device != self.device:
+            return f"the model runs on {self.device}; move the tensor there first (no copy between GPUs is made for you)"
+        return None
+
+    def _output_device(self, output_device: str | None) -> str | None:
+        """``output_device`` as the backend gets it: None for numpy outputs, else the model's ``cuda:N``."""
+        if output_device is None:
+            return None
+        if not isinstance(output_device, str):
+            raise TypeError(f"output_device must be None, 'cpu' or 'cuda[:N]', not {type(output_device).__name__}")
+        wanted = parse_device(output_device)
+        if wanted == "cpu":
+            return None
+        if not self._device_tensors:
+            raise NeuropodError(f"output_device={output_device!r}: model {self.name!r} cannot leave its outputs on a GPU: "
+                                f"{self._no_device_tensors()}")  # fmt: skip
+        if self.device == "cpu":
+            raise NeuropodError(
+                f"output_device={output_device!r}: model {self.name!r} runs on the cpu, so its outputs are numpy arrays. "
+                "Load it on a GPU (device='cuda:N') to keep outputs there"
+            )
+        if output_device.strip().lower() not in ("cuda", "gpu") and wanted != self.device:
+            raise NeuropodError(f"output_device={output_device!r}: model {self.name!r} runs on {self.device}, and its "
+                                f"outputs stay where it runs; ask for output_device='cuda' or {self.device!r}")  # fmt: skip
+        return self.device
 
     @property
     def name(self) -> str:
@@ -76,34 +124,56 @@ class NeuropodModel:
         return list(self.package.config.output_spec)
 
     def infer(
-        self, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None = None
-    ) -> dict[str, np.ndarray]:
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None, *,
+        output_device: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """Run the model on one set of inputs.
 
-        :param inputs: input name to numpy array. Arrays may be
+        :param inputs: input name to tensor: a numpy array (may be
             non-contiguous; string tensors are numpy unicode arrays or object
-            arrays of ``str``.
+            arrays of ``str``), or another framework's tensor: a torch tensor,
+            or any object with ``__dlpack__`` or ``__cuda_array_interface__``
+            (CuPy...). CPU tensors are read without a copy. A tensor on the
+            GPU the model runs on goes to the framework as it is, with no trip
+            through host memory, when the backend takes device tensors
+            (TorchScript, ONNX Runtime; in this process); elsewhere it is
+            refused with the reason. Spec checks read device tensors'
+            dtype and shape from their metadata.
         :param requested_outputs: output names to return (a list; a single
             str is one name); all when None.
-        :returns: output name to numpy array.
+        :param output_device: None (or ``"cpu"``): outputs are numpy arrays.
+            ``"cuda"`` (or the model's ``"cuda:N"``): numeric outputs stay on
+            the model's GPU as the framework's own tensors (``torch.Tensor``,
+            onnxruntime ``OrtValue``), which ``torch.from_dlpack``,
+            ``cupy.from_dlpack``... take without a copy. String outputs are
+            numpy arrays either way. A model on the CPU, in a worker process,
+            or whose backend cannot, raises a :class:`NeuropodError` saying so.
+        :returns: output name to numpy array (or device tensor, see ``output_device``).
         :raises TypeError: ``requested_outputs`` is not a list of str.
         :raises SpecError: an input or output does not fit the spec.
         :raises BackendError: the framework failed; its exception is chained.
         """
-        return self._checked_infer(inputs, requested_outputs, None)
+        return self._checked_infer(inputs, requested_outputs, None, output_device)
 
     def _checked_infer(
-        self, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None, call_options: Any
-    ) -> dict[str, np.ndarray]:
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None, call_options: Any,
+        output_device: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """:meth:`infer`, with ``call_options`` for subclasses whose ``infer`` takes more (see :meth:`_run`)."""
         if self._closed:
             raise NeuropodError(f"Model {self.name!r} is closed")
         validator = self._validator
         if requested_outputs is not None:
             requested_outputs = validator.check_requested(requested_outputs)
+        if output_device is not None:
+            output_device = self._output_device(output_device)
         checked, bindings = validator.check_inputs(inputs)
         try:
-            outputs = self._run(checked, requested_outputs, call_options)
+            if output_device is None:
+                outputs = self._run(checked, requested_outputs, call_options)
+            else:
+                outputs = self._infer_on_device(model=self._handle, inputs=checked, requested_outputs=requested_outputs,
+                                                output_device=output_device)  # fmt: skip
         except NeuropodError:
             raise
         except Exception as e:
@@ -120,10 +190,7 @@ class NeuropodModel:
 
     def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:
         """Run the checked inputs: the backend's ``infer`` hook (bound once, see :meth:`_bind_infer`)."""
-        if len(self._infer_args) == 3:
-            return self._infer(self._handle, inputs, requested_outputs)
-        kwargs = {"model": self._handle, "inputs": inputs, "requested_outputs": requested_outputs}
-        return self._infer(**{k: kwargs[k] for k in self._infer_args})
+        return self._infer(self._handle, inputs, requested_outputs)
 
     def close(self) -> None:
         """Free the backend's resources; later calls to infer fail."""

@@ -341,6 +341,29 @@ def bound_hook(hook_name: str, backend: Backend) -> Callable[..., Any]:
     return _impl(hook_name, backend.plugin)
 
 
+_INFER_ARGS = ("model", "inputs", "requested_outputs")
+
+
+def infer_caller(impl: Any) -> Callable[[Any, Any, Any], Any]:
+    """A plugin's ``infer`` implementation (from :func:`bound_hook`) as ``call(model, inputs, requested_outputs)``.
+
+    Hooks grow by adding arguments and a plugin may take any of them, so this
+    passes each what it takes (``output_device`` as None: numpy outputs), with
+    no per-call work for the common signatures.
+    """
+    fn, args = impl.function, tuple(impl.argnames)
+    if args == _INFER_ARGS:
+        return fn  # type: ignore[no-any-return]
+    if args == (*_INFER_ARGS, "output_device"):
+        return lambda model, inputs, requested: fn(model, inputs, requested, None)
+
+    def call(model: Any, inputs: Any, requested: Any) -> Any:
+        values = {"model": model, "inputs": inputs, "requested_outputs": requested, "output_device": None}
+        return fn(**{k: values[k] for k in args})
+
+    return call
+
+
 def backend_caps(backend: Backend) -> DeviceCaps:
     """What ``backend`` can run on; CPU only if its plugin does not say.
 

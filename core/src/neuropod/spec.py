@@ -14,13 +14,14 @@ has failed.
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
 
-from neuropod.errors import PackageError, SpecError
+from neuropod.errors import NeuropodError, PackageError, SpecError
+from neuropod.tensors import TensorFacts, describe, host_array
 
 #: The dtypes a spec can name, and the numpy dtype each one means.
 #: ``string`` tensors are numpy unicode arrays or object arrays of ``str``.
@@ -249,6 +250,9 @@ class SpecValidator:
         self._inputs = {s.name: _compile(s) for s in inputs}
         self._outputs = {s.name: _compile(s) for s in outputs}
         self.shared_symbols = shared_symbols
+        #: Given an input's name and a GPU tensor's facts, why this model cannot take it (None: it can).
+        #: The loaded model sets it; without one, GPU tensors are refused.
+        self.device_policy: Callable[[str, TensorFacts], str | None] = _no_device_tensors
 
     def check_inputs(self, tensors: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], Bindings]:
         """Validate the inputs of one call.
@@ -277,6 +281,15 @@ class SpecValidator:
             if type(arr) is not np.ndarray:
                 if isinstance(arr, np.generic):  # a numpy scalar: a 0-d tensor
                     arr = replaced[name] = np.asarray(arr)
+                elif not isinstance(arr, np.ndarray) and (facts := describe(arr)) is not None:
+                    if facts.device == "cpu":  # another framework's CPU tensor: numpy shares its memory
+                        arr = replaced[name] = host_array(arr, facts)
+                    else:  # on a GPU: checked from its metadata and passed on as it is
+                        refused = facts.device.startswith("cuda") and self.device_policy(name, facts)
+                        if refused or not facts.device.startswith("cuda"):
+                            _refuse_device(name, facts, refused or "no backend takes tensors on that device", self.model_name)
+                        _check_facts(facts, compiled, bindings, "input", self.model_name)
+                        continue
             elif compiled[1] is None and arr.dtype.kind == "S":
                 # Bytes for a string tensor, as the original Neuropod took them: UTF-8 text.
                 arr = replaced[name] = _decode_utf8(arr, compiled[5], self.model_name)
@@ -316,9 +329,14 @@ class SpecValidator:
                     f"Tensor name(s) {name!r} are not found in the output spec: model {self.model_name!r} returned "
                     f"a tensor {name!r} that is not in its output spec ({', '.join(specs)})"
                 )
-            if type(arr) is not np.ndarray and isinstance(arr, np.generic):
-                arr = np.asarray(arr)
-                tensors[name] = arr  # type: ignore[index]
+            if type(arr) is not np.ndarray:
+                if isinstance(arr, np.generic):
+                    arr = np.asarray(arr)
+                    tensors[name] = arr  # type: ignore[index]
+                elif not isinstance(arr, np.ndarray) and (facts := describe(arr)) is not None:
+                    # output_device: the backend's own tensor on the GPU, checked from its metadata.
+                    _check_facts(facts, compiled, bindings, "output", self.model_name)
+                    continue
             _check(arr, compiled, bindings, "output", self.model_name)
         if len(tensors) != len(specs) or requested is not None:
             wanted = specs if requested is None else requested
@@ -371,7 +389,7 @@ def _compile(spec: TensorSpec) -> _Compiled:
 
 
 def _check(arr: Any, compiled: _Compiled, bindings: Bindings, kind: str, model: str) -> None:
-    name, dtype, ndim, fixed, symbols, spec = compiled
+    name, dtype, spec = compiled[0], compiled[1], compiled[5]
     if type(arr) is not np.ndarray and not isinstance(arr, np.ndarray):
         _fail(
             f"Tensor {name!r} in the {kind} spec is expected to be a numpy array of {spec.dtype}, "
@@ -381,7 +399,37 @@ def _check(arr: Any, compiled: _Compiled, bindings: Bindings, kind: str, model: 
         _check_strings(arr, spec, kind, model)
     elif arr.dtype != dtype:
         _fail(f"Tensor {name!r} in the {kind} spec is expected to be of type {spec.dtype}, but was of type {arr.dtype}", model)
-    shape = arr.shape
+    _check_dims(arr.shape, compiled, bindings, kind, model)
+
+
+def _check_facts(facts: TensorFacts, compiled: _Compiled, bindings: Bindings, kind: str, model: str) -> None:
+    """:func:`_check` for a tensor on a device: dtype and shape from its metadata, nothing copied."""
+    name, dtype, _, _, _, spec = compiled
+    where = f"a {facts.framework} tensor on {facts.device}"
+    if dtype is None:
+        _fail(
+            f"Tensor {name!r} in the {kind} spec is expected to be of type string, but was {where}", model,
+            "string tensors are numpy unicode arrays or object arrays of str, in host memory",
+        )  # fmt: skip
+    if facts.dtype != dtype:
+        _fail(f"Tensor {name!r} in the {kind} spec is expected to be of type {spec.dtype}, but was of type "
+              f"{facts.dtype} ({where})", model)  # fmt: skip
+    _check_dims(facts.shape, compiled, bindings, kind, model)
+
+
+def _refuse_device(name: str, facts: TensorFacts, reason: str, model: str) -> NoReturn:
+    raise NeuropodError(
+        f"Input {name!r} of model {model!r} is a {facts.framework} tensor on {facts.device}, which this call cannot "
+        f"take: {reason}"
+    )
+
+
+def _no_device_tensors(name: str, facts: TensorFacts) -> str:
+    return "this model takes numpy arrays (or CPU tensors) only"
+
+
+def _check_dims(shape: tuple[int, ...], compiled: _Compiled, bindings: Bindings, kind: str, model: str) -> None:
+    name, _, ndim, fixed, symbols, spec = compiled
     if len(shape) != ndim:
         _fail(
             f"Tensor {name!r} in the {kind} spec is expected to have {ndim} dimensions, but had {len(shape)}",

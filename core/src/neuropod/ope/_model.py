@@ -38,7 +38,12 @@ class WorkerModel(NeuropodModel):
     def _bind_infer(self) -> None:
         pool = self._pool
         self._infer = lambda _handle, inputs, requested: pool.infer(inputs, requested)
-        self._infer_args = ("model", "inputs", "requested_outputs")
+
+    def _no_device_tensors(self) -> str:
+        return (
+            "the model runs in a worker process (use_ope=True, or a backend or lock environment), and tensors reach "
+            "it through shared host memory. Pass numpy arrays (or CPU tensors), or load the model in this process"
+        )
 
     @property
     def worker_pids(self) -> list[int]:

@@ -98,7 +98,7 @@ class Worker:
         )
         infer = plugins.bound_hook("infer", backend)
         self.model = handle
-        self.infer = infer.function  # type: ignore[attr-defined]
+        self.infer = plugins.infer_caller(infer)
         return ("ready", os.getpid(), backend.id, sys.executable)
 
     def run(self, message: tuple[Any, ...], fds: list[int]) -> tuple[tuple[Any, ...], list[int]]:

@@ -79,9 +79,11 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
 
 
 @hookimpl
-def infer(model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None) -> Any:
-    """Run the session on the inputs."""
-    return model.run(inputs, requested_outputs)
+def infer(
+    model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None, output_device: str | None
+) -> Any:
+    """Run the session on the inputs (numpy arrays, or tensors on the model's GPU through IO binding)."""
+    return model.run(inputs, requested_outputs, output_device)
 
 
 __all__ = ["PLATFORM", "device_caps", "infer", "load_model", "supported_versions"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -159,9 +160,11 @@ def create_session(
 class OnnxModel:
     """A session plus what ``infer`` needs to call it quickly."""
 
-    def __init__(self, sess: ort.InferenceSession, name: str):
+    def __init__(self, sess: ort.InferenceSession, name: str, device: str = "cpu"):
         self.session = sess
         self.name = name
+        self.device = device
+        self._device_id = int(device.split(":", 1)[1]) if device != "cpu" else 0
         self._run = sess.run
         self._output_names = [o.name for o in sess.get_outputs()]
         self._input_names = [i.name for i in sess.get_inputs()]
@@ -169,6 +172,7 @@ class OnnxModel:
         # onnxruntime reads numpy unicode arrays as C strings, so "a\x00b" arrives as "a";
         # object arrays of str keep every character.
         self._string_inputs = frozenset(i.name for i in sess.get_inputs() if i.type == "tensor(string)")
+        self._string_outputs = frozenset(o.name for o in sess.get_outputs() if o.type == "tensor(string)")
 
     @classmethod
     def load(cls, package: Package, device: str, options: Mapping[str, Any]) -> OnnxModel:
@@ -178,9 +182,11 @@ class OnnxModel:
             raise PackageError(f"{where}: the ONNX model file 0/data/{MODEL_FILE} is missing")
         sess = create_session(str(path), device, options, package.custom_op_paths, where)
         check_io(sess, package.config.input_spec, package.config.output_spec, where)
-        return cls(sess, package.name)
+        return cls(sess, package.name, device)
 
-    def run(self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def run(
+        self, inputs: Mapping[str, Any], requested: Sequence[str] | None, output_device: str | None = None
+    ) -> dict[str, Any]:
         if len(inputs) != self._n_inputs:
             missing = [n for n in self._input_names if n not in inputs]
             raise SpecError(f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: ONNX has no optional inputs")
@@ -188,9 +194,87 @@ class OnnxModel:
         if self._string_inputs:
             inputs = {k: v.astype(object) if k in self._string_inputs and v.dtype.kind == "U" else v
                       for k, v in inputs.items()}  # fmt: skip
-        return dict(zip(names, self._run(names, inputs)))
+        if output_device is None and all(type(v) is np.ndarray for v in inputs.values()):
+            return dict(zip(names, self._run(names, inputs)))
+        return self.run_bound(inputs, names, output_device is not None)
+
+    def run_bound(self, inputs: Mapping[str, Any], names: Sequence[str], outputs_on_device: bool) -> dict[str, Any]:
+        """Run through IO binding: device inputs are bound where they are (no host copy) and,
+        with ``outputs_on_device``, numeric outputs are left on the model's device as OrtValues
+        (DLPack-capable: ``torch.from_dlpack(value)``)."""
+        binding = self.session.io_binding()
+        keep = []
+        for name, value in inputs.items():
+            if type(value) is np.ndarray:
+                binding.bind_cpu_input(name, value)
+            else:
+                keep.append(_bind_device_input(binding, name, value, self._device_id, self.name))
+        device_type = "cpu" if self.device == "cpu" else "cuda"
+        string_outputs = self._string_outputs
+        for name in names:
+            if outputs_on_device and name not in string_outputs:
+                binding.bind_output(name, device_type, self._device_id)
+            else:
+                binding.bind_output(name)  # host memory
+        self.session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+        values = binding.get_outputs()
+        del keep
+        out: dict[str, Any] = {}
+        for name, value in zip(names, values):
+            out[name] = value if outputs_on_device and name not in string_outputs else value.numpy()
+        return out
 
     def close(self) -> None:
         # Dropping the last references frees the session's memory.
         self.__dict__.pop("session", None)
         self.__dict__.pop("_run", None)
+
+
+
+def _bind_device_input(binding: Any, name: str, value: Any, device_id: int, model: str) -> Any:
+    """Bind a tensor that lives on the GPU (or an OrtValue) as it is, without a host copy.
+
+    Its producer's pending work must be finished first: onnxruntime runs on a
+    stream of its own and does not wait for another framework's. torch and
+    CuPy tensors get their current stream synchronized (the framework is
+    already imported when such an object exists); other producers must hand
+    over finished tensors, as DLPack without a stream means.
+
+    :returns: what must stay alive until the run ends.
+    """
+    framework = type(value).__module__.split(".")[0]
+    if isinstance(value, ort.OrtValue):
+        binding.bind_ortvalue_input(name, value)
+        return value
+    if framework == "torch":
+        torch = sys.modules["torch"]
+        value = value.contiguous()
+        if value.is_cuda:
+            torch.cuda.current_stream(value.device).synchronize()
+    elif framework == "cupy":
+        sys.modules["cupy"].cuda.get_current_stream().synchronize()
+    from_dlpack = getattr(ort.OrtValue, "from_dlpack", None)
+    if from_dlpack is not None and hasattr(value, "__dlpack__"):
+        try:
+            ortvalue = from_dlpack(value)
+        except Exception as e:
+            raise NeuropodError(
+                f"Input {name!r} of model {model!r}: onnxruntime {ort.__version__} could not take the {framework} "
+                f"tensor without a copy ({e}); pass a C-contiguous tensor"
+            ) from e
+        binding.bind_ortvalue_input(name, ortvalue)
+        return (value, ortvalue)
+    cai = getattr(value, "__cuda_array_interface__", None)
+    if isinstance(cai, dict):
+        shape = [int(d) for d in cai["shape"]]
+        dtype = np.dtype(cai["typestr"])
+        strides = cai.get("strides")
+        if strides is not None and tuple(strides) != tuple(np.empty(shape, dtype).strides):
+            raise NeuropodError(f"Input {name!r} of model {model!r} is not C-contiguous on the GPU; pass a contiguous tensor")
+        binding.bind_input(name, "cuda", device_id, dtype.type, shape, int(cai["data"][0]))
+        return value
+    raise NeuropodError(
+        f"Input {name!r} of model {model!r}: onnxruntime {ort.__version__} cannot take a {framework} tensor on the GPU "
+        "(this onnxruntime has no OrtValue.from_dlpack, and the tensor has no __cuda_array_interface__)"
+    )

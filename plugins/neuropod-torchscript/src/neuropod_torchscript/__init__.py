@@ -68,8 +68,8 @@ def device_caps(backend: Backend) -> DeviceCaps | None:
         return None
     cuda, _ = torch_cuda_version()
     if cuda:
-        return DeviceCaps(cpu=True, cuda=cuda, note="compute capabilities are checked when a model loads")
-    return DeviceCaps(cpu=True)
+        return DeviceCaps(cpu=True, cuda=cuda, note="compute capabilities are checked when a model loads", device_tensors=True)
+    return DeviceCaps(cpu=True, device_tensors=True)
 
 
 @hookimpl
@@ -83,9 +83,11 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
 
 
 @hookimpl
-def infer(model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None) -> Any:
-    """Run the module on the inputs."""
-    return model.run(inputs, requested_outputs)
+def infer(
+    model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None, output_device: str | None
+) -> Any:
+    """Run the module on the inputs (numpy arrays, or tensors on the model's GPU)."""
+    return model.run(inputs, requested_outputs, output_device)
 
 
 __all__ = ["PLATFORM", "device_caps", "infer", "load_model", "supported_versions", "torch_cuda_version"]

@@ -32,6 +32,7 @@ from neuropod.package import Package
 from neuropod.spec import TensorSpec
 
 MODEL_FILE = "model.pt"
+_CPU = torch.device("cpu")
 
 #: Load options this backend accepts. Both are process-wide in PyTorch.
 LOAD_OPTIONS = {
@@ -191,8 +192,9 @@ class TorchScriptModel:
                     "string tensors as List[str], so they must be 1-D"
                 )
         on_gpu = device.type != "cpu"
+        # Inputs go to the model's GPU unless the package keeps them on the CPU (input_tensor_device).
         self._convert = {
-            s.name: _converter(s, device if on_gpu and config.input_tensor_device.get(s.name, "GPU") != "CPU" else None)
+            s.name: _converter(s, (device if config.input_tensor_device.get(s.name, "GPU") != "CPU" else _CPU) if on_gpu else None)
             for s in config.input_spec
         }
 
@@ -221,7 +223,9 @@ class TorchScriptModel:
             p.requires_grad_(False)
         return cls(module, package, dev, where)
 
-    def run(self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def run(
+        self, inputs: Mapping[str, Any], requested: Sequence[str] | None, output_device: str | None = None
+    ) -> dict[str, Any]:
         convert = self._convert
         guard = _InferenceGuard(True) if _InferenceGuard is not None else None
         try:
@@ -238,11 +242,11 @@ class TorchScriptModel:
                         "default for them"
                     )
                 result = self._forward(**{name: convert[name](arr) for name, arr in inputs.items()})
-            return self._outputs(result, requested)
+            return self._outputs(result, requested, output_device)
         finally:
             del guard
 
-    def _outputs(self, result: Any, requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def _outputs(self, result: Any, requested: Sequence[str] | None, output_device: str | None) -> dict[str, Any]:
         # What forward may return, as the original Neuropod read it: a dict; a
         # bare Tensor or List[str] when the output spec has exactly one entry; a
         # named tuple; or a tuple of dicts.
@@ -265,6 +269,9 @@ class TorchScriptModel:
             if requested is not None and name not in requested:
                 continue
             if isinstance(value, torch.Tensor):
+                if output_device is not None:  # left on the model's GPU, as a torch tensor (DLPack-capable)
+                    out[name] = value if value.device == self.device else value.to(self.device)
+                    continue
                 if value.device.type != "cpu":
                     value = value.cpu()
                 out[name] = value.numpy()
@@ -311,18 +318,56 @@ class TorchScriptModel:
         return items
 
     def close(self) -> None:
-        # Dropping the last references frees the module's memory.
+        # Dropping the last references frees the module's memory; on a GPU, torch's caching
+        # allocator then holds it until empty_cache() hands the unused blocks back to the driver.
         self.__dict__.pop("module", None)
         self.__dict__.pop("_forward", None)
+        self.__dict__.pop("signature", None)
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()  # the module's parameters may sit in a reference cycle
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
 
 
-def _converter(spec: TensorSpec, device: torch.device | None) -> Callable[[np.ndarray], Any]:
+def _converter(spec: TensorSpec, device: torch.device | None) -> Callable[[Any], Any]:
+    """How an input reaches ``forward``: numpy arrays by ``torch.from_numpy`` (moved to the GPU for a
+    GPU model's GPU inputs); on a GPU model, tensors already on a GPU as they are (torch's) or through
+    DLPack / the CUDA array interface (CuPy...), with no trip through host memory.
+
+    A CPU model only ever gets numpy arrays: the core turns other frameworks' CPU tensors into numpy
+    arrays sharing their memory, and refuses GPU tensors for it.
+    """
     if spec.dtype == "string":
         return _to_str_list
     from_numpy = torch.from_numpy
     if device is None:
         return from_numpy
-    return lambda arr: from_numpy(arr).to(device, non_blocking=False)
+    target = device
+
+    if target.type == "cpu":  # a GPU model's input that the package keeps on the CPU
+
+        def convert(arr: Any) -> Any:
+            return from_numpy(arr) if type(arr) is np.ndarray else _device_tensor(arr).cpu()
+
+    else:
+
+        def convert(arr: Any) -> Any:
+            if type(arr) is np.ndarray:
+                return from_numpy(arr).to(target, non_blocking=False)
+            return _device_tensor(arr).to(target)  # .to() is free for a tensor already there
+
+    return convert
+
+
+def _device_tensor(arr: Any) -> torch.Tensor:
+    """A GPU input as a torch tensor sharing its memory."""
+    if isinstance(arr, torch.Tensor):
+        return arr
+    if hasattr(arr, "__dlpack__"):
+        return torch.from_dlpack(arr)  # hands the producer torch's stream, so its pending work is ordered first
+    return torch.as_tensor(arr, device="cuda")  # __cuda_array_interface__ only (Numba...)
 
 
 def _to_str_list(arr: np.ndarray) -> list[str]:

@@ -111,13 +111,17 @@ class RemoteModel(NeuropodModel):
         self.device = str(self._server_params.get(DEVICE_PARAMETER) or "remote")
         self._handle = pool
         self._validator = SpecValidator(self._name, inputs, outputs)
+        self._validator.device_policy = lambda name, facts: self._no_device_tensors()
         self._all_outputs = [s.name for s in outputs] or None
         self._bind_infer()
         self._closed = False
         self._close_lock = threading.Lock()
 
     def _bind_infer(self) -> None:
-        self._infer_args = ("model", "inputs", "requested_outputs")
+        pass  # _run sends the call; there is no plugin hook to bind
+
+    def _no_device_tensors(self) -> str:
+        return "a remote model's tensors travel to the server from host memory; pass numpy arrays (or CPU tensors)"
 
     def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:
         timeout = self._timeout if call_options is None else call_options
@@ -148,17 +152,19 @@ class RemoteModel(NeuropodModel):
         requested_outputs: Sequence[str] | None = None,
         *,
         timeout: float | None = None,
+        output_device: str | None = None,
     ) -> dict[str, np.ndarray]:
         """Run the model on a server (see :meth:`NeuropodModel.infer`).
 
         :param timeout: seconds this call may take, retries included (the
             model's ``timeout=`` by default; None there means no limit).
+        :param output_device: None or ``"cpu"``; outputs of a remote model arrive in host memory.
         :raises RemoteError: the server could not be reached, did not answer
             in time, or refused or failed the call; it names the URL.
         """
         if timeout is not None:
             check_seconds("timeout", timeout)
-        return self._checked_infer(inputs, requested_outputs, timeout)
+        return self._checked_infer(inputs, requested_outputs, timeout, output_device)
 
     def status(self, timeout: float = CONNECT_TIMEOUT_S) -> list[dict[str, Any]]:
         """Each server's state: ``url``, ``live``, ``ready``, the server's ``name`` and
