@@ -283,6 +283,8 @@ class SpecValidator:
                     arr = replaced[name] = np.asarray(arr)
                 elif not isinstance(arr, np.ndarray) and (facts := describe(arr)) is not None:
                     if facts.device == "cpu":  # another framework's CPU tensor: numpy shares its memory
+                        if isinstance(facts.dtype, str):  # bfloat16...: numpy has no such type, and no spec names one
+                            _check_facts(facts, compiled, bindings, "input", self.model_name)
                         arr = replaced[name] = host_array(arr, facts)
                     else:  # on a GPU: checked from its metadata and passed on as it is
                         refused = facts.device.startswith("cuda") and self.device_policy(name, facts)

@@ -23,6 +23,7 @@ GPU; otherwise the call is refused with the reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -95,18 +96,29 @@ def describe(obj: Any) -> TensorFacts | None:
 
 
 def host_array(obj: Any, facts: TensorFacts) -> np.ndarray:
-    """A tensor in host memory as a numpy array sharing its memory (a copy only where sharing is refused)."""
-    try:
-        return np.from_dlpack(obj)
-    except (BufferError, TypeError, RuntimeError, AttributeError):
-        pass
-    detach = getattr(obj, "detach", None)  # a torch tensor that requires grad refuses DLPack export
-    if callable(detach):
-        return np.from_dlpack(detach())
+    """A tensor in host memory as a numpy array sharing its memory (a copy only where sharing is refused).
+
+    :raises NeuropodError: numpy cannot read it (an element type numpy lacks, such as bfloat16).
+    """
+    from neuropod.errors import NeuropodError
+
+    detach = getattr(obj, "detach", None)  # a torch tensor that requires grad refuses DLPack export until detached
     numpy = getattr(obj, "numpy", None)  # an OrtValue of an onnxruntime without DLPack
+    attempts: list[Callable[[], np.ndarray]] = [lambda: np.from_dlpack(obj)]
+    if callable(detach):
+        attempts.append(lambda: np.from_dlpack(detach()))
     if callable(numpy):
-        return np.asarray(numpy())
-    return np.asarray(obj)
+        attempts.append(lambda: np.asarray(numpy()))
+    errors = []
+    for attempt in attempts:
+        try:
+            return attempt()
+        except Exception as e:  # noqa: BLE001  # each producer refuses in its own way; the next one may work
+            errors.append(f"{type(e).__name__}: {e}")
+    raise NeuropodError(
+        f"A {facts.framework} tensor of {facts.dtype} {list(facts.shape)} on the cpu cannot be read as a numpy array "
+        f"({'; '.join(errors)})"
+    )
 
 
 def _dlpack_device(obj: Any) -> tuple[int, int] | None:

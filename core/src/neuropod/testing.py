@@ -444,6 +444,62 @@ def neuropod_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     return cache
 
 
+#: Set to 1 on a GPU machine (``nox -s tests_gpu`` does): a ``gpu`` test that cannot run there fails
+#: instead of skipping, so a GPU run that tested nothing on the GPU cannot pass.
+REQUIRE_GPU_ENV = "NEUROPOD_REQUIRE_GPU"
+
+
+def gpu_missing() -> str | None:
+    """Why this machine cannot run GPU tests (NVML sees no GPU), or None when it can."""
+    from neuropod.devices import local_host
+
+    host = local_host()
+    return None if host.has_gpu else (host.note or "no GPU")
+
+
+def gpu_memory_used(device: str = "cuda:0") -> int:
+    """Bytes in use on a GPU as NVML counts them (every process's, the driver's own included), for tests
+    that check a closed model gave its memory back. NVML indexes GPUs as CUDA does without
+    ``CUDA_VISIBLE_DEVICES``."""
+    import pynvml
+
+    from neuropod.devices import parse_device
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(parse_device(device).split(":")[1]))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "gpu(needs=None): needs an NVIDIA GPU (NVML must see one); needs=callable returning why the test cannot "
+        f"run here (a framework without CUDA...) or None. Skipped with the reason elsewhere; {REQUIRE_GPU_ENV}=1 "
+        "makes that a failure.",
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip ``gpu`` tests where they cannot run, saying why (or fail them under NEUROPOD_REQUIRE_GPU=1)."""
+    import os
+
+    marker = item.get_closest_marker("gpu")
+    if marker is None:
+        return
+    reason = gpu_missing()
+    needs = marker.kwargs.get("needs")
+    if reason is None and callable(needs):
+        reason = needs()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_GPU_ENV) == "1":
+        pytest.fail(f"GPU test cannot run ({REQUIRE_GPU_ENV}=1): {reason}", pytrace=False)
+    pytest.skip(f"needs a GPU: {reason}")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Run ``test_infer_dtype`` once per dtype the backend claims."""
     cls = metafunc.cls
@@ -463,4 +519,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(mark)
 
 
-__all__ = ["ALL_DTYPES", "NUMERIC_DTYPES", "BackendConformance", "covers", "hooks_covered", "neuropod_cache", "sample"]
+__all__ = [
+    "ALL_DTYPES",
+    "NUMERIC_DTYPES",
+    "REQUIRE_GPU_ENV",
+    "BackendConformance",
+    "covers",
+    "gpu_memory_used",
+    "gpu_missing",
+    "hooks_covered",
+    "neuropod_cache",
+    "sample",
+]

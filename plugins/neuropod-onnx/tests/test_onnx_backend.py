@@ -447,3 +447,47 @@ def test_backends_warns_when_two_builds_are_installed(tmp_path: Path) -> None:
     # Alone, the CPU build gets no warning.
     plain = subprocess.run([sys.executable, "-m", "neuropod", "backends"], capture_output=True, text=True, check=True)
     assert "warning:" not in plain.stdout
+
+
+# --- other frameworks' tensors and IO binding (CPU here; test_onnx_gpu.py has the GPU side) ------------
+
+
+def test_ortvalues_and_dlpack_tensors_in(make_adder) -> None:
+    inputs = xy(3)
+    want = inputs["x"] + inputs["y"]
+    with neuropod.load_neuropod(make_adder(), device="cpu") as model:
+        x = ort.OrtValue.ortvalue_from_numpy(inputs["x"])
+        out = model.infer({"x": x, "y": inputs["y"]})
+        assert type(out["out"]) is np.ndarray
+        np.testing.assert_allclose(out["out"], want, rtol=1e-6)
+        with pytest.raises(SpecError, match=r"'y' in the input spec is expected to be of type float32, but was of type float64"):
+            model.infer({"x": x, "y": ort.OrtValue.ortvalue_from_numpy(inputs["y"].astype(np.float64))})
+        with pytest.raises(NeuropodError, match="output_device='cuda': model 'adder' runs on the cpu"):
+            model.infer(inputs, output_device="cuda")
+    caps = plugins.backend_caps(next(b for b in plugins.installed_backends() if b.platform == "onnx"))
+    assert caps.device_tensors
+
+
+def test_io_binding_path_on_the_cpu(make_adder) -> None:
+    # The path device tensors take (bind where they are, outputs left as OrtValues), run on the CPU:
+    # the same binding calls with device "cpu" instead of "cuda".
+    from neuropod_onnx._runtime import OnnxModel, _bind_device_input
+
+    inputs = xy(4)
+    want = inputs["x"] + inputs["y"]
+    with neuropod.load_neuropod(make_adder(), device="cpu") as model:
+        handle: OnnxModel = model._handle
+        x = ort.OrtValue.ortvalue_from_numpy(inputs["x"])
+        out = handle.run_bound({"x": x, "y": inputs["y"]}, ["out", "doubled"], outputs_on_device=True)
+        assert all(isinstance(v, ort.OrtValue) and v.device_name().lower() == "cpu" for v in out.values())
+        np.testing.assert_allclose(out["out"].numpy(), want, rtol=1e-6)
+        np.testing.assert_allclose(out["doubled"].numpy(), want * 2, rtol=1e-6)
+        if hasattr(ort.OrtValue, "__dlpack__"):  # onnxruntime >= 1.2x: outputs go to other frameworks without a copy
+            np.testing.assert_allclose(np.from_dlpack(out["out"]), want, rtol=1e-6)
+        host = handle.run_bound({"x": x, "y": inputs["y"]}, ["doubled"], outputs_on_device=False)
+        assert type(host["doubled"]) is np.ndarray
+        np.testing.assert_allclose(host["doubled"], want * 2, rtol=1e-6)
+        # Anything that is neither DLPack nor the CUDA array interface is refused by name.
+        binding = handle.session.io_binding()
+        with pytest.raises(NeuropodError, match="cannot take a builtins tensor on the GPU"):
+            _bind_device_input(binding, "x", object(), 0, "m")

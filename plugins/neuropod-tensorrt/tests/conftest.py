@@ -31,10 +31,6 @@ needs_gpu = [
 ]
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU, its driver and TensorRT")
-
-
 @pytest.fixture(autouse=True)
 def _private_cache(neuropod_cache: Path) -> Path:
     # neuropod.testing's fixture (a pytest plugin wherever neuropod is installed), for every test here.

@@ -113,3 +113,25 @@ class StringIdentity(torch.nn.Module):
 
     def forward(self, inputs: dict[str, list[str]]) -> dict[str, list[str]]:
         return {"out_" + k[3:]: v for k, v in inputs.items()}
+
+
+class WhereAreMyInputs(torch.nn.Module):
+    """Adds x and y where x lives, and says where each input arrived (1 on a GPU, 0 on the CPU)."""
+
+    def forward(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        return {
+            "out": x + y.to(x.device),
+            "x_on_gpu": torch.tensor(int(x.is_cuda)),
+            "y_on_gpu": torch.tensor(int(y.is_cuda)),
+        }
+
+
+class Big(torch.nn.Module):
+    """256 MiB of float32 weights: enough for NVML to see it come and go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8192, 8192))
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return {"y": x @ self.w}

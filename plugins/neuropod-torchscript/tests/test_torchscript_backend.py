@@ -418,3 +418,56 @@ def test_packaging_and_loading_are_quiet(tmp_path: Path) -> None:
         path = create_torchscript_neuropod(tmp_path / "m", "m", XY_SPEC, ADDER_OUT, module=module)
         with neuropod.load_neuropod(path) as m:
             assert m.infer(xy())["out"].shape == (2, 2)
+
+
+# --- other frameworks' tensors (CPU here; tests/test_torchscript_gpu.py has the GPU side) ----------
+
+
+def test_torch_tensors_in(tmp_path: Path) -> None:
+    path = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT)
+    inputs = xy(3)
+    want = inputs["x"] + inputs["y"]
+    with neuropod.load_neuropod(path, device="cpu") as model:
+        x = torch.from_numpy(inputs["x"])
+        y = torch.from_numpy(inputs["y"].T.copy()).T  # non-contiguous
+        graded = x.clone().requires_grad_(True)  # refuses DLPack export until detached
+        for given in ({"x": x, "y": y}, {"x": graded, "y": inputs["y"]}):
+            out = model.infer(given)
+            assert type(out["out"]) is np.ndarray
+            np.testing.assert_allclose(out["out"], want, rtol=1e-6)
+        with pytest.raises(SpecError, match="'x' in the input spec is expected to be of type float32, but was of type float64"):
+            model.infer({"x": x.double(), "y": y})
+        with pytest.raises(SpecError, match="expected to be of type float32, but was of type bfloat16"):
+            model.infer({"x": x.bfloat16(), "y": y})
+        with pytest.raises(SpecError, match=r"Dim 0 of tensor 'y' .* size 3 \(from tensor 'x'\), but was of size 1"):
+            model.infer({"x": x, "y": y[:1]})
+        with pytest.raises(NeuropodError, match="output_device='cuda': model 'm' runs on the cpu"):
+            model.infer({"x": x, "y": y}, output_device="cuda")
+
+
+def test_device_caps_say_device_tensors() -> None:
+    (backend,) = [b for b in plugins.installed_backends() if b.platform == "torchscript"]
+    assert plugins.backend_caps(backend).device_tensors
+
+
+def test_device_input_converters() -> None:
+    # How a GPU model takes inputs, with the CPU standing in for the GPU: numpy arrays through
+    # from_numpy, torch tensors as they are, other DLPack producers without a copy.
+    from neuropod.spec import parse_spec
+    from neuropod_torchscript._runtime import _converter
+
+    (x_spec,) = parse_spec(spec(("x", "float32", [None, 2])), "in")
+    convert = _converter(x_spec, torch.device("cpu"))
+    arr = np.arange(4, dtype=np.float32).reshape(2, 2)
+    t = torch.from_numpy(arr)
+
+    class OnlyDLPack:
+        def __dlpack__(self, **kwargs: object) -> object:
+            return t.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self) -> object:
+            return t.__dlpack_device__()
+
+    for given in (arr, t, OnlyDLPack()):
+        got = convert(given)
+        assert isinstance(got, torch.Tensor) and got.data_ptr() == t.data_ptr()

@@ -264,7 +264,7 @@ class TorchScriptModel:
                 "(Torchscript model output type not supported in neuropod); forward must return a dict of name -> "
                 "Tensor or List[str], a single Tensor or List[str], a named tuple, or a tuple of dicts"
             )
-        out: dict[str, np.ndarray] = {}
+        out: dict[str, Any] = {}
         for name, value in items:
             if requested is not None and name not in requested:
                 continue
@@ -366,7 +366,7 @@ def _device_tensor(arr: Any) -> torch.Tensor:
     if isinstance(arr, torch.Tensor):
         return arr
     if hasattr(arr, "__dlpack__"):
-        return torch.from_dlpack(arr)  # hands the producer torch's stream, so its pending work is ordered first
+        return torch.utils.dlpack.from_dlpack(arr)  # hands the producer torch's stream, so its pending work is ordered first
     return torch.as_tensor(arr, device="cuda")  # __cuda_array_interface__ only (Numba...)
 
 
