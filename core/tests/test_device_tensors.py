@@ -23,7 +23,7 @@ from neuropod.backend import DeviceCaps
 from neuropod.devices import load_host
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.spec import SpecValidator, parse_spec
-from neuropod.tensors import TensorFacts, describe
+from neuropod.tensors import DeviceInputs, TensorFacts, describe
 
 from _ope_toy import OUT, XY, install_toy, package
 from _toy_backend import PLATFORM, ToyPlugin, write_toy
@@ -104,6 +104,10 @@ def test_gpu_tensors_are_checked_from_their_metadata() -> None:
     x = CudaArray((4, 2))
     checked, bindings = v.check_inputs({"x": x, "y": np.zeros((4, 2), np.float32)})
     assert checked["x"] is x and bindings == {"batch": (4, "x")}
+    # Backends tell a call with device tensors by its dict's type, without looking at every input.
+    assert type(checked) is DeviceInputs
+    plain = {"x": np.zeros((4, 2), np.float32)}
+    assert type(v.check_inputs(plain)[0]) is dict
     with pytest.raises(SpecError, match=r"'x' .* type float32, but was of type float64 \(a test_device_tensors tensor on cuda:0\)"):
         v.check_inputs({"x": CudaArray((4, 2), "<f8")})
     with pytest.raises(SpecError, match="'x' in the input spec is expected to have 2 dimensions, but had 3"):

@@ -101,7 +101,9 @@ def infer(
     also get inputs that live on the model's GPU, as the caller passed them
     (a torch CUDA tensor, or any object with ``__dlpack__`` or
     ``__cuda_array_interface__``; already checked from their metadata, see
-    :mod:`neuropod.tensors`). Other backends only ever get numpy arrays.
+    :mod:`neuropod.tensors`); ``inputs`` is then a
+    :class:`~neuropod.tensors.DeviceInputs` dict, and only then. Other
+    backends only ever get numpy arrays.
 
     :param model: a handle returned by this plugin's :func:`load_model`.
     :param inputs: input name to numpy array (or device tensor, above);

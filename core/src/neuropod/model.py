@@ -166,7 +166,7 @@ class NeuropodModel:
         if requested_outputs is not None:
             requested_outputs = validator.check_requested(requested_outputs)
         if output_device is not None:
-            output_device = self._output_device(output_device)
+            output_device = self._output_device(output_device)  # None for "cpu"
         checked, bindings = validator.check_inputs(inputs)
         try:
             if output_device is None:

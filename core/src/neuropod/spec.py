@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from neuropod.errors import NeuropodError, PackageError, SpecError
-from neuropod.tensors import TensorFacts, describe, host_array
+from neuropod.tensors import DeviceInputs, TensorFacts, describe, host_array
 
 #: The dtypes a spec can name, and the numpy dtype each one means.
 #: ``string`` tensors are numpy unicode arrays or object arrays of ``str``.
@@ -260,8 +260,11 @@ class SpecValidator:
         :returns: the inputs as C-contiguous numpy arrays (the same objects
             when they already were; the caller's own dict when nothing had
             to change, so backends must not modify it; a numpy scalar such
-            as ``np.float32(1)`` becomes a 0-d array), and the symbol sizes
-            they set, for :meth:`check_outputs`.
+            as ``np.float32(1)`` becomes a 0-d array, another framework's CPU
+            tensor a numpy array sharing its memory), and the symbol sizes
+            they set, for :meth:`check_outputs`. Tensors on a GPU that
+            :attr:`device_policy` lets through stay as they are, in a
+            :class:`~neuropod.tensors.DeviceInputs` dict.
         :raises SpecError: for an unknown name or a tensor that does not fit.
         """
         if not isinstance(tensors, Mapping):
@@ -271,6 +274,7 @@ class SpecValidator:
         bindings: Bindings = {}
         specs = self._inputs
         replaced: dict[str, np.ndarray] = {}
+        on_device = False
         for name, arr in tensors.items():
             compiled = specs.get(name)
             if compiled is None:
@@ -291,6 +295,7 @@ class SpecValidator:
                         if refused or not facts.device.startswith("cuda"):
                             _refuse_device(name, facts, refused or "no backend takes tensors on that device", self.model_name)
                         _check_facts(facts, compiled, bindings, "input", self.model_name)
+                        on_device = True
                         continue
             elif compiled[1] is None and arr.dtype.kind == "S":
                 # Bytes for a string tensor, as the original Neuropod took them: UTF-8 text.
@@ -299,9 +304,9 @@ class SpecValidator:
             if not arr.flags.c_contiguous:
                 replaced[name] = np.ascontiguousarray(arr)
         # The common case passes the caller's dict through: no new dict per call.
-        if not replaced and type(tensors) is dict:
+        if not replaced and type(tensors) is dict and not on_device:
             return tensors, bindings
-        out = dict(tensors)
+        out = DeviceInputs(tensors) if on_device else dict(tensors)
         out.update(replaced)
         return out, bindings
 

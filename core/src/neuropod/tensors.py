@@ -41,6 +41,17 @@ _ONNX_TYPES = {
 }  # fmt: skip
 
 
+class DeviceInputs(dict[str, Any]):
+    """The checked inputs of a call that holds tensors on a GPU.
+
+    What a backend's ``infer`` gets instead of a plain dict when (and only
+    when) some input is a device tensor, so the common all-numpy call pays
+    one ``type(inputs) is DeviceInputs`` test rather than a look at every input.
+    """
+
+    __slots__ = ()
+
+
 class TensorFacts(NamedTuple):
     """What a non-numpy tensor says about itself."""
 
@@ -146,4 +157,4 @@ def _dtype(dtype: Any) -> np.dtype[Any] | str:
         return text
 
 
-__all__ = ["TensorFacts", "describe", "host_array"]
+__all__ = ["DeviceInputs", "TensorFacts", "describe", "host_array"]

@@ -13,6 +13,7 @@ import onnxruntime as ort
 from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.package import Package
 from neuropod.spec import TensorSpec
+from neuropod.tensors import DeviceInputs
 
 MODEL_FILE = "model.onnx"
 
@@ -191,10 +192,11 @@ class OnnxModel:
             missing = [n for n in self._input_names if n not in inputs]
             raise SpecError(f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: ONNX has no optional inputs")
         names = self._output_names if requested is None else requested
+        bound = output_device is not None or type(inputs) is DeviceInputs  # device tensors in or out: IO binding
         if self._string_inputs:
             inputs = {k: v.astype(object) if k in self._string_inputs and v.dtype.kind == "U" else v
                       for k, v in inputs.items()}  # fmt: skip
-        if output_device is None and all(type(v) is np.ndarray for v in inputs.values()):
+        if not bound:
             return dict(zip(names, self._run(names, inputs)))
         return self.run_bound(inputs, names, output_device is not None)
 
