@@ -9,6 +9,9 @@
     nox -s tests_compat            code written for the original Neuropod (tests/compat), ONNX + torch + TensorFlow
     nox -s tests_python            the Python backend: isolation, lock environments (scikit-learn, torch), other Pythons
     nox -s tests_tensorrt          the TensorRT plugin (GPU tests skip without a GPU and TensorRT)
+    nox -s tests_gpu               on a GPU machine: core, ONNX (onnxruntime-gpu), TorchScript (CUDA torch), Python,
+                                   TensorRT and tests/gpu, GPU tests required (not CI; offline: tests/gpu/offline.sh)
+    nox -s bench_gpu               on a GPU machine: bench/bench_gpu.py
     nox -s tests_serving           neuropod-serving: `neuropod serve` (REST, gRPC, batching, metrics) with tritonclient,
                                    remote models against it and against MLServer
     nox -s tests_client_only       a remote model loaded from a venv with only neuropod + neuropod-serving[client]
@@ -166,6 +169,45 @@ def tests_compat(session: nox.Session) -> None:
         _pytest(session, str(module.relative_to(ROOT)))
 
 
+# The GPU builds tests_gpu and bench_gpu install: torch's PyPI wheels for Linux x86-64 are CUDA
+# builds; onnxruntime-gpu 1.31 links CUDA 13.
+TORCH_GPU = "2.14.1"
+ONNXRUNTIME_GPU = "1.31.1"
+_NEEDS_A_GPU = (
+    "import sys, neuropod.devices as d; h = d.read_nvml(); print(h.describe()); "
+    "sys.exit(0 if h.has_gpu else 'this session needs an NVIDIA GPU and its driver: ' + str(h.note))"
+)
+
+
+def _install_gpu(session: nox.Session) -> None:
+    session.install(
+        f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-onnx'}[test,gpu]", f"onnxruntime-gpu[cuda,cudnn]=={ONNXRUNTIME_GPU}",
+        f"{ROOT / 'plugins/neuropod-torchscript'}[test]", f"torch=={TORCH_GPU}",
+        f"{ROOT / 'plugins/neuropod-python'}[test]", f"{ROOT / 'plugins/neuropod-tensorrt'}[test]",
+    )  # fmt: skip
+    session.run("python", "-c", _NEEDS_A_GPU)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def tests_gpu(session: nox.Session) -> None:
+    """On a machine with an NVIDIA GPU (driver for CUDA 13): the core, ONNX (onnxruntime-gpu), TorchScript
+    (torch's CUDA build), Python and TensorRT suites plus tests/gpu, with NEUROPOD_REQUIRE_GPU=1, so a GPU
+    test that cannot run fails rather than skips (TensorRT's engine tests still skip: its libraries come
+    from NVIDIA's index). Not in CI, which has no GPU. Offline GPU machines: tests/gpu/offline.sh."""
+    _install_gpu(session)
+    env = {"NEUROPOD_REQUIRE_GPU": "1"}
+    for suite in ("tests/gpu", "core/tests", "plugins/neuropod-onnx/tests", "plugins/neuropod-torchscript/tests",
+                  "plugins/neuropod-python/tests", "plugins/neuropod-tensorrt/tests"):  # fmt: skip
+        _pytest(session, suite, env=env)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_gpu(session: nox.Session) -> None:
+    """bench/bench_gpu.py on a GPU machine: neuropod against torch and onnxruntime-gpu called directly."""
+    _install_gpu(session)
+    session.run("python", "bench/bench_gpu.py", *session.posargs)
+
+
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def tests_tensorrt(session: nox.Session) -> None:
     """The TensorRT plugin without TensorRT: planning and packaging tests run, GPU tests skip with the reason."""
@@ -320,7 +362,7 @@ def bench(session: nox.Session) -> None:
         f"{ROOT / 'plugins/neuropod-python'}",
     )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
-        if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py"):  # their own sessions
+        if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py", "bench_gpu.py"):  # their own sessions
             session.run("python", str(script), *session.posargs)
 
 
