@@ -4,7 +4,7 @@
 # `nox -s tests_gpu` is the way on a GPU machine that can reach PyPI; this is the way on one that cannot.
 #
 #   bash tests/gpu/offline.sh prepare DIR    here, with network: our wheels and the few missing ones into DIR;
-#                                            onnxruntime-gpu (255 MB) into DIR/big, split in 61 MB parts
+#                                            onnxruntime-gpu (255 MB) into DIR/big, split in 48 MiB parts (a call carries at most 64 MiB, the repository included)
 #   bash tests/gpu/offline.sh run DIR        there, from the repository root, DIR holding the wheels (and
 #                                            DIR/onnxruntime_gpu-*.whl once the parts are joined and checked)
 #
@@ -27,7 +27,7 @@ prepare)
     # importlib-metadata 8 (10 needs a package that is not there); onnxruntime-extensions for the custom-op tests.
     "$py" -m pip download -q --no-deps "${platform[@]}" -d "$dir" 'importlib-metadata>=8,<9' onnxruntime-extensions
     "$py" -m pip download -q --no-deps "${platform[@]}" -d "$dir/big" "onnxruntime-gpu==$ORT_GPU"
-    (cd "$dir/big" && for whl in onnxruntime_gpu-*.whl; do sha256sum "$whl" > "$whl.sha256"; split -b 61M "$whl" "$whl.part-"; rm "$whl"; done)
+    (cd "$dir/big" && for whl in onnxruntime_gpu-*.whl; do sha256sum "$whl" > "$whl.sha256"; split -b 48M "$whl" "$whl.part-"; rm "$whl"; done)
     ls -la "$dir" "$dir/big"
     echo "Send $dir without big/ in one call, then one big/*.part-* per call (join: cat PARTS > WHEEL; sha256sum -c WHEEL.sha256)."
     ;;
