@@ -473,6 +473,39 @@ def gpu_memory_used(device: str = "cuda:0") -> int:
         pynvml.nvmlShutdown()
 
 
+def assert_gpu_memory_given_back(
+    path: str | Path, inputs: Mapping[str, Any], *, min_taken: int, tolerance: int = 8 * 2**20, **load_kwargs: Any
+) -> None:
+    """Load a package onto a GPU, run it, close it: NVML's used memory must come back to where it was.
+
+    A first load, call and close comes before the reading, so what a process
+    keeps for its lifetime (the CUDA context, cuBLAS workspaces) is not
+    counted. While loaded the model must take at least ``min_taken`` bytes,
+    so the check shows something; after ``close()`` used memory must be within
+    ``tolerance`` of the reading before.
+    """
+    import time
+
+    from neuropod.model import load_neuropod
+
+    with load_neuropod(path, **load_kwargs) as model:
+        device = model.device
+        model.infer(inputs)
+    assert device.startswith("cuda:"), f"the model loaded on {device}, not a GPU"
+    time.sleep(0.5)
+    before = gpu_memory_used(device)
+    model = load_neuropod(path, **load_kwargs)
+    model.infer(inputs)
+    loaded = gpu_memory_used(device)
+    model.close()
+    time.sleep(0.5)
+    after = gpu_memory_used(device)
+    mib = 2**20
+    figures = f"before {before / mib:.0f} MiB, loaded {loaded / mib:.0f} MiB, after {after / mib:.0f} MiB on {device}"
+    assert loaded - before >= min_taken, f"the model took less than {min_taken / mib:.0f} MiB on the GPU ({figures})"
+    assert abs(after - before) <= tolerance, f"close() left {(after - before) / mib:.1f} MiB behind ({figures})"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
@@ -524,6 +557,7 @@ __all__ = [
     "NUMERIC_DTYPES",
     "REQUIRE_GPU_ENV",
     "BackendConformance",
+    "assert_gpu_memory_given_back",
     "covers",
     "gpu_memory_used",
     "gpu_missing",

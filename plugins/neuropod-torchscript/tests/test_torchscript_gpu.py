@@ -4,7 +4,6 @@ has no CUDA (``nox -s tests_gpu`` on a GPU machine runs them, and fails instead 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import neuropod
 from neuropod.devices import read_nvml
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.packagers import create_torchscript_neuropod
-from neuropod.testing import gpu_memory_used
+from neuropod.testing import assert_gpu_memory_given_back
 
 import models
 from conftest import spec
@@ -137,21 +136,4 @@ def test_device_tensors_in_and_out_without_a_copy(tmp_path: Path) -> None:
 
 def test_gpu_memory_is_given_back_on_close(tmp_path: Path) -> None:
     path = _package(tmp_path, models.Big(), spec(("x", "float32", [1, 8192])), spec(("y", "float32", [1, 8192])))
-    x = np.ones((1, 8192), np.float32)
-    with neuropod.load_neuropod(path) as model:  # the CUDA context and cuBLAS stay for the process: not counted
-        device = model.device
-        model.infer({"x": x})
-    time.sleep(0.5)
-    before = gpu_memory_used(device)
-    model = neuropod.load_neuropod(path)
-    model.infer({"x": x})
-    loaded = gpu_memory_used(device)
-    model.close()
-    time.sleep(0.5)
-    after = gpu_memory_used(device)
-    mib = 2**20
-    assert loaded - before > 200 * mib, f"the model did not take its 256 MiB on the GPU: {(loaded - before) / mib:.0f} MiB"
-    assert abs(after - before) < 8 * mib, (
-        f"close() left {(after - before) / mib:.1f} MiB on {device} (before {before / mib:.0f} MiB, loaded "
-        f"{loaded / mib:.0f} MiB, after {after / mib:.0f} MiB)"
-    )
+    assert_gpu_memory_given_back(path, {"x": np.ones((1, 8192), np.float32)}, min_taken=200 * 2**20)
