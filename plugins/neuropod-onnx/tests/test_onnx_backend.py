@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -423,9 +424,10 @@ def test_gpu_build_cuda_version_from_its_own_metadata(
     assert (backend.framework, backend.version) == ("onnxruntime-gpu", version)
     caps = neuropod_onnx.device_caps(backend)
     assert caps is not None and caps.cpu and caps.cuda == cuda
-    # With onnxruntime installed too (this environment's), both own one module: a warning naming both.
-    assert f"onnxruntime-gpu {version}, onnxruntime {ORT_VERSION} are installed together" in caps.warning
-    assert "whichever pip installed last" in caps.warning
+    if ORT_DIST == "onnxruntime":
+        # With onnxruntime installed too (this environment's), both own one module: a warning naming both.
+        assert f"onnxruntime-gpu {version}, onnxruntime {ORT_VERSION} are installed together" in caps.warning
+        assert "whichever pip installed last" in caps.warning
     # "unknown" is not a version the driver is checked against: a CUDA 12 host may try it.
     from neuropod.resolve import _driver_ok
 
@@ -435,18 +437,41 @@ def test_gpu_build_cuda_version_from_its_own_metadata(
 
 
 def test_backends_warns_when_two_builds_are_installed(tmp_path: Path) -> None:
-    _fake_gpu_build(tmp_path, "1.31.1")
+    # The build this environment lacks, as a second distribution over the same module.
+    if ORT_DIST == "onnxruntime":
+        _fake_gpu_build(tmp_path, "1.31.1")
+        expected = f"onnx==1.31.1: onnxruntime-gpu 1.31.1, onnxruntime {ORT_VERSION} are installed together"
+    else:
+        info = tmp_path / "onnxruntime-1.30.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: onnxruntime\nVersion: 1.30.0\n")
+        expected = f"onnx=={ORT_VERSION}: {ORT_DIST} {ORT_VERSION}, onnxruntime 1.30.0 are installed together"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "neuropod", "backends"], env=env, capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
-    assert re.search(r"onnx==1\.31\.1 +onnxruntime-gpu +neuropod-onnx \S+ +cpu \+ cuda 13\n", out), out
-    assert f"warning: onnx==1.31.1: onnxruntime-gpu 1.31.1, onnxruntime {ORT_VERSION} are installed together" in out
+    if ORT_DIST == "onnxruntime":
+        assert re.search(r"onnx==1\.31\.1 +onnxruntime-gpu +neuropod-onnx \S+ +cpu \+ cuda 13\n", out), out
+    assert f"warning: {expected}" in out
     data = json.loads(subprocess.run([sys.executable, "-m", "neuropod", "backends", "--json"], env=env,
                                      capture_output=True, text=True, check=True).stdout)  # fmt: skip
-    assert [w.split(":")[0] for w in data["warnings"]] == ["onnx==1.31.1"]
-    # Alone, the CPU build gets no warning.
+    assert [w.split(": ")[0] for w in data["warnings"]] == [expected.split(": ")[0]]
+    # Alone, the installed build gets no warning.
     plain = subprocess.run([sys.executable, "-m", "neuropod", "backends"], capture_output=True, text=True, check=True)
     assert "warning:" not in plain.stdout
+
+
+def test_the_installed_gpu_build_reports_the_cuda_it_links() -> None:
+    if ORT_DIST != "onnxruntime-gpu":
+        pytest.skip(f"this environment has {ORT_DIST}, not onnxruntime-gpu")
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("needs readelf (binutils) to read the CUDA provider's NEEDED entries")
+    # What the CUDA provider library really links (its ELF NEEDED entries), against what the metadata said.
+    lib = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+    dynamic = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+    linked = set(re.findall(r"NEEDED\).*\[libcudart\.so\.([0-9]+)\]", dynamic))
+    (backend,) = [b for b in plugins.installed_backends() if b.platform == "onnx"]
+    assert linked == {plugins.backend_caps(backend).cuda}
 
 
 # --- other frameworks' tensors and IO binding (CPU here; test_onnx_gpu.py has the GPU side) ------------
