@@ -238,3 +238,22 @@ def test_a_worker_model_says_why(toy_ope: Path) -> None:
             model.infer({"x": np.ones((1, 2), np.float32), "y": np.ones((1, 2), np.float32)}, output_device="cuda")
         x = np.arange(4, dtype=np.float32).reshape(2, 2)
         np.testing.assert_array_equal(model.infer({"x": HostDLPack(x), "y": x})["out"], x + x)
+
+
+def test_a_dropped_model_is_freed_at_once(tmp_path: Path) -> None:
+    # The validator's device policy must not point back at the model: a cycle would leave a dropped
+    # model (and an OPE model's workers) to the cyclic GC instead of freeing it when the last reference goes.
+    import gc
+    import weakref
+
+    from _toy_backend import toy_plugin
+
+    with toy_plugin():
+        model = neuropod.load_neuropod(write_toy(tmp_path / "m"))
+        ref = weakref.ref(model)
+        gc.disable()
+        try:
+            del model
+            assert ref() is None
+        finally:
+            gc.enable()

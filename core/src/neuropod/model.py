@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -47,8 +48,11 @@ class NeuropodModel:
             package.name, package.config.input_spec, package.config.output_spec,
             shared_symbols=not package.original_format,
         )  # fmt: skip
-        self._validator.device_policy = self._device_input_problem
         self._bind_infer()
+        # No reference back to the model (a cycle would delay a dropped OPE model's cleanup to the GC).
+        self._validator.device_policy = functools.partial(
+            device_input_problem, self.device, self._device_tensors, self._no_device_tensors()
+        )
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -68,19 +72,6 @@ class NeuropodModel:
     def _no_device_tensors(self) -> str:
         """Why this model takes no tensors on a GPU (for messages)."""
         return f"backend {self.backend.id} takes numpy arrays (or CPU tensors) only"
-
-    def _device_input_problem(self, name: str, facts: TensorFacts) -> str | None:
-        """Why input ``name``, a tensor on a GPU, cannot go to this model as it is (None: it can)."""
-        if not self._device_tensors:
-            return self._no_device_tensors()
-        if self.device == "cpu":
-            return (
-                "the model runs on the cpu. Pass a numpy array (or a CPU tensor), or load the model on that GPU "
-                "(device='cuda:N')"
-            )
-        if facts.device != "cuda" and facts.device != self.device:
-            return f"the model runs on {self.device}; move the tensor there first (no copy between GPUs is made for you)"
-        return None
 
     def _output_device(self, output_device: str | None) -> str | None:
         """``output_device`` as the backend gets it: None for numpy outputs, else the model's ``cuda:N``."""
@@ -212,6 +203,21 @@ class NeuropodModel:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.backend.id} on {self.device}"
         return f"<NeuropodModel {self.name!r} ({self.platform}) {state}>"
+
+
+def device_input_problem(model_device: str, accepts: bool, refusal: str, name: str, facts: TensorFacts) -> str | None:
+    """Why input ``name``, a tensor on a GPU, cannot go as it is to a model on ``model_device`` (None: it can).
+
+    A :class:`~neuropod.spec.SpecValidator`'s ``device_policy``, with the first three arguments bound:
+    whether the model takes device tensors at all, and what to say when it does not.
+    """
+    if not accepts:
+        return refusal
+    if model_device == "cpu":
+        return "the model runs on the cpu. Pass a numpy array (or a CPU tensor), or load the model on that GPU (device='cuda:N')"
+    if facts.device != "cuda" and facts.device != model_device:
+        return f"the model runs on {model_device}; move the tensor there first (no copy between GPUs is made for you)"
+    return None
 
 
 def _framework_error(e: BaseException) -> str:
