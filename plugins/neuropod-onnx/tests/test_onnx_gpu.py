@@ -119,3 +119,14 @@ def test_gpu_memory_is_given_back_on_close(tmp_path: Path) -> None:
     path = create_onnx_neuropod(tmp_path / "big.neuropod", "big", spec(("x", "float32", [1, 8192])),
                                 spec(("y", "float32", [1, 8192])), onnx_model=model_proto)  # fmt: skip
     assert_gpu_memory_given_back(path, {"x": np.ones((1, 8192), np.float32)}, min_taken=200 * 2**20)
+
+
+def test_cupy_arrays_in_and_out(make_adder: Callable[..., Path]) -> None:
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (an optional producer of GPU arrays)")
+    inputs = xy(3)
+    with neuropod.load_neuropod(make_adder()) as model:
+        with cupy.cuda.Device(int(model.device.split(":")[1])):
+            x, y = cupy.asarray(inputs["x"]), cupy.asarray(inputs["y"])
+        out = model.infer({"x": x, "y": y}, output_device="cuda")
+        np.testing.assert_allclose(cupy.asnumpy(cupy.from_dlpack(out["out"])), inputs["x"] + inputs["y"], rtol=1e-6)
+        np.testing.assert_allclose(model.infer({"x": x, "y": y})["doubled"], (inputs["x"] + inputs["y"]) * 2, rtol=1e-6)

@@ -137,3 +137,15 @@ def test_device_tensors_in_and_out_without_a_copy(tmp_path: Path) -> None:
 def test_gpu_memory_is_given_back_on_close(tmp_path: Path) -> None:
     path = _package(tmp_path, models.Big(), spec(("x", "float32", [1, 8192])), spec(("y", "float32", [1, 8192])))
     assert_gpu_memory_given_back(path, {"x": np.ones((1, 8192), np.float32)}, min_taken=200 * 2**20)
+
+
+def test_cupy_arrays_in_and_out(tmp_path: Path) -> None:
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (an optional producer of GPU arrays)")
+    path = _package(tmp_path, models.Adder(), XY, ADDER_OUT)
+    inputs = _xy()
+    with neuropod.load_neuropod(path) as model:
+        with cupy.cuda.Device(int(model.device.split(":")[1])):
+            x, y = cupy.asarray(inputs["x"]), cupy.asarray(inputs["y"])
+        out = model.infer({"x": x, "y": y}, output_device="cuda")
+        assert isinstance(out["out"], torch.Tensor) and out["out"].device == torch.device(model.device)
+        np.testing.assert_allclose(cupy.asnumpy(cupy.from_dlpack(out["doubled"])), (inputs["x"] + inputs["y"]) * 2, rtol=1e-6)
