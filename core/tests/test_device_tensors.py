@@ -120,9 +120,12 @@ def test_gpu_tensors_are_checked_from_their_metadata() -> None:
         strings.check_inputs({"s": CudaArray((3,), "<f4")})
     # Outputs left on the device (output_device) are checked the same way.
     _, bound = v.check_inputs({"x": x, "y": x})
-    v.check_outputs({"out": CudaArray((4, 2))}, bound)
+    v.check_outputs({"out": CudaArray((4, 2))}, bound, on_device=True)
     with pytest.raises(SpecError, match="Dim 0 of tensor 'out' in the output spec .* size 4"):
-        v.check_outputs({"out": CudaArray((3, 2))}, dict(bound))
+        v.check_outputs({"out": CudaArray((3, 2))}, dict(bound), on_device=True)
+    # Unasked, a backend's tensor is not a numpy array: an error, not a surprise for the caller.
+    with pytest.raises(SpecError, match="'out' in the output spec is expected to be a numpy array of float32, but was CudaArray"):
+        v.check_outputs({"out": CudaArray((4, 2))}, dict(bound))
 
 
 def test_gpu_tensors_are_refused_by_default_and_other_devices_always() -> None:

@@ -176,7 +176,7 @@ class NeuropodModel:
                     "not a dict of output name to numpy array"
                 )
             outputs = dict(outputs)
-        validator.check_outputs(outputs, bindings, requested_outputs)
+        validator.check_outputs(outputs, bindings, requested_outputs, output_device is not None)
         return outputs
 
     def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:

@@ -315,6 +315,7 @@ class SpecValidator:
         tensors: Mapping[str, Any],
         bindings: Bindings,
         requested: Iterable[str] | None = None,
+        on_device: bool = False,
     ) -> None:
         """Validate what a backend returned, with the symbol sizes the inputs set.
 
@@ -324,6 +325,9 @@ class SpecValidator:
 
         :param requested: the outputs the caller asked for; all of the spec's
             outputs when None. Each must be present.
+        :param on_device: the caller asked for outputs on the GPU
+            (``output_device``): the backend's own tensors are checked from
+            their metadata. Otherwise every output must be a numpy array.
         :raises SpecError: for a missing, unexpected or misfitting output.
         """
         specs = self._outputs
@@ -340,7 +344,7 @@ class SpecValidator:
                 if isinstance(arr, np.generic):
                     arr = np.asarray(arr)
                     tensors[name] = arr  # type: ignore[index]
-                elif not isinstance(arr, np.ndarray) and (facts := describe(arr)) is not None:
+                elif on_device and not isinstance(arr, np.ndarray) and (facts := describe(arr)) is not None:
                     # output_device: the backend's own tensor on the GPU, checked from its metadata.
                     _check_facts(facts, compiled, bindings, "output", self.model_name)
                     continue
