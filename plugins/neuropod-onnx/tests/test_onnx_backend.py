@@ -512,6 +512,24 @@ def test_io_binding_path_on_the_cpu(make_adder) -> None:
         host = handle.run_bound({"x": x, "y": inputs["y"]}, ["doubled"], outputs_on_device=False)
         assert type(host["doubled"]) is np.ndarray
         np.testing.assert_allclose(host["doubled"], want * 2, rtol=1e-6)
+        if hasattr(ort.OrtValue, "from_dlpack"):  # any DLPack producer, bound without a copy (here host memory)
+
+            class Producer:
+                def __init__(self, arr: np.ndarray):
+                    self.arr = arr
+
+                def __dlpack__(self, **kwargs: object) -> object:
+                    return self.arr.__dlpack__(**kwargs)
+
+                def __dlpack_device__(self) -> object:
+                    return self.arr.__dlpack_device__()
+
+            binding = handle.session.io_binding()
+            keep = [_bind_device_input(binding, name, Producer(inputs[name]), 0, "m") for name in ("x", "y")]
+            binding.bind_output("out")
+            handle.session.run_with_iobinding(binding)
+            np.testing.assert_allclose(binding.get_outputs()[0].numpy(), want, rtol=1e-6)
+            del keep
         # Anything that is neither DLPack nor the CUDA array interface is refused by name.
         binding = handle.session.io_binding()
         with pytest.raises(NeuropodError, match="cannot take a builtins tensor on the GPU"):
