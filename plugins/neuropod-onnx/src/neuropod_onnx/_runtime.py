@@ -233,7 +233,6 @@ class OnnxModel:
         self.__dict__.pop("_run", None)
 
 
-
 def _bind_device_input(binding: Any, name: str, value: Any, device_id: int, model: str) -> Any:
     """Bind a tensor that lives on the GPU (or an OrtValue) as it is, without a host copy.
 
@@ -272,7 +271,7 @@ def _bind_device_input(binding: Any, name: str, value: Any, device_id: int, mode
         shape = [int(d) for d in cai["shape"]]
         dtype = np.dtype(cai["typestr"])
         strides = cai.get("strides")
-        if strides is not None and tuple(strides) != tuple(np.empty(shape, dtype).strides):
+        if strides is not None and 0 not in shape and tuple(strides) != _c_strides(shape, dtype.itemsize):
             raise NeuropodError(f"Input {name!r} of model {model!r} is not C-contiguous on the GPU; pass a contiguous tensor")
         binding.bind_input(name, "cuda", device_id, dtype.type, shape, int(cai["data"][0]))
         return value
@@ -280,3 +279,12 @@ def _bind_device_input(binding: Any, name: str, value: Any, device_id: int, mode
         f"Input {name!r} of model {model!r}: onnxruntime {ort.__version__} cannot take a {framework} tensor on the GPU "
         "(this onnxruntime has no OrtValue.from_dlpack, and the tensor has no __cuda_array_interface__)"
     )
+
+
+def _c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """The byte strides of a C-contiguous array of ``shape``."""
+    strides, step = [], itemsize
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
