@@ -313,6 +313,21 @@ class BackendConformance:
                 self._assert_copies(model.infer(inputs), inputs)
 
     @covers("infer", runs_model=True)
+    def test_cpu_tensors_of_other_frameworks(self, tmp_path: Path) -> None:
+        """Inputs that another framework holds in host memory (any DLPack producer: torch, JAX...) run as
+        numpy arrays do, and the outputs are numpy arrays (the core reads such inputs without a copy)."""
+        dtype = self._first_dtype()
+        if dtype == "string":
+            pytest.skip("DLPack carries no strings, and this backend runs only strings")
+        ins, outs = self._pair_spec(dtype, ["a", "b"])
+        path = self.make_package(tmp_path, "copy_dlpack", ins, outs)
+        inputs = self._inputs(dtype, ["a", "b"], batch=3)
+        with self._load(path) as model:
+            outputs = model.infer({name: HostTensor(arr) for name, arr in inputs.items()})
+            assert all(type(v) is np.ndarray for v in outputs.values()), {k: type(v) for k, v in outputs.items()}
+            self._assert_copies(outputs, inputs)
+
+    @covers("infer", runs_model=True)
     def test_symbols_are_validated(self, tmp_path: Path) -> None:
         dtype = self._first_dtype()
         ins, outs = self._pair_spec(dtype, ["a", "b"])
@@ -409,6 +424,19 @@ class BackendConformance:
         inputs = self._inputs(dtype, ["a"])
         with self._load(path) as model:
             self._assert_copies(model.infer(inputs), inputs)
+
+
+class HostTensor:
+    """Another framework's tensor in host memory, as the DLPack protocol shows it (numpy's memory behind it)."""
+
+    def __init__(self, arr: np.ndarray):
+        self._arr = arr
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._arr.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._arr.__dlpack_device__()
 
 
 def run_in_threads(work: Callable[[int], object], threads: int) -> None:
@@ -557,6 +585,7 @@ __all__ = [
     "NUMERIC_DTYPES",
     "REQUIRE_GPU_ENV",
     "BackendConformance",
+    "HostTensor",
     "assert_gpu_memory_given_back",
     "covers",
     "gpu_memory_used",
