@@ -24,6 +24,7 @@ from neuropod.devices import load_host
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.spec import SpecValidator, parse_spec
 from neuropod.tensors import DeviceInputs, TensorFacts, describe
+from neuropod.testing import HostTensor
 
 from _ope_toy import OUT, XY, install_toy, package
 from _toy_backend import PLATFORM, ToyPlugin, write_toy
@@ -49,19 +50,6 @@ class CudaArray:
         raise AttributeError(name)
 
 
-class HostDLPack:
-    """A host tensor of some framework that speaks DLPack (numpy's memory behind it)."""
-
-    def __init__(self, arr: np.ndarray):
-        self.arr = arr
-
-    def __dlpack__(self, **kwargs: Any) -> Any:
-        return self.arr.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return self.arr.__dlpack_device__()
-
-
 class RocmTensor:
     shape, dtype = (2, 2), np.dtype(np.float32)
 
@@ -81,8 +69,8 @@ def test_describe_reads_metadata_only() -> None:
     assert describe(CudaArray((4,), "<i8", device=None)) == TensorFacts(np.dtype(np.int64), (4,), "cuda", here)
     assert describe(CudaArray((1,), "<f4", device=3)).device == "cuda:3"  # type: ignore[union-attr]
     assert describe(RocmTensor()) == TensorFacts(np.dtype(np.float32), (2, 2), "ROCm:1", here)
-    host = describe(HostDLPack(np.zeros((3, 1), np.uint8)))  # no shape/dtype attributes: numpy reads the capsule
-    assert host == TensorFacts(np.dtype(np.uint8), (3, 1), "cpu", here)
+    host = describe(HostTensor(np.zeros((3, 1), np.uint8)))  # no shape/dtype attributes: numpy reads the capsule
+    assert host == TensorFacts(np.dtype(np.uint8), (3, 1), "cpu", "neuropod")  # the framework: the class's top module
     for other in ([1.0, 2.0], 3, "x", None, {"a": 1}):
         assert describe(other) is None
 
@@ -91,11 +79,11 @@ def test_host_tensors_become_numpy_arrays_sharing_memory() -> None:
     v = SpecValidator("m", SPEC, OUT_SPEC)
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     y = np.ones((3, 2), np.float32)
-    checked, bindings = v.check_inputs({"x": HostDLPack(x), "y": HostDLPack(y)})
+    checked, bindings = v.check_inputs({"x": HostTensor(x), "y": HostTensor(y)})
     assert type(checked["x"]) is np.ndarray and np.shares_memory(checked["x"], x)
     assert bindings == {"batch": (3, "x")}
     with pytest.raises(SpecError, match="'y' in the input spec is expected to be of type float32, but was of type float64"):
-        v.check_inputs({"x": HostDLPack(x), "y": HostDLPack(y.astype(np.float64))})
+        v.check_inputs({"x": HostTensor(x), "y": HostTensor(y.astype(np.float64))})
 
 
 def test_gpu_tensors_are_checked_from_their_metadata() -> None:
@@ -212,7 +200,7 @@ def test_a_cpu_model_refuses_device_tensors_and_device_outputs(tmp_path: Path, d
             model.infer({"x": np.ones((1, 2), np.float32), "y": np.ones((1, 2), np.float32)}, output_device="cuda")
         # Host tensors of any framework are fine.
         x = np.ones((1, 2), np.float32)
-        out = model.infer({"x": HostDLPack(x), "y": HostDLPack(x)})
+        out = model.infer({"x": HostTensor(x), "y": HostTensor(x)})
         np.testing.assert_array_equal(out["out"], x + x)
     assert device_toy.calls and all(o is None for _, o in device_toy.calls)
 
@@ -240,7 +228,7 @@ def test_a_worker_model_says_why(toy_ope: Path) -> None:
         with pytest.raises(NeuropodError, match="output_device='cuda'.* runs in a worker process"):
             model.infer({"x": np.ones((1, 2), np.float32), "y": np.ones((1, 2), np.float32)}, output_device="cuda")
         x = np.arange(4, dtype=np.float32).reshape(2, 2)
-        np.testing.assert_array_equal(model.infer({"x": HostDLPack(x), "y": x})["out"], x + x)
+        np.testing.assert_array_equal(model.infer({"x": HostTensor(x), "y": x})["out"], x + x)
 
 
 def test_a_dropped_model_is_freed_at_once(tmp_path: Path) -> None:
