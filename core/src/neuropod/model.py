@@ -10,7 +10,7 @@ import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,10 +49,7 @@ class NeuropodModel:
             shared_symbols=not package.original_format,
         )  # fmt: skip
         self._bind_infer()
-        # No reference back to the model (a cycle would delay a dropped OPE model's cleanup to the GC).
-        self._validator.device_policy = functools.partial(
-            device_input_problem, self.device, self._device_tensors, self._no_device_tensors()
-        )
+        self._validator.device_policy = self._device_policy()
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -73,10 +70,16 @@ class NeuropodModel:
         """Why this model takes no tensors on a GPU (for messages)."""
         return f"backend {self.backend.id} takes numpy arrays (or CPU tensors) only"
 
-    def _output_device(self, output_device: str | None) -> str | None:
+    def _device_policy(self) -> Callable[[str, TensorFacts], str | None]:
+        """The validator's ``device_policy`` for this model, once its device and backend are known.
+
+        It holds no reference back to the model: a cycle would leave a dropped model (an OPE
+        model's workers too) to the cyclic GC instead of freeing it with its last reference.
+        """
+        return functools.partial(device_input_problem, self.device, self._device_tensors, self._no_device_tensors())
+
+    def _output_device(self, output_device: str) -> str | None:
         """``output_device`` as the backend gets it: None for numpy outputs, else the model's ``cuda:N``."""
-        if output_device is None:
-            return None
         if not isinstance(output_device, str):
             raise TypeError(f"output_device must be None, 'cpu' or 'cuda[:N]', not {type(output_device).__name__}")
         wanted = parse_device(output_device)

@@ -291,9 +291,9 @@ class SpecValidator:
                             _check_facts(facts, compiled, bindings, "input", self.model_name)
                         arr = replaced[name] = host_array(arr, facts)
                     else:  # on a GPU: checked from its metadata and passed on as it is
-                        refused = facts.device.startswith("cuda") and self.device_policy(name, facts)
-                        if refused or not facts.device.startswith("cuda"):
-                            _refuse_device(name, facts, refused or "no backend takes tensors on that device", self.model_name)
+                        refused = self.device_policy(name, facts) if facts.on_gpu else "no backend takes tensors on that device"
+                        if refused:
+                            _refuse_device(name, facts, refused, self.model_name)
                         _check_facts(facts, compiled, bindings, "input", self.model_name)
                         on_device = True
                         continue

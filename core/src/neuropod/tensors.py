@@ -84,7 +84,8 @@ def describe(obj: Any) -> TensorFacts | None:
         name = getattr(obj, "device_name", lambda: "cpu")().lower()
         placed = _dlpack_device(obj)
         device = "cpu" if name == "cpu" else f"{name}:{placed[1] if placed else 0}"
-        return TensorFacts(_dtype(_ONNX_TYPES.get(data_type(), data_type())), tuple(obj.shape()), device, framework)
+        onnx_type = data_type()
+        return TensorFacts(_dtype(_ONNX_TYPES.get(onnx_type, onnx_type)), tuple(obj.shape()), device, framework)
     cai = getattr(obj, "__cuda_array_interface__", None)
     if isinstance(cai, dict) and "shape" in cai and "typestr" in cai:
         placed = _dlpack_device(obj)

@@ -322,7 +322,6 @@ class TorchScriptModel:
         # allocator then holds it until empty_cache() hands the unused blocks back to the driver.
         self.__dict__.pop("module", None)
         self.__dict__.pop("_forward", None)
-        self.__dict__.pop("signature", None)
         if self.device.type == "cuda":
             import gc
 

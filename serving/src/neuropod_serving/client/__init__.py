@@ -20,7 +20,6 @@ imports neither; the transports are imported when a model is loaded.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -31,7 +30,7 @@ import numpy as np
 from neuropod._args import check_flag, check_seconds
 from neuropod.backend import Backend
 from neuropod.errors import NeuropodError, PluginNotInstalledError, RemoteError
-from neuropod.model import NeuropodModel, device_input_problem
+from neuropod.model import NeuropodModel
 from neuropod.spec import SpecValidator, TensorSpec
 from neuropod_serving import __version__
 from neuropod_serving.client._pool import Pool, Transport
@@ -112,7 +111,7 @@ class RemoteModel(NeuropodModel):
         self.device = str(self._server_params.get(DEVICE_PARAMETER) or "remote")
         self._handle = pool
         self._validator = SpecValidator(self._name, inputs, outputs)
-        self._validator.device_policy = functools.partial(device_input_problem, self.device, False, self._no_device_tensors())
+        self._validator.device_policy = self._device_policy()
         self._all_outputs = [s.name for s in outputs] or None
         self._bind_infer()
         self._closed = False
