@@ -62,10 +62,10 @@ import shutil
 import stat
 import tempfile
 import zipfile
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -688,6 +688,158 @@ def write_package(
     return dest
 
 
+class PackageOptions(TypedDict, total=False):
+    """The keywords every ``create_*_neuropod`` takes besides its model: the original Neuropod's common ones.
+
+    A packager takes them as ``**options: Unpack[PackageOptions]`` and hands
+    them to :func:`create_package`, which checks them; each packager's
+    docstring says only what is its own.
+
+    * ``platform_version_semver``: the framework versions the model works
+      with, an npm-style or PEP 440 range (default: the packager's, often
+      ``"*"``; a format tied to a framework release defaults to what that
+      framework promises to load).
+    * ``custom_ops``: custom-op shared libraries, copied into ``0/ops/`` and
+      loaded by the backend before the model.
+    * ``input_tensor_device``: input name to ``"CPU"``/``"GPU"``; inputs not
+      named get ``default_input_tensor_device`` (default ``"GPU"``). A GPU
+      entry makes the model prefer a GPU when one fits, and ``"CPU"`` inputs
+      stay on the CPU, as in the original Neuropod.
+    * ``test_input_data``: inputs stored as test data; the new package is
+      loaded and run on them before the packager returns, and with
+      ``test_expected_out`` its outputs must match within ``test_rtol`` /
+      ``test_atol``. A package that fails is removed (a ``PackageError``,
+      also the ``ValueError`` the original raised).
+    * ``persist_test_data``: store the test data in the package (default);
+      False checks the new package with it without storing it.
+    * ``package_as_zip``: write a zip instead of a directory;
+      ``zip_compression`` is ``zipfile.ZIP_DEFLATED`` (default) or
+      ``zipfile.ZIP_STORED``.
+    * ``neuropod_load_args``: keywords for the ``load_neuropod`` that checks
+      the new package, e.g. ``{"use_ope": True}``.
+    """
+
+    platform_version_semver: str
+    custom_ops: Sequence[str | os.PathLike[str]]
+    input_tensor_device: Mapping[str, str] | None
+    default_input_tensor_device: str
+    test_input_data: Mapping[str, Any] | None
+    test_expected_out: Mapping[str, Any] | None
+    package_as_zip: bool
+    persist_test_data: bool
+    zip_compression: int
+    neuropod_load_args: Mapping[str, Any] | None
+    test_rtol: float
+    test_atol: float
+
+
+_OPTION_DEFAULTS: dict[str, Any] = {
+    "custom_ops": (),
+    "input_tensor_device": None,
+    "default_input_tensor_device": "GPU",
+    "test_input_data": None,
+    "test_expected_out": None,
+    "package_as_zip": False,
+    "persist_test_data": True,
+    "zip_compression": zipfile.ZIP_DEFLATED,
+    "neuropod_load_args": None,
+    "test_rtol": 1e-5,
+    "test_atol": 1e-6,
+}
+
+
+def package_options(packager: str, options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``options`` checked against :class:`PackageOptions`, with every one not given at its default.
+
+    For a packager that needs an option (``test_input_data``, ``custom_ops``)
+    before it calls :func:`create_package`.
+
+    :param packager: the packager's name, for the error.
+    :param defaults: the packager's own defaults, where they differ (e.g.
+        ``{"test_rtol": 1e-3}``).
+    :raises TypeError: an option that is not one of :class:`PackageOptions`,
+        as Python says it of a function's unknown keyword.
+    """
+    known = PackageOptions.__annotations__
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise TypeError(
+            f"{packager}() got an unexpected keyword argument {unknown[0]!r} (its common keywords are "
+            f"{', '.join(known)})"
+        )
+    return {**_OPTION_DEFAULTS, **(defaults or {}), **options}
+
+
+def create_package(
+    packager: str,
+    neuropod_path: str | os.PathLike[str],
+    model_name: str,
+    platform: str,
+    input_spec: Iterable[Mapping[str, Any]] | Iterable[TensorSpec],
+    output_spec: Iterable[Mapping[str, Any]] | Iterable[TensorSpec],
+    files: Mapping[str, FileSource],
+    options: Mapping[str, Any],
+    *,
+    backend_config: Mapping[str, Any] | None = None,
+    framework_distributions: Iterable[str] = (),
+    exported_with: Mapping[str, Any] | None = None,
+    device_requirements: Mapping[str, Any] | None = None,
+    default_version_range: str = "*",
+    defaults: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a package and check it: everything a ``create_*_neuropod`` does after its framework's part.
+
+    A packager turns its model into files, then hands them here with the
+    caller's common keywords (``options``, see :class:`PackageOptions`).
+    This writes the config, the files, the custom ops and the test data
+    (:func:`write_package`), then loads the new package once and runs its
+    test data (:func:`neuropod.model.check_packaged`); a package that does
+    not load or does not reproduce its expected outputs is removed and the
+    error raised.
+
+    :param packager: the packager's name, for errors (``"create_onnx_neuropod"``).
+    :param platform: the package's platform, the name backends answer to.
+    :param files: package-relative path (``"0/data/model.onnx"``) to the
+        bytes to write, or a file or directory to copy.
+    :param options: the caller's common keywords (:class:`PackageOptions`).
+    :param backend_config: written to ``0/config.json`` when given.
+    :param framework_distributions: the framework's distribution names; the
+        first one installed is recorded, with its version, in ``exported_with``.
+    :param exported_with: more facts for ``exported_with`` (the release a
+        model was compiled with, when it is not the installed one).
+    :param device_requirements: what the model needs of a device (e.g. a
+        CUDA GPU, a compute capability); resolution reads them.
+    :param default_version_range: ``platform_version_semver`` when the
+        caller gives none.
+    :param defaults: the packager's own defaults for common keywords.
+    :returns: the path written.
+    """
+    from neuropod.model import check_packaged
+
+    opts = package_options(packager, options, defaults)
+    version_range = opts.get("platform_version_semver")
+    config = packager_config(
+        model_name, platform, input_spec, output_spec,
+        platform_version_semver=default_version_range if version_range is None else version_range,
+        framework_distributions=framework_distributions, input_tensor_device=opts["input_tensor_device"],
+        default_input_tensor_device=opts["default_input_tensor_device"], device_requirements=device_requirements,
+        exported_with=exported_with,
+    )  # fmt: skip
+    path = write_package(
+        neuropod_path, config, files, backend_config=backend_config, custom_ops=opts["custom_ops"],
+        test_input_data=opts["test_input_data"], test_expected_out=opts["test_expected_out"],
+        package_as_zip=opts["package_as_zip"], persist_test_data=opts["persist_test_data"],
+        zip_compression=opts["zip_compression"],
+    )  # fmt: skip
+    # Loads the package once (a spec that does not fit the model fails now, not
+    # at deployment) and runs the test data; a package that fails is removed.
+    check_packaged(
+        path, test_input_data=opts["test_input_data"], test_expected_out=opts["test_expected_out"],
+        neuropod_load_args=opts["neuropod_load_args"], backend=platform, rtol=opts["test_rtol"], atol=opts["test_atol"],
+    )  # fmt: skip
+    return path
+
+
 def _exists(dest: Path) -> PackageError:
     return PackageError(f"{dest} already exists; choose a new path or remove it first")
 
@@ -828,6 +980,9 @@ __all__ = [
     "DEFAULT_MAX_PACKAGE_BYTES",
     "DEFAULT_MAX_PACKAGE_FILES",
     "ModelConfig",
+    "PackageOptions",
+    "create_package",
+    "package_options",
     "packager_config",
     "Package",
     "cache_dir",

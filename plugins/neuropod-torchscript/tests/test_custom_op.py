@@ -216,7 +216,7 @@ def test_two_packages_with_the_same_library_in_one_process(ops: Ops, tmp_path: P
     learnt = {"ops": ["neuropod_test_ops::scale_plus_one"], "namespaces": ["neuropod_test_ops"]}
     assert json.loads(probe.read_text()) == learnt
     # A damaged entry is probed again (in a subprocess: this process does not load the library).
-    from neuropod_torchscript._ops_probe import library_registrations
+    from neuropod.probe import torch_library_registrations as library_registrations
 
     probe.write_text('["not", "an", "answer"]')
     assert library_registrations(ops.ours, torch.__version__, "test") == learnt

@@ -16,17 +16,20 @@ import os
 import platform
 import shutil
 import tempfile
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import NeuropodError, PackageError
-from neuropod.model import check_packaged
-from neuropod.package import FileSource, packager_config, write_package
+from neuropod.package import FileSource, create_package, package_options
 from neuropod.versions import parse_range
 from neuropod_python import PLATFORM, other_interpreters
 from neuropod_python.lock import compile_requirements, requirement_names
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from neuropod.package import PackageOptions
 
 
 def create_python_neuropod(
@@ -39,18 +42,7 @@ def create_python_neuropod(
     input_spec: Sequence[Mapping[str, Any]],
     output_spec: Sequence[Mapping[str, Any]],
     requirements: str | None = None,
-    platform_version_semver: str = "*",
-    custom_ops: Sequence[str | os.PathLike[str]] = (),
-    input_tensor_device: Mapping[str, str] | None = None,
-    default_input_tensor_device: str = "GPU",
-    test_input_data: Mapping[str, Any] | None = None,
-    test_expected_out: Mapping[str, Any] | None = None,
-    package_as_zip: bool = False,
-    persist_test_data: bool = True,
-    zip_compression: int = zipfile.ZIP_DEFLATED,
-    neuropod_load_args: Mapping[str, Any] | None = None,
-    test_rtol: float = 1e-5,
-    test_atol: float = 1e-6,
+    **options: Unpack[PackageOptions],
 ) -> Path:
     """Package Python code as a Neuropod.
 
@@ -72,16 +64,12 @@ def create_python_neuropod(
         exact pins (with sha256 hashes when pip gives them) in
         ``0/requirements.lock``; a loaded package then runs in a worker
         process whose environment is built from that lock, once per lock.
-    :param platform_version_semver: the Python versions the code works with,
-        e.g. ``">=3.10"`` or ``"==3.12.*"``.
-    :param custom_ops: Python extension modules (``.so`` files) the code
-        imports by name, as the original allowed: they go into ``0/ops/``,
-        which is on the import path while the code is imported.
-    :param test_input_data: inputs to store as test data; with
-        ``test_expected_out``, the new package is loaded and checked before
-        this returns (a package that fails is removed).
-    :param neuropod_load_args: keywords for the ``load_neuropod`` that checks
-        the new package, e.g. ``{"use_ope": True}``.
+    :param options: the common keywords (:class:`neuropod.package.PackageOptions`).
+        ``platform_version_semver`` is the Python versions the code works
+        with, e.g. ``">=3.10"`` or ``"==3.12.*"``; ``custom_ops`` are Python
+        extension modules (``.so`` files) the code imports by name, as the
+        original allowed: they go into ``0/ops/``, which is on the import path
+        while the code is imported.
     :returns: the path written.
     """
     dest = Path(neuropod_path)
@@ -91,30 +79,20 @@ def create_python_neuropod(
     roots = _code_roots(code_path_spec, dest)
     if requirements is not None and not isinstance(requirements, str):
         raise TypeError(f"requirements must be a str in pip's requirements format, not {type(requirements).__name__}")
-    python_version = platform.python_version()
-    config = packager_config(
-        model_name, PLATFORM, input_spec, output_spec, platform_version_semver=platform_version_semver,
-        input_tensor_device=input_tensor_device, default_input_tensor_device=default_input_tensor_device,
-        exported_with={"framework": "cpython", "platform_version": python_version},
-    )  # fmt: skip
+    version_range = package_options("create_python_neuropod", options).get("platform_version_semver") or "*"
     files: dict[str, FileSource] = {f"0/data/{name}": path for name, path in data.items()}
     # The original's bytes exactly: json.dump with sorted keys, no indent, no newline.
     files["0/config.json"] = json.dumps({"entrypoint": entrypoint, "entrypoint_package": entrypoint_package}, sort_keys=True).encode()
     if requirements is not None and requirement_names(requirements):
-        files["0/requirements.lock"] = compile_requirements(requirements, _locking_python(platform_version_semver)).encode()
+        files["0/requirements.lock"] = compile_requirements(requirements, _locking_python(version_range)).encode()
     with tempfile.TemporaryDirectory(prefix="neuropod-code-") as staging:
         code = Path(staging) / "code"
         _stage_code(roots, code)
         files["0/code"] = code
-        path = write_package(
-            dest, config, files, custom_ops=custom_ops, test_input_data=test_input_data, test_expected_out=test_expected_out,
-            package_as_zip=package_as_zip, persist_test_data=persist_test_data, zip_compression=zip_compression,
+        return create_package(
+            "create_python_neuropod", dest, model_name, PLATFORM, input_spec, output_spec, files, options,
+            exported_with={"framework": "cpython", "platform_version": platform.python_version()},
         )  # fmt: skip
-    check_packaged(
-        path, test_input_data=test_input_data, test_expected_out=test_expected_out,
-        neuropod_load_args=neuropod_load_args, backend=PLATFORM, rtol=test_rtol, atol=test_atol,
-    )  # fmt: skip
-    return path
 
 
 def create_pytorch_neuropod(

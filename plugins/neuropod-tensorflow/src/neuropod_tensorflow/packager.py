@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import os
 import tempfile
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import NeuropodError, PackageError
-from neuropod.model import check_packaged
-from neuropod.package import FileSource, packager_config, write_package
+from neuropod.package import FileSource, create_package
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_tensorflow import FRAMEWORK_DISTRIBUTIONS, PLATFORM
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from neuropod.package import PackageOptions
 
 FROZEN_GRAPH_PATH = "0/data/model.pb"
 SAVED_MODEL_PATH = "0/data/savedmodel"
@@ -30,18 +33,7 @@ def create_tensorflow_neuropod(
     saved_model_dir: str | os.PathLike[str] | None = None,
     trackable_obj: Any = None,
     init_op_names: str | Sequence[str] = (),
-    platform_version_semver: str = "*",
-    custom_ops: Sequence[str | os.PathLike[str]] = (),
-    input_tensor_device: Mapping[str, str] | None = None,
-    default_input_tensor_device: str = "GPU",
-    test_input_data: Mapping[str, Any] | None = None,
-    test_expected_out: Mapping[str, Any] | None = None,
-    package_as_zip: bool = False,
-    persist_test_data: bool = True,
-    zip_compression: int = zipfile.ZIP_DEFLATED,
-    neuropod_load_args: Mapping[str, Any] | None = None,
-    test_rtol: float = 1e-5,
-    test_atol: float = 1e-6,
+    **options: Unpack[PackageOptions],
 ) -> Path:
     """Package a TensorFlow model as a Neuropod.
 
@@ -58,16 +50,11 @@ def create_tensorflow_neuropod(
       under ``0/data/savedmodel`` and run through the ``serving_default``
       signature, whose input and output keys are the spec's names.
 
-    :param custom_ops: op libraries (``tf.load_op_library``) stored in
-        ``0/ops/`` and loaded before the graph is imported.
-    :param test_input_data: inputs stored as test data; the new package is
-        loaded and run on them before this returns, and with
-        ``test_expected_out`` its outputs are compared (a package that fails
-        is removed; the error is a ValueError).
-    :param persist_test_data: keep the test data in the package (``test_data/``).
-    :param zip_compression: the ``zipfile`` method when ``package_as_zip``.
-    :param neuropod_load_args: keyword arguments for ``load_neuropod`` when
-        the new package is checked (e.g. ``{"use_ope": True}``).
+    :param options: the common keywords (:class:`neuropod.package.PackageOptions`):
+        ``platform_version_semver`` (TensorFlow versions), ``custom_ops`` (op
+        libraries for ``tf.load_op_library``, loaded before the graph is
+        imported), ``test_input_data`` (a package that fails its test data is
+        removed; the error is a ValueError), ``package_as_zip``, ...
     :returns: the path written.
     """
     sources = [frozen_graph_path, graph_def, saved_model_dir, trackable_obj]
@@ -108,11 +95,9 @@ def create_tensorflow_neuropod(
         if frozen:
             mapping = dict(node_name_mapping or {})
             backend_config = {"node_name_mapping": mapping, "init_op_names": _op_names(init_op_names)}
-        return _write(
-            neuropod_path, model_name, parse_spec(input_spec, "input_spec"), parse_spec(output_spec, "output_spec"),
-            files, backend_config, platform_version_semver, custom_ops, input_tensor_device,
-            default_input_tensor_device, test_input_data, test_expected_out, package_as_zip, test_rtol, test_atol,
-            persist_test_data, zip_compression, neuropod_load_args,
+        return create_package(
+            "create_tensorflow_neuropod", neuropod_path, model_name, PLATFORM, input_spec, output_spec, files, options,
+            backend_config=backend_config, framework_distributions=FRAMEWORK_DISTRIBUTIONS,
         )  # fmt: skip
 
 
@@ -135,18 +120,7 @@ def create_keras_neuropod(
     node_name_mapping: Mapping[str, str] | None = None,
     input_spec: Sequence[Mapping[str, Any]] | None = None,
     output_spec: Sequence[Mapping[str, Any]] | None = None,
-    platform_version_semver: str = "*",
-    custom_ops: Sequence[str | os.PathLike[str]] = (),
-    input_tensor_device: Mapping[str, str] | None = None,
-    default_input_tensor_device: str = "GPU",
-    test_input_data: Mapping[str, Any] | None = None,
-    test_expected_out: Mapping[str, Any] | None = None,
-    package_as_zip: bool = False,
-    persist_test_data: bool = True,
-    zip_compression: int = zipfile.ZIP_DEFLATED,
-    neuropod_load_args: Mapping[str, Any] | None = None,
-    test_rtol: float = 1e-5,
-    test_atol: float = 1e-6,
+    **options: Unpack[PackageOptions],
 ) -> Path:
     """Package a Keras model as a Neuropod (a SavedModel with a ``serving_default`` signature).
 
@@ -165,6 +139,7 @@ def create_keras_neuropod(
     :param input_spec: defaults to :func:`infer_keras_input_spec`.
     :param output_spec: defaults to :func:`infer_keras_output_spec`; it may
         name a subset of the model's outputs.
+    :param options: the common keywords (:class:`neuropod.package.PackageOptions`).
     :returns: the path written.
     """
     model = _keras_call_style(sess, model)
@@ -221,10 +196,9 @@ def create_keras_neuropod(
     holder.serving_default = serve
     with tempfile.TemporaryDirectory(prefix="neuropod-keras-") as tmp:
         saved = _save_trackable(holder, Path(tmp) / "savedmodel")
-        return _write(
-            neuropod_path, model_name, inputs, outputs, {SAVED_MODEL_PATH: saved}, None, platform_version_semver,
-            custom_ops, input_tensor_device, default_input_tensor_device, test_input_data, test_expected_out,
-            package_as_zip, test_rtol, test_atol, persist_test_data, zip_compression, neuropod_load_args,
+        return create_package(
+            "create_keras_neuropod", neuropod_path, model_name, PLATFORM, inputs, outputs, {SAVED_MODEL_PATH: saved},
+            options, framework_distributions=FRAMEWORK_DISTRIBUTIONS,
         )  # fmt: skip
 
 
@@ -399,45 +373,6 @@ def _save_trackable(obj: Any, path: Path) -> Path:
             tf.saved_model.save(obj, str(path), **kwargs)
         except Exception as e:
             raise NeuropodError(f"tf.saved_model.save failed: {type(e).__name__}: {e}") from e
-    return path
-
-
-def _write(
-    neuropod_path: str | os.PathLike[str],
-    model_name: str,
-    inputs: tuple[TensorSpec, ...],
-    outputs: tuple[TensorSpec, ...],
-    files: Mapping[str, FileSource],
-    backend_config: Mapping[str, Any] | None,
-    platform_version_semver: str,
-    custom_ops: Sequence[str | os.PathLike[str]],
-    input_tensor_device: Mapping[str, str] | None,
-    default_input_tensor_device: str,
-    test_input_data: Mapping[str, Any] | None,
-    test_expected_out: Mapping[str, Any] | None,
-    package_as_zip: bool,
-    rtol: float,
-    atol: float,
-    persist_test_data: bool,
-    zip_compression: int,
-    neuropod_load_args: Mapping[str, Any] | None,
-) -> Path:
-    config = packager_config(
-        model_name, PLATFORM, inputs, outputs, platform_version_semver=platform_version_semver,
-        framework_distributions=FRAMEWORK_DISTRIBUTIONS, input_tensor_device=input_tensor_device,
-        default_input_tensor_device=default_input_tensor_device,
-    )  # fmt: skip
-    path = write_package(
-        neuropod_path, config, files, backend_config=backend_config, custom_ops=custom_ops,
-        test_input_data=test_input_data, test_expected_out=test_expected_out, package_as_zip=package_as_zip,
-        zip_compression=zip_compression, persist_test_data=persist_test_data,
-    )  # fmt: skip
-    # Loads the package once (a mapping or signature that does not fit fails
-    # now) and runs the test data; a package that fails is removed.
-    check_packaged(
-        path, backend=PLATFORM, rtol=rtol, atol=atol, test_input_data=test_input_data,
-        test_expected_out=test_expected_out, neuropod_load_args=neuropod_load_args,
-    )  # fmt: skip
     return path
 
 

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import os
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuropod.backend import installed_distribution
 from neuropod.errors import BackendError, NeuropodError, PackageError
-from neuropod.model import check_packaged
-from neuropod.package import packager_config, write_package
+from neuropod.package import create_package, package_options
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_tensorrt import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 from neuropod_tensorrt._engine import ENGINE_PATH, EngineInfo, check_io
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from neuropod.package import PackageOptions
+
 Profile = Mapping[str, tuple[Any, Any, Any]]
+
+# An engine's numerics (fused kernels, TF32) are looser than a framework's.
+_DEFAULTS = {"test_rtol": 1e-3, "test_atol": 1e-4}
 
 
 def create_tensorrt_neuropod(
@@ -26,22 +32,13 @@ def create_tensorrt_neuropod(
     output_spec: Sequence[Mapping[str, Any]],
     engine_path: str | os.PathLike[str] | None = None,
     onnx_path: str | os.PathLike[str] | None = None,
-    platform_version_semver: str | None = None,
     compute_capability: str | None = None,
     tensorrt_version: str | None = None,
     hardware_compatibility: str = "none",
     min_free_memory: int | None = None,
     optimization_profile: Profile | None = None,
     fp16: bool = False,
-    custom_ops: Sequence[str | os.PathLike[str]] = (),
-    test_input_data: Mapping[str, Any] | None = None,
-    test_expected_out: Mapping[str, Any] | None = None,
-    package_as_zip: bool = False,
-    persist_test_data: bool = True,
-    zip_compression: int = zipfile.ZIP_DEFLATED,
-    neuropod_load_args: Mapping[str, Any] | None = None,
-    test_rtol: float = 1e-3,
-    test_atol: float = 1e-4,
+    **options: Unpack[PackageOptions],
 ) -> Path:
     """Package a TensorRT engine as a Neuropod.
 
@@ -63,14 +60,16 @@ def create_tensorrt_neuropod(
         ``HardwareCompatibilityLevel.AMPERE_PLUS``: any GPU of cc 8.0 or newer).
     :param min_free_memory: bytes of free GPU memory the model needs; hosts
         whose GPUs have less are rejected by resolution.
-    :param custom_ops: TensorRT plugin libraries, loaded before the engine is
-        deserialized.
-    :param persist_test_data, zip_compression, neuropod_load_args: as for
-        every packager (see ``create_onnx_neuropod``).
+    :param options: the common keywords (:class:`neuropod.package.PackageOptions`);
+        ``custom_ops`` are TensorRT plugin libraries, loaded before the engine
+        is deserialized; test outputs are compared with ``test_rtol=1e-3``
+        and ``test_atol=1e-4`` unless given.
     :returns: the path written.
     """
     if (engine_path is None) == (onnx_path is None):
         raise NeuropodError("create_tensorrt_neuropod needs exactly one of engine_path= or onnx_path=")
+    opts = package_options("create_tensorrt_neuropod", options, _DEFAULTS)
+    custom_ops = opts["custom_ops"]
     inputs = parse_spec(input_spec, "input_spec")
     outputs = parse_spec(output_spec, "output_spec")
     installed = installed_distribution(*FRAMEWORK_DISTRIBUTIONS)
@@ -97,24 +96,13 @@ def create_tensorrt_neuropod(
         # An engine for another TensorRT than the installed one cannot be opened here, only packaged.
         if not (installed and tensorrt_version and tensorrt_version != installed[1]):
             _check_engine_if_possible(engine, inputs, outputs, info, [Path(p) for p in custom_ops], model_name)
-    config = packager_config(
-        model_name, PLATFORM, inputs, outputs,
-        platform_version_semver=platform_version_semver or info.default_range(),
-        framework_distributions=FRAMEWORK_DISTRIBUTIONS,
+    return create_package(
+        "create_tensorrt_neuropod", neuropod_path, model_name, PLATFORM, inputs, outputs, {ENGINE_PATH: engine},
+        options, framework_distributions=FRAMEWORK_DISTRIBUTIONS,
         # The engine's TensorRT, which need not be the one installed here.
         exported_with={"platform_version": info.tensorrt_version, "hardware_compatibility": info.hardware_compatibility},
-        device_requirements=info.device_requirements(),
+        device_requirements=info.device_requirements(), default_version_range=info.default_range(), defaults=_DEFAULTS,
     )  # fmt: skip
-    written = write_package(
-        neuropod_path, config, {ENGINE_PATH: engine}, custom_ops=custom_ops,
-        test_input_data=test_input_data, test_expected_out=test_expected_out, package_as_zip=package_as_zip,
-        persist_test_data=persist_test_data, zip_compression=zip_compression,
-    )  # fmt: skip
-    check_packaged(
-        written, test_input_data=test_input_data, test_expected_out=test_expected_out,
-        neuropod_load_args=neuropod_load_args, backend=PLATFORM, rtol=test_rtol, atol=test_atol,
-    )  # fmt: skip
-    return written
 
 
 def _gpu_here() -> str | None:

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from neuropod.backend import load_libraries_once
 from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.package import Package
+from neuropod.probe import load_torch_libraries
 from neuropod.spec import TensorSpec
 
 MODEL_FILE = "model.pt"
@@ -43,22 +43,6 @@ LOAD_OPTIONS = {
 # Inference mode per call, as a C++ guard: the Python context manager costs a
 # few microseconds a call, more than everything else neuropod adds.
 _InferenceGuard: Callable[[bool], Any] | None = getattr(torch._C, "_InferenceMode", None)
-
-
-def load_custom_ops(paths: Sequence[Path], where: str) -> None:
-    """``torch.ops.load_library`` each library once per process per file content.
-
-    A library whose ops this process already has from another file would make
-    torch abort the process; :func:`~neuropod_torchscript._ops_probe.clash`
-    finds those first, and the model then runs in a worker process.
-    """
-    if not paths:
-        return
-    from neuropod_torchscript._ops_probe import clash
-
-    load_libraries_once(
-        paths, torch.ops.load_library, f"torch {torch.__version__}", where, clash=lambda path: clash(path, where)
-    )
 
 
 def _set_threads(options: Mapping[str, Any]) -> None:
@@ -212,7 +196,7 @@ class TorchScriptModel:
             )
         _set_threads(options)
         dev = _check_gpu(device, where)
-        load_custom_ops(package.custom_op_paths, where)
+        load_torch_libraries(package.custom_op_paths, where)
         try:
             with quiet_jit_deprecation():
                 module = torch.jit.load(str(path), map_location=dev)  # type: ignore[no-untyped-call]
