@@ -109,8 +109,8 @@ def _probe_env(target: str, extra: Mapping[str, str] | None) -> dict[str, str]:
     for name in ("neuropod", target.split(":", 1)[0].split(".", 1)[0]):
         module = sys.modules.get(name)
         origin = getattr(module, "__file__", None)
-        if origin:
-            found.append(str(Path(origin).resolve().parents[1]))
+        if origin:  # a package's __init__.py sits one level deeper than a module's file
+            found.append(str(Path(origin).resolve().parents[1 if hasattr(module, "__path__") else 0]))
     paths = [*env.get("PYTHONPATH", "").split(os.pathsep), *found]
     env["PYTHONPATH"] = os.pathsep.join(p for p in dict.fromkeys(paths) if p)
     return env
