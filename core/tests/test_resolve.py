@@ -123,6 +123,20 @@ def test_device_requirements_gpu_only_models() -> None:
     ).candidates[0].reason
 
 
+def test_device_requirements_cpu_only_models() -> None:
+    """A program compiled or exported for the CPU alone runs on the CPU even where a GPU fits and its
+    inputs say GPU, and a pinned GPU is refused with why."""
+    cfg = config(device_requirements={"device": "cpu"}, input_tensor_device={"x": "GPU"})
+    host = Host(name="h", gpus=(_gpu(0, free=70),), cuda_driver_version="12.4")
+    r = resolve(cfg, [GPU_124], CAPS, host)
+    assert r.device == "cpu" and "the model was made for the CPU only" in r.candidates[0].reason
+    pinned = resolve(cfg, [GPU_124], CAPS, host, device="cuda:0")
+    assert pinned.chosen is None
+    assert "device='cuda:0' was requested, but the model was made for the CPU only" in pinned.table()
+    gpu_only = {GPU_124: DeviceCaps(cpu=False, cuda="12")}
+    assert "runs on GPUs only" in resolve(cfg, [GPU_124], gpu_only, host).table()
+
+
 def test_old_driver_rejects_a_newer_cuda_build() -> None:
     host = Host(name="old", gpus=(_gpu(0, free=70),), cuda_driver_version="11.4")
     r = resolve(config(device_requirements={"device": "gpu"}), [GPU_124], CAPS, host)

@@ -97,6 +97,9 @@ FRAMEWORK_DISTRIBUTIONS = {
     "tensorflow": "tensorflow-cpu",
     "keras": "tensorflow-cpu",
     "tensorrt": "tensorrt",
+    "torch_export": "torch",
+    "aoti": "torch",
+    "jax": "jax",
 }
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")

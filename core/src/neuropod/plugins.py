@@ -44,6 +44,9 @@ KNOWN_PLATFORMS = {
     "keras": "neuropod-tensorflow",
     "tensorrt": "neuropod-tensorrt",
     "python": "neuropod-python",
+    "torch_export": "neuropod-torch",
+    "aoti": "neuropod-torch",
+    "jax": "neuropod-jax",
 }
 #: What to install when a platform's plugin is there but its framework is not.
 KNOWN_FRAMEWORKS = {
@@ -52,6 +55,9 @@ KNOWN_FRAMEWORKS = {
     "tensorflow": "neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)",
     "keras": "neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)",
     "tensorrt": "neuropod-tensorrt[tensorrt] (TensorRT needs an NVIDIA GPU)",
+    "torch_export": "torch",
+    "aoti": "torch (the release the package was compiled with)",
+    "jax": "jax (jax[cuda12] or jax[cuda13] for NVIDIA GPUs)",
 }
 
 

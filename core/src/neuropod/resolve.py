@@ -124,11 +124,17 @@ def gpu_preference(config: ModelConfig) -> tuple[bool, bool]:
     """(prefers a GPU, requires a GPU) for a package: it requires one when its
     ``device_requirements`` say so (a TensorRT engine), and prefers one when it
     requires one or an input's ``input_tensor_device`` is GPU (the original's default)."""
-    req = config.device_requirements or {}
-    kind = str(req.get("device", "")).lower()
+    kind = _required_kind(config)
     requires = kind in ("gpu", "cuda")
+    if kind == "cpu":  # a program compiled or exported for the CPU alone
+        return False, False
     prefers = requires or any(str(v).upper() == "GPU" for v in config.input_tensor_device.values())
     return prefers, requires
+
+
+def _required_kind(config: ModelConfig) -> str:
+    """``device_requirements["device"]``: "cuda"/"gpu" (needs a GPU), "cpu" (runs on the CPU only) or ""."""
+    return str((config.device_requirements or {}).get("device", "")).lower()
 
 
 def _cc_ok(gpu: GPU, caps: DeviceCaps, config: ModelConfig) -> str | None:
@@ -183,6 +189,12 @@ def _pick_device(
     config: ModelConfig, caps: DeviceCaps, host: Host, device: str | None
 ) -> tuple[str | None, str]:
     prefers, requires = gpu_preference(config)
+    if _required_kind(config) == "cpu":
+        if device is not None and device != "cpu":
+            return None, f"device={device!r} was requested, but the model was made for the CPU only"
+        if not caps.cpu:
+            return None, "the model was made for the CPU only, and this backend runs on GPUs only"
+        return "cpu", "ok: cpu (the model was made for the CPU only)"
     if device == "cpu":
         if requires:
             return None, "device='cpu' was requested, but the model needs a GPU"

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import importlib_metadata
 import numpy as np
@@ -589,13 +589,21 @@ _OIP_DATATYPES = {
 }  # fmt: skip
 
 
+class Served(NamedTuple):
+    """Where :func:`served` serves: ``http`` is the REST base URL, ``grpc`` the gRPC ``host:port``."""
+
+    http: str
+    grpc: str
+
+
 @contextlib.contextmanager
-def served(models: Path, *, timeout: float = 60.0) -> Iterator[str]:
-    """``neuropod serve models`` in a subprocess on free ports, until the block ends; yields its REST base URL.
+def served(models: Path, *, timeout: float = 60.0) -> Iterator[Served]:
+    """``neuropod serve models`` in a subprocess on free ports, until the block ends.
 
     For a backend's tests that its packages serve: the server is the real
     command (``neuropod-serving`` must be installed), stopped with SIGTERM
-    and waited for at the end. Drive it with :func:`oip_infer`.
+    and waited for at the end. Drive it with :func:`oip_infer`, or load
+    ``f"grpc://{s.grpc}/<model>"`` / ``f"{s.http}/<model>"`` as remote models.
     """
     import socket
     import urllib.request
@@ -624,7 +632,7 @@ def served(models: Path, *, timeout: float = 60.0) -> Iterator[str]:
             if time.monotonic() > deadline:
                 pytest.fail(f"neuropod serve was not ready within {timeout:g} s")
             time.sleep(0.1)
-        yield base
+        yield Served(base, f"127.0.0.1:{ports[1]}")
     finally:
         proc.terminate()
         try:
@@ -661,6 +669,7 @@ __all__ = [
     "NUMERIC_DTYPES",
     "REQUIRE_GPU_ENV",
     "BackendConformance",
+    "Served",
     "HostTensor",
     "assert_gpu_memory_given_back",
     "covers",
