@@ -78,12 +78,12 @@ def test_parse_spec(spec: str, expected: tuple[str, str]) -> None:
 
 @pytest.mark.parametrize("spec", ["onnx", "onnx>=1.20", "onnx==", "onnx==latest", "==1.2", "onnx==1.20.1,<2"])
 def test_bad_spec_says_what_is_accepted(spec: str) -> None:
-    with pytest.raises(NeuropodError, match=r"is not PLATFORM==VERSION: write e.g. 'onnx==1.20.1'.*platforms: keras, onnx"):
+    with pytest.raises(NeuropodError, match=r"is not PLATFORM==VERSION: write e.g. 'onnx==1.20.1'.*platforms: aoti, jax, keras, onnx"):
         envs.parse_spec(spec)
 
 
 def test_unknown_platform() -> None:
-    with pytest.raises(NeuropodError, match=r"unknown platform 'caffe'; the platforms are: keras, onnx, tensorflow"):
+    with pytest.raises(NeuropodError, match=r"unknown platform 'caffe'; the platforms are: aoti, jax, keras, onnx, tensorflow"):
         envs.parse_spec("caffe==1.0")
 
 
