@@ -5,6 +5,8 @@
     nox -s tests_onnx              the ONNX plugin on onnxruntime 1.31.1, 1.24.4 and 1.20.1
     nox -s tests_envs              two real backend environments (onnxruntime 1.20.1, 1.24.4) beside 1.31.1
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
+    nox -s tests_torch             the torch.export / AOTInductor plugin on torch 2.13.0
+    nox -s tests_jax               the JAX plugin on jax 0.10.2, 0.9.2 and 0.8.3
     nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
     nox -s tests_compat            code written for the original Neuropod (tests/compat), ONNX + torch + TensorFlow
     nox -s tests_python            the Python backend: isolation, lock environments (scikit-learn, torch), other Pythons
@@ -112,9 +114,18 @@ def tests_onnx(session: nox.Session, onnxruntime: str) -> None:
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def tests_envs(session: nox.Session) -> None:
     """Two real backend environments (onnxruntime 1.20.1 and 1.24.4) beside this session's 1.31.1:
-    creation, listing, resolution between them, and both models running at once (downloads ~30 MB)."""
+    creation, listing, resolution between them, and both models running at once (downloads ~30 MB);
+    then a jax 0.9.2 environment beside jax 0.10.2, each running the other's packages; then AOTInductor
+    packages compiled by torch 2.13.0 and 2.14.1, each run from the other release through an environment."""
     session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]", f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
     _pytest(session, "plugins/neuropod-onnx/tests/test_environments.py", env={"NEUROPOD_TEST_ENVS": "1"})
+    # A jax backend environment beside this session's jax (about 20 s more).
+    session.install(f"{ROOT / 'plugins/neuropod-jax'}[test]", f"jax=={JAX_DEFAULT}", f"jaxlib=={JAX_DEFAULT}")
+    _pytest(session, "plugins/neuropod-jax/tests/test_environments.py", env={"NEUROPOD_TEST_ENVS": "1"})
+    # AOTInductor across torch releases: aoti==2.13.0 and aoti==2.14.1 environments, a package compiled by each
+    # run from the other (2.14.1 is a CUDA build of about 5 GB; about 2 min).
+    session.install(f"{ROOT / 'plugins/neuropod-torch'}[test]", f"torch=={TORCH_DEFAULT}")
+    _pytest(session, "plugins/neuropod-torch/tests/test_environments.py", env={"NEUROPOD_TEST_ENVS": "1"})
 
 
 # torch releases the TorchScript plugin is tested against. 2.13.0 (a CPU
@@ -130,6 +141,29 @@ def tests_torchscript(session: nox.Session, torch: str) -> None:
     """The TorchScript plugin against one torch release (needs g++ for the custom-op test)."""
     session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-torchscript'}[test]", f"torch=={torch}")
     _pytest(session, "plugins/neuropod-torchscript/tests")
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def tests_torch(session: nox.Session) -> None:
+    """The torch.export and AOTInductor plugin (neuropod-torch) on torch 2.13.0, its packages served by
+    `neuropod serve` too (needs g++: AOTInductor compiles C++; the suite compiles few packages)."""
+    session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-torch'}[test]", f"torch=={TORCH_DEFAULT}",
+                    f"{SERVING}[server]")  # fmt: skip
+    _pytest(session, "plugins/neuropod-torch/tests")
+
+
+# JAX releases the JAX plugin is tested against (CPU wheels); the first is the default.
+JAX_VERSIONS = ["0.10.2", "0.9.2", "0.8.3"]
+JAX_DEFAULT = JAX_VERSIONS[0]
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+@nox.parametrize("jax", JAX_VERSIONS)
+def tests_jax(session: nox.Session, jax: str) -> None:
+    """The JAX plugin (neuropod-jax) against one jax/jaxlib release, its packages served by `neuropod serve` too."""
+    session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-jax'}[test]", f"jax=={jax}", f"jaxlib=={jax}",
+                    f"{SERVING}[server]")  # fmt: skip
+    _pytest(session, "plugins/neuropod-jax/tests")
 
 
 # TensorFlow releases the TensorFlow plugin is tested against, as
@@ -184,20 +218,23 @@ def _install_gpu(session: nox.Session) -> None:
         f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-onnx'}[test,gpu]", f"onnxruntime-gpu[cuda,cudnn]=={ONNXRUNTIME_GPU}",
         f"{ROOT / 'plugins/neuropod-torchscript'}[test]", f"torch=={TORCH_GPU}",
         f"{ROOT / 'plugins/neuropod-python'}[test]", f"{ROOT / 'plugins/neuropod-tensorrt'}[test]",
+        f"{ROOT / 'plugins/neuropod-torch'}[test]", f"{ROOT / 'plugins/neuropod-jax'}[test]",
+        f"jax[cuda13]=={JAX_DEFAULT}",
     )  # fmt: skip
     session.run("python", "-c", _NEEDS_A_GPU)
 
 
 @nox.session(python=DEFAULT_PYTHON)
 def tests_gpu(session: nox.Session) -> None:
-    """On a machine with an NVIDIA GPU (driver for CUDA 13): the core, ONNX (onnxruntime-gpu), TorchScript
-    (torch's CUDA build), Python and TensorRT suites plus tests/gpu, with NEUROPOD_REQUIRE_GPU=1, so a GPU
+    """On a machine with an NVIDIA GPU (driver for CUDA 13): the core, ONNX (onnxruntime-gpu), TorchScript and
+    torch.export/AOTInductor (torch's CUDA build), JAX (jax[cuda13]), Python and TensorRT suites plus tests/gpu, with NEUROPOD_REQUIRE_GPU=1, so a GPU
     test that cannot run fails rather than skips (TensorRT's engine tests still skip: its libraries come
     from NVIDIA's index). Not in CI, which has no GPU. Offline GPU machines: tests/gpu/offline.sh."""
     _install_gpu(session)
     env = {"NEUROPOD_REQUIRE_GPU": "1"}
     for suite in ("tests/gpu", "core/tests", "plugins/neuropod-onnx/tests", "plugins/neuropod-torchscript/tests",
-                  "plugins/neuropod-python/tests", "plugins/neuropod-tensorrt/tests"):  # fmt: skip
+                  "plugins/neuropod-torch/tests", "plugins/neuropod-jax/tests", "plugins/neuropod-python/tests",
+                  "plugins/neuropod-tensorrt/tests"):  # fmt: skip
         _pytest(session, suite, env=env)
 
 
@@ -347,7 +384,7 @@ def types(session: nox.Session) -> None:
     """mypy (strict) over the core, the plugins and neuropod-serving."""
     # pytest too: neuropod.testing is a pytest plugin, typed against pytest.
     session.install("mypy==2.4.1", f"{CORE}[test]", *[str(p) for p in PLUGINS], f"{SERVING}[server]",
-                    f"torch=={TORCH_DEFAULT}")  # fmt: skip
+                    f"torch=={TORCH_DEFAULT}", f"jax=={JAX_DEFAULT}", f"jaxlib=={JAX_DEFAULT}")  # fmt: skip
     session.run("mypy", "core/src/neuropod", *[str(next((p / "src").iterdir())) for p in PLUGINS],
                 "serving/src/neuropod_serving")  # fmt: skip
 
@@ -360,6 +397,8 @@ def bench(session: nox.Session) -> None:
         f"{ROOT / 'plugins/neuropod-torchscript'}", f"torch=={TORCH_DEFAULT}",
         f"{ROOT / 'plugins/neuropod-tensorflow'}", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}",
         f"{ROOT / 'plugins/neuropod-python'}",
+        f"{ROOT / 'plugins/neuropod-torch'}", f"{ROOT / 'plugins/neuropod-jax'}", f"jax=={JAX_DEFAULT}",
+        f"jaxlib=={JAX_DEFAULT}",
     )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
         if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py", "bench_gpu.py"):  # their own sessions

@@ -11,6 +11,8 @@
 # `run` installs with --no-deps --target (nothing else is touched), replaces the machine's CPU onnxruntime
 # with the GPU build when DIR has it, and runs every suite that needs no network with NEUROPOD_REQUIRE_GPU=1
 # (a GPU test that cannot run fails instead of skipping), then bench/bench_gpu.py. Logs go to $OUT when set.
+# JAX's GPU tests are not among them (jaxlib and its CUDA plugin are several hundred MB): run them with
+# `nox -s tests_gpu` on a GPU machine that can reach PyPI.
 set -euo pipefail
 cmd=${1:?usage: offline.sh prepare|run DIR}
 dir=${2:?usage: offline.sh prepare|run DIR}
@@ -23,7 +25,7 @@ case "$cmd" in
 prepare)
     mkdir -p "$dir/big"
     "$py" -m pip wheel -q --no-deps -w "$dir" ./core ./plugins/neuropod-onnx ./plugins/neuropod-torchscript \
-        ./plugins/neuropod-python ./plugins/neuropod-tensorrt
+        ./plugins/neuropod-torch ./plugins/neuropod-python ./plugins/neuropod-tensorrt
     # importlib-metadata 8 (10 needs a package that is not there); onnxruntime-extensions for the custom-op tests.
     "$py" -m pip download -q --no-deps "${platform[@]}" -d "$dir" 'importlib-metadata>=8,<9' onnxruntime-extensions
     "$py" -m pip download -q --no-deps "${platform[@]}" -d "$dir/big" "onnxruntime-gpu==$ORT_GPU"
@@ -46,7 +48,7 @@ run)
     "$py" -m neuropod backends | tee -a "$logs/gpu.txt"
     status=0
     for suite in tests/gpu core/tests plugins/neuropod-onnx/tests plugins/neuropod-torchscript/tests \
-                 plugins/neuropod-tensorrt/tests plugins/neuropod-python/tests; do
+                 plugins/neuropod-torch/tests plugins/neuropod-tensorrt/tests plugins/neuropod-python/tests; do
         name=$(echo "$suite" | tr '/' '_')
         extra=()
         # The python plugin's lock environments install from PyPI: not reachable there.
