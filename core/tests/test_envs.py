@@ -150,6 +150,9 @@ def test_resolution_prefers_in_process_and_falls_back_to_environments(tmp_path: 
         for where in ("in-process", "env:toy-1.5.0", "env:toy-0.9.0"):
             assert where in table
         assert "neuropod env create toy==VERSION" in r.advice()
+        # An exact pin (an AOTInductor package's range) names the version to create.
+        for pin in ("==2.0.1", "2.0.1", "=2.0.1"):
+            assert "neuropod env create toy==2.0.1." in plan(write_toy(tmp_path / f"exact{pin}", platform_version_semver=pin)).advice()
 
 
 def test_environment_backend_is_never_run_in_process(tmp_path: Path) -> None:

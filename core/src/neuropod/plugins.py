@@ -18,6 +18,7 @@ with that reason, instead of failing at call time.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -361,7 +362,8 @@ def infer_caller(impl: Any) -> Callable[[Any, Any, Any], Any]:
     if args == _INFER_ARGS:
         return fn  # type: ignore[no-any-return]
     if args == (*_INFER_ARGS, "output_device"):
-        return lambda model, inputs, requested: fn(model, inputs, requested, None)
+        # A partial, not a lambda: no Python frame of ours between the model and the plugin.
+        return functools.partial(fn, output_device=None)
 
     def call(model: Any, inputs: Any, requested: Any) -> Any:
         values = {"model": model, "inputs": inputs, "requested_outputs": requested, "output_device": None}

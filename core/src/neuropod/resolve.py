@@ -11,6 +11,7 @@ failure can show the whole table.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,9 +89,12 @@ class Resolution:
         if self.requested_backend and all(c.reason.startswith(_NOT_PINNED) for c in same):
             return f"Nothing matches backend={self.requested_backend!r}; drop the pin or install that version."
         if not any(_in_range(c.backend, cfg.platform_version_semver) for c in same):
+            # An exact pin (an AOTInductor package's "==2.13.0") names the one version that will do.
+            pin = re.fullmatch(r"==(\d+(?:\.\d+)*)", parse_range(cfg.platform_version_semver).describe())
+            version = pin.group(1) if pin else "VERSION"
             return (
                 f"Install a {cfg.platform} version in {describe_range(cfg.platform_version_semver)}, "
-                f"or create a backend environment with one: neuropod env create {cfg.platform}==VERSION."
+                f"or create a backend environment with one: neuropod env create {cfg.platform}=={version}."
             )
         return "A backend of the right version exists but no device fits; see the table."
 
