@@ -365,10 +365,10 @@ def test_gpu_on_a_cpu_build(tmp_path: Path) -> None:
     path = package(tmp_path, models.Adder(), XY_SPEC, ADDER_OUT)
     with pytest.raises(NoBackendError, match="device='cuda:0' was requested"):
         neuropod.load_neuropod(path, device="cuda:0")
-    from neuropod_torchscript._runtime import _check_gpu
+    from neuropod.torch_support import check_device
 
     with pytest.raises(NeuropodError, match="device 'cuda:0' was asked for, but torch .* load with device='cpu'"):
-        _check_gpu("cuda:0", "m")
+        check_device("cuda:0", "m")
 
 
 def test_load_options(tmp_path: Path) -> None:

@@ -20,13 +20,11 @@ the result by precomputed keys.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -34,16 +32,14 @@ from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.package import Package
 from neuropod.probe import load_torch_libraries
 from neuropod.spec import TensorSpec
+from neuropod.torch_support import THREAD_OPTIONS, check_device, check_load_options, gpu_model_input, release_gpu_memory
 from neuropod_torch._archive import aoti_metadata, check_archive, program_ops
 
 MODEL_FILE = "model.pt2"
 _CPU = torch.device("cpu")
 
-#: Load options both backends accept; torch makes the thread counts process-wide.
-LOAD_OPTIONS = {
-    "intra_op_num_threads": "threads inside one operator (torch.set_num_threads; process-wide)",
-    "inter_op_num_threads": "threads across operators (torch.set_num_interop_threads; process-wide, settable once)",
-}
+#: Load options both backends accept: torch's thread counts, both process-wide.
+LOAD_OPTIONS = THREAD_OPTIONS
 #: And the AOTInductor backend's own.
 AOTI_LOAD_OPTIONS = {
     **LOAD_OPTIONS,
@@ -57,53 +53,6 @@ _InferenceGuard: Callable[[bool], Any] | None = getattr(torch._C, "_InferenceMod
 
 
 # --- loading helpers --------------------------------------------------------------------------------
-
-
-def _check_options(options: Mapping[str, Any], known: Mapping[str, str], platform: str) -> dict[str, int]:
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        listed = "; ".join(f"{k}: {v}" for k, v in known.items())
-        raise NeuropodError(f"Unknown {platform} load option(s) {', '.join(map(repr, unknown))}. Known: {listed}")
-    out = {}
-    for key, value in options.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise NeuropodError(f"Load option {key} must be an int >= 1, not {value!r}")
-        out[key] = value
-    for key, getter, setter in (
-        ("intra_op_num_threads", torch.get_num_threads, torch.set_num_threads),
-        ("inter_op_num_threads", torch.get_num_interop_threads, torch.set_num_interop_threads),
-    ):
-        if key not in out or getter() == out[key]:
-            continue
-        try:
-            setter(out[key])
-        except RuntimeError as e:
-            raise NeuropodError(
-                f"Cannot set {key}={out[key]}: PyTorch allows it only once per process, before any parallel work "
-                f"(it is {getter()} now). Set it on the first model loaded, or use torch's environment variables. ({e})"
-            ) from e
-    return out
-
-
-def _check_gpu(device: str, where: str) -> torch.device:
-    if device == "cpu":
-        return _CPU
-    if not torch.cuda.is_available():
-        raise NeuropodError(
-            f"{where}: device {device!r} was asked for, but torch {torch.__version__} "
-            f"{'has no CUDA support' if torch.version.cuda is None else 'sees no usable GPU'}; load with device='cpu'"
-        )
-    dev = torch.device(device)
-    major, minor = torch.cuda.get_device_capability(dev)
-    arch = torch.cuda.get_arch_list()
-    # PTX for an older architecture can be JIT-compiled for a newer GPU.
-    ptx_ok = any(a.startswith("compute_") and int(a[8:]) <= major * 10 + minor for a in arch)
-    if arch and f"sm_{major}{minor}" not in arch and not ptx_ok:
-        raise NeuropodError(
-            f"{where}: {device} is compute capability {major}.{minor}, but torch {torch.__version__} has kernels only "
-            f"for {', '.join(arch)}"
-        )
-    return dev
 
 
 def _model_file(package: Package, where: str, what: str) -> Path:
@@ -258,7 +207,7 @@ class _TorchModel:
         on_gpu = device.type != "cpu"
         # Inputs go to the model's GPU unless the package keeps them on the CPU (input_tensor_device).
         self._convert = {
-            s.name: _converter(device if config.input_tensor_device.get(s.name, "GPU") != "CPU" else _CPU)
+            s.name: gpu_model_input(device if config.input_tensor_device.get(s.name, "GPU") != "CPU" else _CPU)
             if on_gpu else torch.from_numpy
             for s in config.input_spec
         }  # fmt: skip
@@ -301,10 +250,7 @@ class _TorchModel:
         # allocator then holds it until empty_cache() hands the unused blocks back to the driver.
         self.__dict__.pop("_call", None)
         self.__dict__.pop("program", None)
-        if self.device.type == "cuda":
-            gc.collect()  # the program's parameters may sit in a reference cycle
-            with torch.cuda.device(self.device):
-                torch.cuda.empty_cache()
+        release_gpu_memory(self.device)
 
 
 class ExportedModel(_TorchModel):
@@ -329,8 +275,8 @@ class ExportedModel(_TorchModel):
     def load(cls, package: Package, device: str, options: Mapping[str, Any]) -> ExportedModel:
         where = f"Model {package.name!r} ({package.source})"
         path = _model_file(package, where, "torch.export program")
-        _check_options(options, LOAD_OPTIONS, cls.platform)
-        dev = _check_gpu(device, where)
+        check_load_options(options, LOAD_OPTIONS, cls.platform)
+        dev = check_device(device, where)
         check_archive(path, cls.platform, where, torch)
         load_torch_libraries(package.custom_op_paths, where)  # the program names their ops
         _check_ops(path, package, where)
@@ -373,12 +319,12 @@ class AotiModel(_TorchModel):
     def load(cls, package: Package, device: str, options: Mapping[str, Any]) -> AotiModel:
         where = f"Model {package.name!r} ({package.source})"
         path = _model_file(package, where, "AOTInductor package")
-        opts = _check_options(options, AOTI_LOAD_OPTIONS, cls.platform)
+        opts = check_load_options(options, AOTI_LOAD_OPTIONS, cls.platform)
         metadata = aoti_metadata(path, where)
         check_archive(path, cls.platform, where, torch)
         compiled_for = str(metadata.get("AOTI_DEVICE_KEY", "cpu"))
         _check_compiled_for(package, compiled_for, metadata, device, where)
-        dev = _check_gpu(device, where)
+        dev = check_device(device, where)
         load_torch_libraries(package.custom_op_paths, where)  # the compiled code calls their ops
         from torch._inductor.package.package import load_package
 
@@ -499,31 +445,3 @@ def isa_problem(metadata: Mapping[str, Any], host_platform: str, host_machine: s
 def _reason(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text[:2000]}" if text else type(e).__name__
-
-
-def _converter(device: torch.device) -> Callable[[Any], Any]:
-    """How an input reaches a GPU model: numpy arrays by ``torch.from_numpy`` then to ``device``;
-    tensors already on a GPU as they are (torch's) or through DLPack / the CUDA array interface."""
-    from_numpy = torch.from_numpy
-
-    if device.type == "cpu":  # a GPU model's input that the package keeps on the CPU
-
-        def convert(arr: Any) -> Any:
-            return from_numpy(arr) if type(arr) is np.ndarray else _device_tensor(arr).cpu()
-
-    else:
-
-        def convert(arr: Any) -> Any:
-            if type(arr) is np.ndarray:
-                return from_numpy(arr).to(device)
-            return _device_tensor(arr).to(device)  # free for a tensor already there
-
-    return convert
-
-
-def _device_tensor(arr: Any) -> torch.Tensor:
-    if isinstance(arr, torch.Tensor):
-        return arr
-    if hasattr(arr, "__dlpack__"):
-        return torch.utils.dlpack.from_dlpack(arr)
-    return torch.as_tensor(arr, device="cuda")  # __cuda_array_interface__ only (Numba...)

@@ -30,44 +30,17 @@ from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.package import Package
 from neuropod.probe import load_torch_libraries
 from neuropod.spec import TensorSpec
+from neuropod.torch_support import THREAD_OPTIONS, check_device, check_load_options, gpu_model_input, release_gpu_memory
 
 MODEL_FILE = "model.pt"
 _CPU = torch.device("cpu")
 
-#: Load options this backend accepts. Both are process-wide in PyTorch.
-LOAD_OPTIONS = {
-    "intra_op_num_threads": "threads inside one operator (torch.set_num_threads; process-wide)",
-    "inter_op_num_threads": "threads across operators (torch.set_num_interop_threads; process-wide, settable once)",
-}
+#: Load options this backend accepts: torch's thread counts, both process-wide.
+LOAD_OPTIONS = THREAD_OPTIONS
 
 # Inference mode per call, as a C++ guard: the Python context manager costs a
 # few microseconds a call, more than everything else neuropod adds.
 _InferenceGuard: Callable[[bool], Any] | None = getattr(torch._C, "_InferenceMode", None)
-
-
-def _set_threads(options: Mapping[str, Any]) -> None:
-    unknown = sorted(set(options) - set(LOAD_OPTIONS))
-    if unknown:
-        known = "; ".join(f"{k}: {v}" for k, v in LOAD_OPTIONS.items())
-        raise NeuropodError(f"Unknown TorchScript load option(s) {', '.join(map(repr, unknown))}. Known: {known}")
-    for key, getter, setter in (
-        ("intra_op_num_threads", torch.get_num_threads, torch.set_num_threads),
-        ("inter_op_num_threads", torch.get_num_interop_threads, torch.set_num_interop_threads),
-    ):
-        if key not in options:
-            continue
-        value = options[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise NeuropodError(f"Load option {key} must be an int >= 1, not {value!r}")
-        if getter() == value:
-            continue
-        try:
-            setter(value)
-        except RuntimeError as e:
-            raise NeuropodError(
-                f"Cannot set {key}={value}: PyTorch allows it only once per process, before any parallel work "
-                f"(it is {getter()} now). Set it on the first model loaded, or use torch's environment variables. ({e})"
-            ) from e
 
 
 def is_legacy_format(path: Path) -> bool:
@@ -78,28 +51,6 @@ def is_legacy_format(path: Path) -> bool:
     except (zipfile.BadZipFile, OSError):
         return False
     return any(n.endswith("/model.json") for n in names) and not any(n.endswith("data.pkl") for n in names)
-
-
-def _check_gpu(device: str, where: str) -> torch.device:
-    if device == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise NeuropodError(
-            f"{where}: device {device!r} was asked for, but torch {torch.__version__} "
-            f"{'has no CUDA support' if torch.version.cuda is None else 'sees no usable GPU'}; load with device='cpu'"
-        )
-    dev = torch.device(device)
-    major, minor = torch.cuda.get_device_capability(dev)
-    arch = torch.cuda.get_arch_list()
-    sm = f"sm_{major}{minor}"
-    # PTX for an older architecture can be JIT-compiled for a newer GPU.
-    ptx_ok = any(a.startswith("compute_") and int(a[8:]) <= major * 10 + minor for a in arch)
-    if arch and sm not in arch and not ptx_ok:
-        raise NeuropodError(
-            f"{where}: {device} is compute capability {major}.{minor}, but torch {torch.__version__} has kernels only "
-            f"for {', '.join(arch)}"
-        )
-    return dev
 
 
 @contextlib.contextmanager
@@ -194,8 +145,8 @@ class TorchScriptModel:
                 f"model.json), and torch {torch.__version__} cannot read it. Re-export the model with torch.jit.save "
                 "from torch >= 1.4, or run it with a torch older than 1.4."
             )
-        _set_threads(options)
-        dev = _check_gpu(device, where)
+        check_load_options(options, LOAD_OPTIONS, "TorchScript")
+        dev = check_device(device, where)
         load_torch_libraries(package.custom_op_paths, where)
         try:
             with quiet_jit_deprecation():
@@ -303,54 +254,22 @@ class TorchScriptModel:
 
     def close(self) -> None:
         # Dropping the last references frees the module's memory; on a GPU, torch's caching
-        # allocator then holds it until empty_cache() hands the unused blocks back to the driver.
+        # allocator then holds it until it is handed back.
         self.__dict__.pop("module", None)
         self.__dict__.pop("_forward", None)
-        if self.device.type == "cuda":
-            import gc
-
-            gc.collect()  # the module's parameters may sit in a reference cycle
-            with torch.cuda.device(self.device):
-                torch.cuda.empty_cache()
+        release_gpu_memory(self.device)
 
 
 def _converter(spec: TensorSpec, device: torch.device | None) -> Callable[[Any], Any]:
-    """How an input reaches ``forward``: numpy arrays by ``torch.from_numpy`` (moved to the GPU for a
-    GPU model's GPU inputs); on a GPU model, tensors already on a GPU as they are (torch's) or through
-    DLPack / the CUDA array interface (CuPy...), with no trip through host memory.
-
-    A CPU model only ever gets numpy arrays: the core turns other frameworks' CPU tensors into numpy
-    arrays sharing their memory, and refuses GPU tensors for it.
-    """
+    """How an input reaches ``forward``: a ``List[str]`` for a string tensor; on a CPU model
+    ``torch.from_numpy`` (the core hands a CPU model numpy arrays only); on a GPU model, see
+    :func:`neuropod.torch_support.gpu_model_input` (``device`` is the CPU for an input the
+    package keeps there)."""
     if spec.dtype == "string":
         return _to_str_list
-    from_numpy = torch.from_numpy
     if device is None:
-        return from_numpy
-    target = device
-
-    if target.type == "cpu":  # a GPU model's input that the package keeps on the CPU
-
-        def convert(arr: Any) -> Any:
-            return from_numpy(arr) if type(arr) is np.ndarray else _device_tensor(arr).cpu()
-
-    else:
-
-        def convert(arr: Any) -> Any:
-            if type(arr) is np.ndarray:
-                return from_numpy(arr).to(target, non_blocking=False)
-            return _device_tensor(arr).to(target)  # .to() is free for a tensor already there
-
-    return convert
-
-
-def _device_tensor(arr: Any) -> torch.Tensor:
-    """A GPU input as a torch tensor sharing its memory."""
-    if isinstance(arr, torch.Tensor):
-        return arr
-    if hasattr(arr, "__dlpack__"):
-        return torch.utils.dlpack.from_dlpack(arr)  # hands the producer torch's stream, so its pending work is ordered first
-    return torch.as_tensor(arr, device="cuda")  # __cuda_array_interface__ only (Numba...)
+        return torch.from_numpy
+    return gpu_model_input(device)
 
 
 def _to_str_list(arr: np.ndarray) -> list[str]:
