@@ -250,6 +250,11 @@ class SpecValidator:
         self._inputs = {s.name: _compile(s) for s in inputs}
         self._outputs = {s.name: _compile(s) for s in outputs}
         self.shared_symbols = shared_symbols
+        # Checks compiled for this model's specs, for the calls every model gets most: numpy
+        # arrays of every tensor, each fitting. They say only "fits" or "look closer", and the
+        # general checks below, which say what is wrong, take every other call.
+        self._fast_inputs = _fast_check(inputs, "inputs")
+        self._fast_outputs = _fast_check(outputs, "outputs")
         #: Given an input's name and a GPU tensor's facts, why this model cannot take it (None: it can).
         #: The loaded model sets it; without one, GPU tensors are refused.
         self.device_policy: Callable[[str, TensorFacts], str | None] = _no_device_tensors
@@ -267,6 +272,10 @@ class SpecValidator:
             :class:`~neuropod.tensors.DeviceInputs` dict.
         :raises SpecError: for an unknown name or a tensor that does not fit.
         """
+        if type(tensors) is dict and self._fast_inputs is not None:
+            fast: Bindings | None = self._fast_inputs(tensors, {})
+            if fast is not None:
+                return tensors, fast
         if not isinstance(tensors, Mapping):
             raise SpecError(
                 f"Inputs of model {self.model_name!r} must be a dict of name -> numpy array, not {_kind(tensors)}"
@@ -333,6 +342,11 @@ class SpecValidator:
         specs = self._outputs
         if not self.shared_symbols:
             bindings = {}
+        # A misfit found halfway may leave an output's own symbol bound, to that output's
+        # size: the general checks then find it bound as they would have bound it.
+        fast = self._fast_outputs
+        if requested is None and fast is not None and type(tensors) is dict and fast(tensors, bindings) is not None:
+            return
         for name, arr in tensors.items():
             compiled = specs.get(name)
             if compiled is None:
@@ -385,6 +399,48 @@ class SpecValidator:
                 f"are not in its output spec; its outputs are: {', '.join(map(repr, self._outputs))}"
             )
         return names
+
+
+def _fast_check(specs: Sequence[TensorSpec], what: str) -> Callable[[dict[str, Any], Bindings], Bindings | None] | None:
+    """A check of one call's tensors written for these specs: the bindings, or None for "look closer".
+
+    It passes a dict holding exactly the specs' tensors, each a C-contiguous
+    numpy array of its spec's dtype and shape, symbols agreeing with each
+    other and with ``bindings`` (which it fills in); for anything else it
+    returns None and the caller runs the general checks. Generated as Python
+    source (the way :mod:`dataclasses` writes ``__init__``), so a call runs a
+    few straight lines instead of a loop of calls per tensor. None when the
+    specs hold a string tensor (those need the general checks every time).
+    """
+    if not specs or any(DTYPES[s.dtype] is None for s in specs):
+        return None
+    env: dict[str, Any] = {"ndarray": np.ndarray}
+    lines = [f"def check_{what}(t, b):", f"    if len(t) != {len(specs)}:", "        return None", "    try:"]
+    lines += [f"        a{i} = t[{s.name!r}]" for i, s in enumerate(specs)]
+    lines += ["    except KeyError:", "        return None"]
+    for i, s in enumerate(specs):
+        env[f"D{i}"] = DTYPES[s.dtype]
+        lines += [
+            f"    if type(a{i}) is not ndarray or a{i}.dtype is not D{i} or not a{i}.flags.c_contiguous:",
+            "        return None",
+            f"    s{i} = a{i}.shape",
+        ]
+        conditions = [f"len(s{i}) != {len(s.shape)}"]
+        conditions += [f"s{i}[{axis}] != {dim}" for axis, dim in enumerate(s.shape) if isinstance(dim, int)]
+        lines += [f"    if {' or '.join(conditions)}:", "        return None"]
+        for axis, dim in enumerate(s.shape):
+            if isinstance(dim, str):
+                lines += [
+                    f"    bound = b.get({dim!r})",
+                    "    if bound is None:",
+                    f"        b[{dim!r}] = (s{i}[{axis}], {s.name!r})",
+                    f"    elif bound[0] != s{i}[{axis}]:",
+                    "        return None",
+                ]
+    lines.append("    return b")
+    exec("\n".join(lines), env)  # our own source: names and symbols enter only as repr() literals
+    check: Callable[[dict[str, Any], Bindings], Bindings | None] = env[f"check_{what}"]
+    return check
 
 
 def _compile(spec: TensorSpec) -> _Compiled:
