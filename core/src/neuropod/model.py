@@ -49,6 +49,8 @@ class NeuropodModel:
             shared_symbols=not package.original_format,
         )  # fmt: skip
         self._bind_infer()
+        # Subclasses that run the model elsewhere (a worker, a server) override _run.
+        self._run_is_the_hook = type(self)._run is NeuropodModel._run
         self._validator.device_policy = self._device_policy()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -56,6 +58,8 @@ class NeuropodModel:
     #: Whether ``infer`` hands GPU tensors to the backend and honours ``output_device`` (set for
     #: in-process models whose backend says it can; workers and remote models take host memory).
     _device_tensors = False
+    #: Whether :meth:`_run` is this class's: then ``infer`` calls the bound hook itself.
+    _run_is_the_hook = False
 
     def _bind_infer(self) -> None:
         # Bound once: the per-call path does not loop over plugins.
@@ -164,7 +168,10 @@ class NeuropodModel:
         checked, bindings = validator.check_inputs(inputs)
         try:
             if output_device is None:
-                outputs = self._run(checked, requested_outputs, call_options)
+                if self._run_is_the_hook:  # the backend's hook, called here: a frame less per call
+                    outputs = self._infer(self._handle, checked, requested_outputs)
+                else:
+                    outputs = self._run(checked, requested_outputs, call_options)
             else:
                 outputs = self._infer_on_device(model=self._handle, inputs=checked, requested_outputs=requested_outputs,
                                                 output_device=output_device)  # fmt: skip
