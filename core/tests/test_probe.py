@@ -88,3 +88,24 @@ def test_clean_output_and_env(probes: str, tmp_path: Path) -> None:
 
 def test_probe_failure_is_an_exception_type() -> None:
     assert issubclass(ProbeFailure, Exception)
+
+
+def test_cached_probe_recomputes_and_replaces_a_damaged_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuropod.backend import cached_probe
+
+    monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[int] = []
+
+    def compute() -> dict[str, list[str]]:
+        calls.append(1)
+        return {"ops": ["ns::op"]}
+
+    def valid(found: object) -> bool:
+        return isinstance(found, dict) and isinstance(found.get("ops"), list)
+
+    assert cached_probe("kind", "key", compute, valid) == {"ops": ["ns::op"]}
+    assert cached_probe("kind", "key", compute, valid) == {"ops": ["ns::op"]} and len(calls) == 1, "read from the cache"
+    (entry,) = (tmp_path / "cache" / "probes").glob("kind-key.json")
+    entry.write_text('["not", "an", "answer"]')
+    assert cached_probe("kind", "key", compute, valid) == {"ops": ["ns::op"]} and len(calls) == 2
+    assert cached_probe("kind", "key", compute, valid) == {"ops": ["ns::op"]} and len(calls) == 2, "the entry was replaced"

@@ -324,7 +324,7 @@ def mapped_copy(digest: str, size: int) -> Path | None:
     return None
 
 
-def cached_probe(kind: str, key: str, compute: Callable[[], Any]) -> Any:
+def cached_probe(kind: str, key: str, compute: Callable[[], Any], valid: Callable[[Any], bool] | None = None) -> Any:
     """``compute()``, remembered on disk under the cache directory by ``kind`` and ``key``.
 
     For facts about a file that are slow to learn and never change for its
@@ -332,6 +332,10 @@ def cached_probe(kind: str, key: str, compute: Callable[[], Any]) -> Any:
     loading it in a subprocess): ``key`` must identify the content and the
     framework version (e.g. ``"<sha256>-torch-2.13.0"``). The value must be
     JSON. A cache that cannot be written only costs the next caller a compute.
+
+    :param valid: whether a value read from the cache has the answer's shape;
+        an entry that does not (someone else wrote or damaged it) is computed
+        again and replaced.
     """
     import json
 
@@ -340,7 +344,9 @@ def cached_probe(kind: str, key: str, compute: Callable[[], Any]) -> Any:
     safe = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{kind}-{key}")
     path = cache.cache_dir() / "probes" / f"{safe}.json"
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        found = json.loads(path.read_text(encoding="utf-8"))
+        if valid is None or valid(found):
+            return found
     except (OSError, ValueError):
         pass
     value = compute()

@@ -189,9 +189,10 @@ def torch_library_registrations(path: Path, torch_version: str, where: str) -> d
         )
         return run_probe("neuropod.probe:_torch_registrations", [str(path)], what)
 
-    found = cached_probe("torch-ops", f"{cache.sha256_file(path)}-torch-{torch_version}", probe)
-    if not (isinstance(found, dict) and all(isinstance(found.get(k), list) for k in ("ops", "namespaces"))):
-        found = probe()  # a cache entry someone else wrote or damaged
+    def valid(found: Any) -> bool:
+        return isinstance(found, dict) and all(isinstance(found.get(k), list) for k in ("ops", "namespaces"))
+
+    found = cached_probe("torch-ops", f"{cache.sha256_file(path)}-torch-{torch_version}", probe, valid)
     return {k: [str(v) for v in found[k]] for k in ("ops", "namespaces")}
 
 

@@ -44,9 +44,8 @@ def library_ops(tf: Any, path: Path, where: str) -> list[str]:
             "neuropod_tensorflow._ops_probe:registered_ops", [str(path)], what, env=env, clean_output=_not_tensorflow
         )
 
-    ops = cached_probe("tensorflow-ops", f"{cache.sha256_file(path)}-tensorflow-{tf.__version__}", probe)
-    if not isinstance(ops, list):  # a damaged cache entry
-        ops = probe()
+    key = f"{cache.sha256_file(path)}-tensorflow-{tf.__version__}"
+    ops = cached_probe("tensorflow-ops", key, probe, lambda found: isinstance(found, list))
     return [str(name) for name in ops]
 
 
