@@ -456,23 +456,7 @@ def _compile(spec: TensorSpec) -> _Compiled:
 
 
 def _check(arr: Any, compiled: _Compiled, bindings: Bindings, kind: str, model: str) -> None:
-    name, dtype, ndim, fixed, symbols, spec = compiled
-    # The common case in one frame (this runs for every tensor of every call): a numpy array
-    # of the spec's own dtype object and rank. Anything else, or any misfit, takes the full
-    # checks below, which say what is wrong.
-    if type(arr) is np.ndarray and arr.dtype is dtype and len(shape := arr.shape) == ndim:
-        for axis, size in fixed:
-            if shape[axis] != size:
-                break
-        else:
-            for axis, symbol in symbols:
-                bound = bindings.get(symbol)
-                if bound is None:
-                    bindings[symbol] = (shape[axis], name)
-                elif bound[0] != shape[axis]:
-                    break
-            else:
-                return
+    name, dtype, spec = compiled[0], compiled[1], compiled[5]
     if type(arr) is not np.ndarray and not isinstance(arr, np.ndarray):
         _fail(
             f"Tensor {name!r} in the {kind} spec is expected to be a numpy array of {spec.dtype}, "
