@@ -342,3 +342,36 @@ def test_exception_inside_the_program_is_wrapped(tmp_path: Path) -> None:
     # Past the core's spec checks (called directly): the program's own guard on the shared symbol fires.
     with pytest.raises(Exception, match=r"y.size\(\)\[0\] == x.size\(\)\[0\]|Guard failed"):
         handle.run({"x": np.zeros((2, 4), np.float32), "y": np.zeros((3, 3), np.float32)}, None)
+
+
+def test_program_guards_still_hold_when_forward_is_called_directly(tmp_path: Path) -> None:
+    """The model calls the module's forward (skipping nn.Module hooks) only where the program's input guards
+    run inside its graph; a shape the program was specialized to still fails, as a BackendError."""
+
+    class Flatten(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"out": x.reshape(8) * 2}
+
+    in_spec, out_spec = spec(("x", "float32", [None, None])), spec(("out", "float32", [None]))
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    path = package(tmp_path, Flatten(), in_spec, out_spec, example_inputs={"x": x})
+    with neuropod.load_neuropod(path) as model:
+        handle = model._handle
+        from neuropod_torch._runtime import _guards_in_graph
+
+        in_graph = _guards_in_graph(handle.module)
+        if in_graph:
+            assert handle._call == handle.module.forward
+        else:
+            assert handle._call is handle.module
+        np.testing.assert_array_equal(model.infer({"x": x})["out"], x.reshape(8) * 2)
+        said = r"Guard failed: .*== 8" if in_graph else r"Expected input at .* to be equal to"
+        with pytest.raises(NeuropodError, match=rf"failed to run model 'm': .*{said}"):
+            model.infer({"x": np.zeros((2, 2), np.float32)})
+
+
+def test_guards_in_graph_only_for_a_graph_that_calls_them() -> None:
+    from neuropod_torch._runtime import _guards_in_graph
+
+    assert not _guards_in_graph(torch.fx.symbolic_trace(models.TwoLayer()))
+    assert not _guards_in_graph(torch.nn.Linear(2, 2))

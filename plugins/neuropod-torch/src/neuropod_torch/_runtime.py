@@ -181,6 +181,10 @@ class _TorchModel:
     platform = ""
     #: The framework's object (the ExportedProgram, or the AOTInductor runner), held while loaded.
     program: Any = None
+    #: torch_export: the program's ``.module()``, which the model calls (or calls the forward of).
+    module: Any = None
+    #: A CPU model whose forward takes positional inputs only (torch_export's common call).
+    _positional_cpu = False
 
     def __init__(
         self, package: Package, device: torch.device, where: str, call: Callable[..., Any], args: Sequence[str],
@@ -250,6 +254,7 @@ class _TorchModel:
         # allocator then holds it until empty_cache() hands the unused blocks back to the driver.
         self.__dict__.pop("_call", None)
         self.__dict__.pop("program", None)
+        self.__dict__.pop("module", None)
         release_gpu_memory(self.device)
 
 
@@ -259,6 +264,16 @@ class ExportedModel(_TorchModel):
     platform = "torch_export"
 
     def run(self, inputs: Mapping[str, Any], requested: Sequence[str] | None, output_device: str | None = None) -> dict[str, Any]:
+        one_key = self._one_key
+        if one_key is not None and self._positional_cpu and requested is None:
+            # The common call, written out: numpy in, positional tensors, numpy out, no helper frames.
+            from_numpy = torch.from_numpy
+            try:
+                result = self._call(*[from_numpy(inputs[n]) for n in self._order])
+            except KeyError:
+                self._inputs(inputs)  # says which input is missing
+                raise
+            return {name: result[key].numpy() for name, key in one_key}
         args = self._inputs(inputs)
         guard = _InferenceGuard(True) if self._inference_mode else None  # type: ignore[misc]
         try:
@@ -300,7 +315,16 @@ class ExportedModel(_TorchModel):
         # On the CPU the inputs are numpy arrays (the core converts other tensors), so with the weights
         # frozen nothing asks autograd for anything: no per-call inference-mode guard is needed there.
         # Tensors a caller passes on a GPU may require grad, so GPU models run in inference mode.
-        model = cls(package, dev, where, module, args, kwargs, picks, inference_mode=dev.type != "cpu")
+        # The module checks its inputs twice: a forward pre-hook matches their structure against the
+        # program's and, where the program holds no guards of its own, checks their sizes against its
+        # shape constraints; torch releases that export with guards (2.9 and later) run them inside the
+        # graph, in forward itself. Neuropod always passes one tensor per argument, in the program's
+        # order, so with guards in the graph forward alone checks everything the hook would, and calling
+        # it skips nn.Module's hook dispatch: half the cost of a small model's call.
+        call = module.forward if _guards_in_graph(module) else module
+        model = cls(package, dev, where, call, args, kwargs, picks, inference_mode=dev.type != "cpu")
+        model._positional_cpu = model._cpu and not kwargs
+        model.module = module
         model.program = program
         return model
 
@@ -354,6 +378,14 @@ class AotiModel(_TorchModel):
         model = cls(package, dev, where, loader.run, args, kwargs, picks, inference_mode=False)
         model.program = runner
         return model
+
+
+def _guards_in_graph(module: Any) -> bool:
+    """Whether the unlifted module's graph calls its input guards (``_guards_fn``), so that its forward
+    pre-hooks only match the inputs' structure and run no checks neuropod's call needs."""
+    if not isinstance(getattr(module, "_guards_fn", None), torch.nn.Module):
+        return False
+    return any(node.target == "_guards_fn" for node in module.graph.find_nodes(op="call_module"))
 
 
 def _check_ops(path: Path, package: Package, where: str) -> None:
