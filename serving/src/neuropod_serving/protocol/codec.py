@@ -27,6 +27,7 @@ import numpy as np
 from neuropod import _json
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod_serving.protocol._forms import MAX_FORM_BYTES, FormCache
 
 #: OIP datatype -> the spec dtype it means. BYTES carries UTF-8 text.
 DATATYPES: dict[str, str] = {
@@ -306,7 +307,9 @@ def parse_infer_request(
     choice = parameters.get("binary_data_output")
     if choice is not None and not isinstance(choice, bool):
         raise ProtocolError(f"request parameters.binary_data_output must be true or false, not {_show(choice)}")
-    return InferRequest(inputs=inputs, outputs=outputs, id=_optional_str(header, "id"), parameters=dict(parameters))
+    decoded = InferRequest(inputs=inputs, outputs=outputs, id=_optional_str(header, "id"), parameters=dict(parameters))
+    _remember(known)
+    return decoded
 
 
 def parse_infer_response(
@@ -321,13 +324,15 @@ def parse_infer_response(
     """
     header, binary, known = _split(body, json_length, "response")
     specs = None if output_spec is None else {s.name: s for s in output_spec}
-    return InferResponse(
+    decoded = InferResponse(
         outputs=_decode_tensors(header, "outputs", binary, specs, required=False, known=known),
         model_name=_optional_str(header, "model_name"),
         model_version=_optional_str(header, "model_version"),
         id=_optional_str(header, "id"),
         parameters=dict(_parameters(header, "response")),
     )
+    _remember(known)
+    return decoded
 
 
 def build_infer_request(
@@ -556,20 +561,28 @@ class _KnownHeader:
     """The JSON header of a binary body, parsed, and once a decode of it took the fast path for
     every tensor, each tensor's name, datatype, wire dtype, shape and size (``plans``, by key)."""
 
-    __slots__ = ("doc", "plans")
+    __slots__ = ("doc", "key", "plans")
 
-    def __init__(self, doc: dict[str, Any]) -> None:
+    def __init__(self, doc: dict[str, Any], key: bytes | None) -> None:
         self.doc = doc
+        #: The header's bytes until it is remembered (:func:`_remember`), then None.
+        self.key = key
         self.plans: dict[str, tuple[tuple[str, str, np.dtype[Any], tuple[int, ...], int], ...]] = {}
 
 
-#: Headers of binary bodies remembered (by their bytes; emptied when full). A binary body's
-#: header depends only on the tensors' names, datatypes and shapes, not their values, so a
-#: client sending the same form of request again costs no JSON parse and no per-tensor checks
-#: beyond the spec's datatypes.
-HEADER_LIMIT = 256
-_MAX_KNOWN_HEADER = 64 * 1024
-_KNOWN: dict[bytes, _KnownHeader] = {}
+#: Headers of binary bodies remembered by their bytes, within a budget of bytes
+#: (:class:`~neuropod_serving.protocol._forms.FormCache`), once a body with the header
+#: decoded cleanly. A binary body's header depends only on the tensors' names, datatypes and
+#: shapes, not their values, so a client sending the same form of request again costs no JSON
+#: parse and no per-tensor checks beyond the spec's datatypes.
+_KNOWN: FormCache[bytes, _KnownHeader] = FormCache()
+
+
+def _remember(known: _KnownHeader | None) -> None:
+    """Keep a header that has just decoded cleanly for the next body of its form."""
+    if known is not None and known.key is not None:
+        _KNOWN.put(known.key, known, len(known.key))
+        known.key = None
 
 
 def _split(
@@ -580,7 +593,7 @@ def _split(
         view = view.cast("B")
     length = len(view) if json_length is None else _header_length(json_length, len(view))
     key = None
-    if json_length is not None and length <= _MAX_KNOWN_HEADER:
+    if json_length is not None and length <= MAX_FORM_BYTES:
         key = bytes(view[:length])
         known = _KNOWN.get(key)
         if known is not None:
@@ -603,10 +616,8 @@ def _split(
         raise ProtocolError(f"the {what} must be a JSON object, not {_kind(header)}")
     if key is None:
         return header, view[length:], None
-    if len(_KNOWN) >= HEADER_LIMIT:
-        _KNOWN.clear()
-    known = _KNOWN[key] = _KnownHeader(header)
-    return header, view[length:], known
+    # Remembered only once a body decodes cleanly with it: refused ones cost nothing after their answer.
+    return header, view[length:], _KnownHeader(header, key)
 
 
 def _loads(raw: memoryview, text: str) -> Any:
@@ -777,8 +788,8 @@ def _decode_tensors(
     return arrays
 
 
-#: JSON headers of binary bodies built, by (header, key, tensor names, dtypes, shapes); emptied when full.
-_BUILT: dict[Any, bytes] = {}
+#: JSON headers of binary bodies built, by (header, key, tensor names, dtypes, shapes), within a budget of bytes.
+_BUILT: FormCache[Any, bytes] = FormCache()
 
 
 def _build(header: dict[str, Any], key: str, tensors: Mapping[str, np.ndarray[Any, Any]], binary: set[str]) -> Body:
@@ -814,9 +825,7 @@ def _build(header: dict[str, Any], key: str, tensors: Mapping[str, np.ndarray[An
     if not raws:
         return Body(text, None)
     if form is not None:
-        if len(_BUILT) >= HEADER_LIMIT:
-            _BUILT.clear()
-        _BUILT[form] = text
+        _BUILT.put(form, text, len(text) + len(form[0]))
     return Body(b"".join([text, *raws]), len(text))
 
 
