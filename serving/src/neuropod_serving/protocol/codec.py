@@ -66,6 +66,9 @@ _FAST_DECODE: dict[object, np.dtype[Any]] = {d: w for d, w in _WIRE_DTYPES.items
 _MAX_DIMS = 32
 # An element count must fit the int64 every OIP implementation stores it in.
 _MAX_ELEMENTS = 2**63 - 1
+# The product of a shape's dims, its zeros counted as 1, that numpy can make an array of
+# (of any dtype: it checks that product times the item size, even for an empty array).
+_MAX_SPAN = 2**63 // 16
 _LENGTH = struct.Struct("<I")
 # Numpy dtypes whose bytes are already their wire form (little-endian), by dtype.
 _FAST_ENCODE: dict[np.dtype[Any], str] = {w: d for d, w in _WIRE_DTYPES.items()}
@@ -299,6 +302,8 @@ def parse_infer_request(
             if not isinstance(out, Mapping):
                 raise ProtocolError(f"{where} must be an object with a 'name', not {_kind(out)}")
             name = _name(out, where)
+            if name in outputs:  # as gRPC: answering once would hide a client's mistake
+                raise ProtocolError(f"output {name!r} is requested twice; ask for each output once")
             choice = _parameters(out, f"output {name!r}").get("binary_data")
             if choice is not None and not isinstance(choice, bool):
                 raise ProtocolError(f"output {name!r}: parameters.binary_data must be true or false, not {_show(choice)}")
@@ -837,11 +842,21 @@ def specs_by_name(spec: Iterable[TensorSpec] | Mapping[str, TensorSpec] | None) 
 
 
 def _plain_dims(shape: list[Any]) -> bool:
-    """Whether every dim is an int >= 0 (not a bool, float or -1)."""
-    for d in shape:  # noqa: SIM110 - a plain loop: all() over a generator costs more per request
+    """Whether every dim is an int >= 0 (not a bool, float or -1) and numpy can make an array of the shape."""
+    span = 1
+    for d in shape:  # a plain loop: all() over a generator costs more per request
         if type(d) is not int or d < 0:
             return False
-    return True
+        span *= d or 1
+    return span <= _MAX_SPAN
+
+
+def _spannable(shape: Sequence[int]) -> bool:
+    """Whether numpy can make an array of ``shape`` (dims >= 0), however few elements it holds."""
+    span = 1
+    for d in shape:
+        span *= d or 1
+    return span <= _MAX_SPAN
 
 
 def _shape(shape: object, name: str) -> list[int]:
@@ -852,6 +867,11 @@ def _shape(shape: object, name: str) -> list[int]:
             raise ProtocolError(f"tensor {name!r}: shape[{i}] is {_show(dim)}; a dim is an integer >= 0")
     if len(shape) > _MAX_DIMS:
         raise ProtocolError(f"tensor {name!r}: shape has {len(shape)} dims, more than the {_MAX_DIMS} supported")
+    if not _spannable(shape):
+        raise ProtocolError(
+            f"tensor {name!r}: shape {shape} is larger than any array can be (the product of its dims, "
+            f"zeros counted as 1, passes {_MAX_SPAN:,}), even when it holds no elements"
+        )
     return shape
 
 

@@ -43,6 +43,7 @@ from neuropod_serving.protocol.codec import (
     ProtocolError,
     _shape,
     decode_tensor,
+    _spannable,
     encode_tensor,
     spec_dtype,
     specs_by_name,
@@ -639,6 +640,7 @@ def _decode_tensors(
                     len(shape) <= _MAX_DIMS
                     and min(shape, default=0) >= 0
                     and math.prod(shape) * wire.itemsize == len(raw)
+                    and _spannable(shape)
                     and not _has_contents(t)
                 ):
                     arrays[name] = np.frombuffer(raw, dtype=wire).reshape(shape)

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from neuropod import _json
 from neuropod.errors import NeuropodError, SpecError
 from neuropod_serving import __version__
 from neuropod_serving.protocol import (
@@ -271,7 +272,10 @@ def _repository_body(body: bytes) -> dict[str, Any]:
     if not body.strip():
         return {}
     try:
-        value = json.loads(body)
+        # Bounded in depth and size before parsing: a body nested thousands deep is a 400, not a RecursionError.
+        value = _json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"a repository request body is a JSON object in UTF-8 ({e.reason} at byte {e.start})") from None
     except ValueError as e:
         raise ProtocolError(f"a repository request body is a JSON object: {e}") from None
     if not isinstance(value, dict):
