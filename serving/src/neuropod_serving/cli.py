@@ -358,7 +358,6 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
 
     from neuropod_serving.server import create_app
     from neuropod_serving.server.app import metrics_only
-    from neuropod_serving.server.limits import EscapeControl
 
     sys.setswitchinterval(GIL_SWITCH_S)
     scheme = "https" if tls else "http"
@@ -385,8 +384,6 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
                 # X-Forwarded-For only changes the client address the access log shows.
                 proxy_headers=not args.quiet, **ssl,
             )  # fmt: skip
-            # uvicorn's access log writes the path as decoded: a control character in it stays escaped.
-            logging.getLogger("uvicorn.access").addFilter(EscapeControl())
             server = uvicorn.Server(config)
             if args.grpc_port:
                 from neuropod_serving.server.grpc_service import start_grpc_server

@@ -76,6 +76,10 @@ class _HeadHolder:
         return getattr(self._transport, name)
 
 
+#: Seconds a connection refused with 431 stays open, dropping what its client still sends.
+_LINGER_S = 1.0
+
+
 class _HeadRefused(Exception):
     """Raised in a parser callback to stop parsing a head over the limits."""
 
@@ -106,6 +110,7 @@ class OneWriteProtocol(HttpToolsProtocol):
         self._head_size = 0  # of its request line and complete headers
         self._header_count = 0
         self._refusal: bytes | None = None
+        self._refused = False
         self._head_timer: Any = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -114,6 +119,8 @@ class OneWriteProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's, except that a head over the limits gets 431 (uvicorn would answer 400).
+        if self._refused:
+            return  # what a refused client still sends, until the connection closes
         self._unset_keepalive_if_required()
         if self._in_head:
             self._head_bytes += len(data)
@@ -196,11 +203,19 @@ class OneWriteProtocol(HttpToolsProtocol):
         self._in_head = False
         reason = b"Request Header Fields Too Large" if status == 431 else b"Request Timeout"
         body = json.dumps({"error": message.decode()}).encode()
-        self.transport.write(
+        transport = self.transport
+        transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
             % (status, reason, len(body), body)
         )
-        self.transport.close()
+        if status == 408 or not transport.can_write_eof():
+            transport.close()
+            return
+        # A client still sending its head would get a reset, not the answer, if the socket closed
+        # with its bytes unread: end the answer, drop what comes for a moment, then close.
+        self._refused = True
+        transport.write_eof()
+        self.loop.call_later(_LINGER_S, transport.close)
 
     def on_headers_complete(self) -> None:
         self._in_head = False

@@ -1,13 +1,11 @@
 """What of a request the server checks before it costs anything, and what of it the server writes down:
-the bearer token check both protocols share, and the escaping of client-chosen text (model names,
-paths) in log lines. The request-head limits are :mod:`neuropod_serving.server.http`'s."""
+the bearer token check both protocols share, and the escaping of client-chosen text (model names)
+in log lines (uvicorn's access log writes REST paths percent-encoded already). The request-head limits are :mod:`neuropod_serving.server.http`'s."""
 
 from __future__ import annotations
 
 import hmac
-import logging
 import re
-from typing import Any
 
 _BEARER = b"bearer"
 
@@ -34,19 +32,7 @@ def escape_log(text: str) -> str:
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
-class EscapeControl(logging.Filter):
-    """Escapes control characters in a record's string arguments (uvicorn's access log
-    writes the percent-decoded path, which a client chooses)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args: Any = record.args
-        if isinstance(args, tuple) and any(type(a) is str and not a.isprintable() for a in args):
-            record.args = tuple(escape_log(a) if type(a) is str else a for a in args)
-        return True
-
-
 __all__ = [
-    "EscapeControl",
     "bearer_refusal",
     "escape_log",
 ]
