@@ -176,10 +176,10 @@ def _grpc_call(server: _Server, message: bytes, token: str | None, method: str =
 
 
 def test_unauthenticated_grpc_calls_are_neither_parsed_nor_kept(server: _Server) -> None:
-    # 60 KiB of tensors without contents: several MiB once parsed by protobuf, were the message parsed and kept.
+    # 56 KiB of tensors without contents: several MiB once parsed by protobuf, were the message parsed and kept.
     tensor = pb.ModelInferRequest.InferInputTensor
     message = pb.ModelInferRequest(
-        model_name="adder", inputs=[tensor(name="t", datatype="FP32", shape=[1]) for _ in range(5_000)]
+        model_name="adder", inputs=[tensor(name="t", datatype="FP32", shape=[1]) for _ in range(4_000)]
     )
 
     def send(i: int) -> None:
