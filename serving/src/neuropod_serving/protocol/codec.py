@@ -868,6 +868,9 @@ def _shape(shape: object, name: str) -> list[int]:
     if len(shape) > _MAX_DIMS:
         raise ProtocolError(f"tensor {name!r}: shape has {len(shape)} dims, more than the {_MAX_DIMS} supported")
     if not _spannable(shape):
+        count = math.prod(shape)
+        if count > _MAX_ELEMENTS:
+            raise ProtocolError(f"tensor {name!r}: shape {shape} has {count} elements, more than an int64 can count")
         raise ProtocolError(
             f"tensor {name!r}: shape {shape} is larger than any array can be (the product of its dims, "
             f"zeros counted as 1, passes {_MAX_SPAN:,}), even when it holds no elements"
