@@ -32,10 +32,10 @@ pytest.importorskip("uvicorn")
 grpc = pytest.importorskip("grpc")
 httpx = pytest.importorskip("httpx")
 
-from conftest import adder_and_echo, free_port, private_caches  # noqa: E402
-
 from neuropod_serving.protocol import HEADER_LENGTH  # noqa: E402
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb  # noqa: E402
+
+from conftest import adder_and_echo, free_port, private_caches  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the server's memory")
 
@@ -246,7 +246,7 @@ def test_half_sent_heads_time_out_and_others_are_answered(server: _Server) -> No
         r = httpx.get(f"http://127.0.0.1:{server.port}/v2/models/adder", headers=AUTH, timeout=5)
         assert r.status_code == 200
         # Each half-sent connection is answered 408 and closed once its head has taken too long.
-        for s in slow[:: 50] + slow[1:: 50]:
+        for s in slow[::50] + slow[1::50]:
             s.settimeout(HEAD_TIMEOUT_S + 5 - (time.monotonic() - opened))
             answer = s.recv(4096)
             assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
@@ -266,7 +266,8 @@ def test_deeply_nested_body_costs_no_more_than_a_flat_one(server: _Server) -> No
     rows = (len(nested) - 200) // 8  # "1.0,1.0," per row: a flat body of about the same size
     flat = (
         b'{"inputs":[{"name":"x","datatype":"FP32","shape":[%d,2],"data":[' % rows
-        + b"1.0," * (2 * rows - 1) + b'1.0]},{"name":"y","datatype":"FP32","shape":[1,2],"data":[1,2]}]}'
+        + b"1.0," * (2 * rows - 1)
+        + b'1.0]},{"name":"y","datatype":"FP32","shape":[1,2],"data":[1,2]}]}'
     )
 
     def cost(body: bytes) -> tuple[float, httpx.Response]:
@@ -278,7 +279,9 @@ def test_deeply_nested_body_costs_no_more_than_a_flat_one(server: _Server) -> No
     assert r.status_code == 400, r.text[:300]  # x and y disagree on batch_size: refused after parsing
     nested_cpu, r = cost(nested)
     assert r.status_code == 400 and "nests more than" in r.json()["error"], r.text[:300]
-    assert nested_cpu <= 1.5 * flat_cpu + 0.2, f"a nested body cost {nested_cpu:.2f} s of CPU, a flat one {flat_cpu:.2f} s"
+    assert nested_cpu <= 1.5 * flat_cpu + 0.2, (
+        f"a nested body cost {nested_cpu:.2f} s of CPU, a flat one {flat_cpu:.2f} s"
+    )
 
 
 # --- client errors are 400s, never 500s ---------------------------------------------------------
@@ -342,7 +345,7 @@ def test_an_output_requested_twice_is_refused_alike(server: _Server) -> None:
 
 
 def test_control_characters_in_a_model_name_cannot_forge_log_lines(server: _Server) -> None:
-    forged = "FORGED-LINE 127.0.0.1 - \"GET /v2 HTTP/1.1\" 200"
+    forged = 'FORGED-LINE 127.0.0.1 - "GET /v2 HTTP/1.1" 200'
     r = server.http.get("/v2/models/a%0A" + forged.replace(" ", "%20").replace('"', "%22") + "/ready", headers=AUTH)
     assert r.status_code == 404
     message = pb.ModelReadyRequest(name="b\n" + forged)

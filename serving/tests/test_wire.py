@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("google.protobuf")
 
-from neuropod_serving.protocol import ProtocolError
+from neuropod_serving.protocol import ProtocolError, _forms
 from neuropod_serving.protocol import grpc_codec as codec
-from neuropod_serving.protocol import _forms
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, encode_varint, split_raw
 

@@ -275,7 +275,9 @@ def _repository_body(body: bytes) -> dict[str, Any]:
         # Bounded in depth and size before parsing: a body nested thousands deep is a 400, not a RecursionError.
         value = _json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ProtocolError(f"a repository request body is a JSON object in UTF-8 ({e.reason} at byte {e.start})") from None
+        raise ProtocolError(
+            f"a repository request body is a JSON object in UTF-8 ({e.reason} at byte {e.start})"
+        ) from None
     except ValueError as e:
         raise ProtocolError(f"a repository request body is a JSON object: {e}") from None
     if not isinstance(value, dict):
