@@ -229,6 +229,14 @@ def test_oversized_heads_get_431(server: _Server, head: bytes) -> None:
     assert b"--max-head-bytes" in answer
 
 
+def test_heads_within_the_limits_are_served(server: _Server) -> None:
+    big = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 60_000 + b"\r\nConnection: close\r\n\r\n"
+    many = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(90))
+    for head in (big, many + b"Connection: close\r\n\r\n"):
+        answer = _raw(server, head)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
 def test_half_sent_heads_time_out_and_others_are_answered(server: _Server) -> None:
     slow: list[socket.socket] = []
     try:

@@ -106,12 +106,13 @@ class OneWriteProtocol(HttpToolsProtocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._in_head = True  # the bytes coming are a request head
-        self._head_bytes = 0  # of the head so far, counted as received
-        self._head_size = 0  # of its request line and complete headers
-        self._header_count = 0
+        self._head_bytes = 0  # received since the head began (with what came beside it)
         self._refusal: bytes | None = None
         self._refused = False
-        self._head_timer: Any = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+        # When the head now coming began (a connection that sends nothing counts from its start);
+        # None between requests. One timer per connection checks it: none is armed per request.
+        self._head_since: float | None = self.loop.time()
+        self._head_timer: Any = self.loop.call_later(self.head_timeout_s, self._check_head)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
@@ -124,8 +125,8 @@ class OneWriteProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         if self._in_head:
             self._head_bytes += len(data)
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+            if self._head_since is None:
+                self._head_since = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -146,29 +147,17 @@ class OneWriteProtocol(HttpToolsProtocol):
             # A head still incomplete past the limit (one long line, never ended).
             self._refuse(431, self._too_large(f"more than {self.max_head_bytes:,} bytes"))
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._in_head = True
-        self._head_size = 0
-        self._header_count = 0
-
-    def on_url(self, url: bytes) -> None:
-        super().on_url(url)
-        self._count(len(url))
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        super().on_header(name, value)
-        self._header_count += 1
-        if self._header_count > self.max_headers:
+    def _check_complete_head(self) -> None:
+        """Refuse a complete head over the limits. Its exact size is only added up when more
+        than the limit came while it was coming: the common request pays two comparisons."""
+        if len(self.headers) > self.max_headers:
             self._refusal = self._too_large(f"more than {self.max_headers} headers")
             raise _HeadRefused()
-        self._count(len(name) + len(value) + 4)  # ": " and CRLF
-
-    def _count(self, size: int) -> None:
-        self._head_size += size
-        if self._head_size > self.max_head_bytes:
-            self._refusal = self._too_large(f"more than {self.max_head_bytes:,} bytes")
-            raise _HeadRefused()
+        if self._head_bytes > self.max_head_bytes:
+            size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)  # ": ", CRLF
+            if size > self.max_head_bytes:
+                self._refusal = self._too_large(f"more than {self.max_head_bytes:,} bytes")
+                raise _HeadRefused()
 
     def _too_large(self, what: str) -> bytes:
         return (
@@ -180,19 +169,25 @@ class OneWriteProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_head = True  # whatever comes next is the next request's head
         self._head_bytes = 0
+        self._head_since = None
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _head_timed_out(self) -> None:
+    def _check_head(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or not self._in_head:
+        if self.transport.is_closing() or self._refused:
             return
-        if self.cycle is not None and not self.cycle.response_complete:
-            # A response is still being made for the request before (pipelining): wait for it.
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+        since = self._head_since
+        now = self.loop.time()
+        responding = self.cycle is not None and not self.cycle.response_complete
+        if since is None or responding or now - since < self.head_timeout_s:
+            # No head coming, a response still being made for the request before it (pipelining),
+            # or not late yet: look again when it could be late.
+            wait = since + self.head_timeout_s - now if since is not None and not responding else self.head_timeout_s
+            self._head_timer = self.loop.call_later(max(wait, 0.01), self._check_head)
             return
         message = f"the request head was not complete within {self.head_timeout_s:g} s (neuropod serve --head-timeout)"
         self._refuse(408, message.encode())
@@ -218,8 +213,9 @@ class OneWriteProtocol(HttpToolsProtocol):
         self.loop.call_later(_LINGER_S, transport.close)
 
     def on_headers_complete(self) -> None:
+        self._check_complete_head()
         self._in_head = False
-        self._stop_head_timer()
+        self._head_since = None
         before = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
