@@ -18,9 +18,10 @@ V = TypeVar("V")
 BUDGET = 2 * 2**20
 #: A form larger than this is never remembered (it is parsed again each time).
 MAX_FORM_BYTES = 8 * 1024
-#: How many bytes of Python objects one byte of parsed JSON or protobuf can become, at most
-#: (``[],`` is 3 bytes of text and a 56-byte list plus its slot: about 21x).
-PARSED_PER_BYTE = 32
+#: How many bytes of memory one byte of parsed JSON or protobuf can become, at most: measured,
+#: ``[{},{},...]`` parses to about 24x its text, and a ModelInferRequest of empty tensors (two
+#: bytes each on the wire) to about 45x its size.
+PARSED_PER_BYTE = 64
 
 
 class FormCache(Generic[K, V]):
