@@ -88,3 +88,17 @@ def test_deep_documents_are_refused_quickly_and_shallow_ones_pass() -> None:
     assert _json.loads(json.dumps(["[" * 1000, '\\"{' * 500])) == ["[" * 1000, '\\"{' * 500]
     with pytest.raises(ValueError, match="characters long"):
         _json.check_bounds("[]" * 10, max_bytes=10)
+
+
+def test_depth_is_one_linear_scan_across_slices() -> None:
+    """Megabytes deep costs one scan, not a pass per level; the depth carries across the scan's slices."""
+    import time
+
+    started = time.process_time()
+    with pytest.raises(ValueError, match="nests more than 64 levels deep"):
+        _json.check_bounds("[" * 2**23 + "]" * 2**23)
+    assert time.process_time() - started < 2.0
+    wide = "[" + "[]," * (_json._SLICE // 3 + 5)  # the deep part starts in the second slice
+    _json.check_bounds(wide + "[" * 62 + "]" * 62 + "[]]")
+    with pytest.raises(ValueError, match="nests more than 64 levels deep"):
+        _json.check_bounds(wide + "[" * 64 + "]" * 64 + "[]]")

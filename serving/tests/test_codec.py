@@ -547,6 +547,56 @@ def test_a_known_header_still_checks_every_body() -> None:
     assert "mutated" not in parse_infer_request(body.content, body.json_length).parameters
 
 
+def test_known_headers_keep_only_clean_small_forms_within_a_byte_budget() -> None:
+    """A header is remembered once a body decodes with it; a refused one, or one over the form
+    limit (a huge id), is not; and all remembered forms stay within the cache's byte budget."""
+    from neuropod_serving.protocol import _forms, codec
+
+    x = np.ones((1, 2), np.float32)
+    specs = {s.name: s for s in parse_spec([{"name": "x", "dtype": "float32", "shape": [None, 2]}], "m")}
+    refused = build_infer_request({"z": x}, binary=True, id="refused")
+    with pytest.raises(ProtocolError, match="not one of this model's inputs"):
+        parse_infer_request(refused.content, refused.json_length, input_spec=specs)
+    assert bytes(refused.content[: refused.json_length]) not in codec._KNOWN
+    huge = build_infer_request({"x": x}, binary=True, id="i" * (_forms.MAX_FORM_BYTES + 1))
+    parse_infer_request(huge.content, huge.json_length, input_spec=specs)
+    assert bytes(huge.content[: huge.json_length]) not in codec._KNOWN
+    for i in range(3000):
+        body = build_infer_request({"x": x}, binary=True, id=f"{i:0500d}")
+        parse_infer_request(body.content, body.json_length, input_spec=specs)
+        assert codec._KNOWN._used <= _forms.BUDGET
+    assert 0 < len(codec._KNOWN) < 3000
+
+
+def test_a_shape_no_array_can_have_is_a_protocol_error() -> None:
+    for shape in ([0, 2**62], [2**62, 0], [0, 2**40, 2**40]):
+        with pytest.raises(ProtocolError, match="larger than any array can be"):
+            parse_infer_request(json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": []}]}).encode())
+        header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": shape,
+                                         "parameters": {"binary_data_size": 0}}]}).encode()  # fmt: skip
+        with pytest.raises(ProtocolError, match="larger than any array can be"):
+            parse_infer_request(header, len(header))
+    assert parse_infer_request(json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [0, 2**20],
+                                                       "data": []}]}).encode()).inputs["x"].shape == (0, 2**20)  # fmt: skip
+
+
+def test_an_output_requested_twice_is_refused() -> None:
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}], "outputs": [{"name": "o"}, {"name": "o"}]}
+    with pytest.raises(ProtocolError, match="output 'o' is requested twice; ask for each output once"):
+        parse_infer_request(json.dumps(body).encode())
+
+
+def test_nesting_is_refused_in_linear_time() -> None:
+    """Millions of brackets deep costs one scan, not one pass per level (about 0.1 s for 8 MiB here)."""
+    import time
+
+    n = 4 * 2**20
+    started = time.process_time()
+    with pytest.raises(ProtocolError, match="nests more than 64 levels deep"):
+        parse_infer_request(b'{"inputs":' + b"[" * n + b"]" * n + b"}")
+    assert time.process_time() - started < 2.0
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.lists(st.integers(0, 3), min_size=1, max_size=4), dtype=st.sampled_from(["float32", "int64", "uint8", "bool", "string"]))
 def test_known_and_fresh_decodes_agree(rows: list[int], dtype: str) -> None:

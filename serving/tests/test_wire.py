@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("google.protobuf")
 
-from neuropod_serving.protocol import ProtocolError
+from neuropod_serving.protocol import ProtocolError, _forms
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, encode_varint, split_raw
@@ -169,7 +169,7 @@ def test_the_plan_caches_are_bounded() -> None:
     for n in range(codec.PLAN_LIMIT + 10):
         data = codec.serialize_model_infer_request("m", {"a": np.zeros((1, n + 1), np.float32)})
         codec.deserialize_model_infer_request(data).decode()
-    assert len(codec._REQUESTS_READ._plans) <= codec.PLAN_LIMIT
+    assert 0 < codec._REQUESTS_READ._plans._used <= _forms.BUDGET  # received forms: bounded in bytes
     assert len(codec._REQUEST_HEADS._plans) <= codec.PLAN_LIMIT
 
 

@@ -18,6 +18,12 @@ from neuropod.errors import NeuropodError
 
 log = logging.getLogger("neuropod_serving.cli")
 DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
+#: The request line and headers of one REST request, in bytes (then 431).
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024
+#: Headers in one REST request (then 431).
+DEFAULT_MAX_HEADERS = 100
+#: Seconds a REST request head may take from its first byte (or from the connection) to its end (then 408).
+DEFAULT_HEAD_TIMEOUT_S = 15.0
 
 
 def _positive(text: str) -> int:
@@ -86,6 +92,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="B",
         help=f"refuse larger request bodies with 413 (gRPC: RESOURCE_EXHAUSTED) (default {DEFAULT_MAX_REQUEST_BYTES:,})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-head-bytes", type=_positive, default=DEFAULT_MAX_HEAD_BYTES, metavar="B",
+        help=f"refuse REST requests whose request line and headers pass B bytes with 431 (default {DEFAULT_MAX_HEAD_BYTES:,})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-headers", type=_positive, default=DEFAULT_MAX_HEADERS, metavar="N",
+        help=f"refuse REST requests with more than N headers with 431 (default {DEFAULT_MAX_HEADERS})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--head-timeout", type=_seconds, default=DEFAULT_HEAD_TIMEOUT_S, metavar="S",
+        help="close REST connections whose request head is not complete S seconds after it began, "
+        f"with 408 (default {DEFAULT_HEAD_TIMEOUT_S:g})",
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no start-up table and no access log (warnings and errors only)")
     ray = parser.add_argument_group(
@@ -361,7 +380,7 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
                 ssl = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
             config = uvicorn.Config(
                 app, log_level="warning" if args.quiet else "info", access_log=not args.quiet,
-                lifespan="off", timeout_graceful_shutdown=5, http=_http_protocol(),
+                lifespan="off", timeout_graceful_shutdown=5, http=_http_protocol(args),
                 # X-Forwarded-For only changes the client address the access log shows.
                 proxy_headers=not args.quiet, **ssl,
             )  # fmt: skip
@@ -398,13 +417,26 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
             sock.close()
 
 
-def _http_protocol() -> Any:
-    """uvicorn's httptools protocol sending each response in one write, else uvicorn's choice."""
+def _http_protocol(args: argparse.Namespace) -> Any:
+    """uvicorn's httptools protocol sending each response in one write and bounding request
+    heads by ``args``, else uvicorn's choice."""
     try:
         from neuropod_serving.server.http import OneWriteProtocol
     except ImportError:  # no httptools: uvicorn falls back to h11
         return "auto"
-    return OneWriteProtocol
+    return OneWriteProtocol.with_limits(
+        max_head_bytes=args.max_head_bytes, max_headers=args.max_headers, head_timeout_s=args.head_timeout
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of seconds above 0, not {text!r}")
+    return value
 
 
 def _show_host(host: str) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 from neuropod import _json
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod_serving.protocol._forms import MAX_FORM_BYTES, FormCache
 
 #: OIP datatype -> the spec dtype it means. BYTES carries UTF-8 text.
 DATATYPES: dict[str, str] = {
@@ -65,6 +66,9 @@ _FAST_DECODE: dict[object, np.dtype[Any]] = {d: w for d, w in _WIRE_DTYPES.items
 _MAX_DIMS = 32
 # An element count must fit the int64 every OIP implementation stores it in.
 _MAX_ELEMENTS = 2**63 - 1
+# The product of a shape's dims, its zeros counted as 1, that numpy can make an array of
+# (of any dtype: it checks that product times the item size, even for an empty array).
+_MAX_SPAN = 2**63 // 16
 _LENGTH = struct.Struct("<I")
 # Numpy dtypes whose bytes are already their wire form (little-endian), by dtype.
 _FAST_ENCODE: dict[np.dtype[Any], str] = {w: d for d, w in _WIRE_DTYPES.items()}
@@ -298,6 +302,8 @@ def parse_infer_request(
             if not isinstance(out, Mapping):
                 raise ProtocolError(f"{where} must be an object with a 'name', not {_kind(out)}")
             name = _name(out, where)
+            if name in outputs:  # as gRPC: answering once would hide a client's mistake
+                raise ProtocolError(f"output {name!r} is requested twice; ask for each output once")
             choice = _parameters(out, f"output {name!r}").get("binary_data")
             if choice is not None and not isinstance(choice, bool):
                 raise ProtocolError(f"output {name!r}: parameters.binary_data must be true or false, not {_show(choice)}")
@@ -306,7 +312,9 @@ def parse_infer_request(
     choice = parameters.get("binary_data_output")
     if choice is not None and not isinstance(choice, bool):
         raise ProtocolError(f"request parameters.binary_data_output must be true or false, not {_show(choice)}")
-    return InferRequest(inputs=inputs, outputs=outputs, id=_optional_str(header, "id"), parameters=dict(parameters))
+    decoded = InferRequest(inputs=inputs, outputs=outputs, id=_optional_str(header, "id"), parameters=dict(parameters))
+    _remember(known)
+    return decoded
 
 
 def parse_infer_response(
@@ -321,13 +329,15 @@ def parse_infer_response(
     """
     header, binary, known = _split(body, json_length, "response")
     specs = None if output_spec is None else {s.name: s for s in output_spec}
-    return InferResponse(
+    decoded = InferResponse(
         outputs=_decode_tensors(header, "outputs", binary, specs, required=False, known=known),
         model_name=_optional_str(header, "model_name"),
         model_version=_optional_str(header, "model_version"),
         id=_optional_str(header, "id"),
         parameters=dict(_parameters(header, "response")),
     )
+    _remember(known)
+    return decoded
 
 
 def build_infer_request(
@@ -556,20 +566,28 @@ class _KnownHeader:
     """The JSON header of a binary body, parsed, and once a decode of it took the fast path for
     every tensor, each tensor's name, datatype, wire dtype, shape and size (``plans``, by key)."""
 
-    __slots__ = ("doc", "plans")
+    __slots__ = ("doc", "key", "plans")
 
-    def __init__(self, doc: dict[str, Any]) -> None:
+    def __init__(self, doc: dict[str, Any], key: bytes | None) -> None:
         self.doc = doc
+        #: The header's bytes until it is remembered (:func:`_remember`), then None.
+        self.key = key
         self.plans: dict[str, tuple[tuple[str, str, np.dtype[Any], tuple[int, ...], int], ...]] = {}
 
 
-#: Headers of binary bodies remembered (by their bytes; emptied when full). A binary body's
-#: header depends only on the tensors' names, datatypes and shapes, not their values, so a
-#: client sending the same form of request again costs no JSON parse and no per-tensor checks
-#: beyond the spec's datatypes.
-HEADER_LIMIT = 256
-_MAX_KNOWN_HEADER = 64 * 1024
-_KNOWN: dict[bytes, _KnownHeader] = {}
+#: Headers of binary bodies remembered by their bytes, within a budget of bytes
+#: (:class:`~neuropod_serving.protocol._forms.FormCache`), once a body with the header
+#: decoded cleanly. A binary body's header depends only on the tensors' names, datatypes and
+#: shapes, not their values, so a client sending the same form of request again costs no JSON
+#: parse and no per-tensor checks beyond the spec's datatypes.
+_KNOWN: FormCache[bytes, _KnownHeader] = FormCache()
+
+
+def _remember(known: _KnownHeader | None) -> None:
+    """Keep a header that has just decoded cleanly for the next body of its form."""
+    if known is not None and known.key is not None:
+        _KNOWN.put(known.key, known, len(known.key))
+        known.key = None
 
 
 def _split(
@@ -580,7 +598,7 @@ def _split(
         view = view.cast("B")
     length = len(view) if json_length is None else _header_length(json_length, len(view))
     key = None
-    if json_length is not None and length <= _MAX_KNOWN_HEADER:
+    if json_length is not None and length <= MAX_FORM_BYTES:
         key = bytes(view[:length])
         known = _KNOWN.get(key)
         if known is not None:
@@ -603,10 +621,8 @@ def _split(
         raise ProtocolError(f"the {what} must be a JSON object, not {_kind(header)}")
     if key is None:
         return header, view[length:], None
-    if len(_KNOWN) >= HEADER_LIMIT:
-        _KNOWN.clear()
-    known = _KNOWN[key] = _KnownHeader(header)
-    return header, view[length:], known
+    # Remembered only once a body decodes cleanly with it: refused ones cost nothing after their answer.
+    return header, view[length:], _KnownHeader(header, key)
 
 
 def _loads(raw: memoryview, text: str) -> Any:
@@ -777,8 +793,8 @@ def _decode_tensors(
     return arrays
 
 
-#: JSON headers of binary bodies built, by (header, key, tensor names, dtypes, shapes); emptied when full.
-_BUILT: dict[Any, bytes] = {}
+#: JSON headers of binary bodies built, by (header, key, tensor names, dtypes, shapes), within a budget of bytes.
+_BUILT: FormCache[Any, bytes] = FormCache()
 
 
 def _build(header: dict[str, Any], key: str, tensors: Mapping[str, np.ndarray[Any, Any]], binary: set[str]) -> Body:
@@ -814,9 +830,7 @@ def _build(header: dict[str, Any], key: str, tensors: Mapping[str, np.ndarray[An
     if not raws:
         return Body(text, None)
     if form is not None:
-        if len(_BUILT) >= HEADER_LIMIT:
-            _BUILT.clear()
-        _BUILT[form] = text
+        _BUILT.put(form, text, len(text) + len(form[0]))
     return Body(b"".join([text, *raws]), len(text))
 
 
@@ -828,11 +842,21 @@ def specs_by_name(spec: Iterable[TensorSpec] | Mapping[str, TensorSpec] | None) 
 
 
 def _plain_dims(shape: list[Any]) -> bool:
-    """Whether every dim is an int >= 0 (not a bool, float or -1)."""
-    for d in shape:  # noqa: SIM110 - a plain loop: all() over a generator costs more per request
+    """Whether every dim is an int >= 0 (not a bool, float or -1) and numpy can make an array of the shape."""
+    span = 1
+    for d in shape:  # a plain loop: all() over a generator costs more per request
         if type(d) is not int or d < 0:
             return False
-    return True
+        span *= d or 1
+    return span <= _MAX_SPAN
+
+
+def _spannable(shape: Sequence[int]) -> bool:
+    """Whether numpy can make an array of ``shape`` (dims >= 0), however few elements it holds."""
+    span = 1
+    for d in shape:
+        span *= d or 1
+    return span <= _MAX_SPAN
 
 
 def _shape(shape: object, name: str) -> list[int]:
@@ -843,6 +867,14 @@ def _shape(shape: object, name: str) -> list[int]:
             raise ProtocolError(f"tensor {name!r}: shape[{i}] is {_show(dim)}; a dim is an integer >= 0")
     if len(shape) > _MAX_DIMS:
         raise ProtocolError(f"tensor {name!r}: shape has {len(shape)} dims, more than the {_MAX_DIMS} supported")
+    if not _spannable(shape):
+        count = math.prod(shape)
+        if count > _MAX_ELEMENTS:
+            raise ProtocolError(f"tensor {name!r}: shape {shape} has {count} elements, more than an int64 can count")
+        raise ProtocolError(
+            f"tensor {name!r}: shape {shape} is larger than any array can be (the product of its dims, "
+            f"zeros counted as 1, passes {_MAX_SPAN:,}), even when it holds no elements"
+        )
     return shape
 
 

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 
 from neuropod import _json
 from neuropod.spec import TensorSpec
+from neuropod_serving.protocol._forms import MAX_FORM_BYTES, FormCache
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, encode_varint, split_raw
 from neuropod_serving.protocol.codec import (
@@ -41,6 +42,7 @@ from neuropod_serving.protocol.codec import (
     InferResponse,
     ProtocolError,
     _shape,
+    _spannable,
     decode_tensor,
     encode_tensor,
     spec_dtype,
@@ -320,9 +322,9 @@ def deserialize_model_infer_response(data: bytes) -> InferResponse:
 
 # --- the wire form, planned once per form of message --------------------------
 
-#: Distinct forms of message remembered per direction (the cache is emptied when full).
+#: Distinct forms of message built per direction (the cache is emptied when full). Received
+#: forms are kept within a budget of bytes instead (:class:`_Reader`): clients choose them.
 PLAN_LIMIT = 256
-_MAX_KEY_BYTES = 64 * 1024
 _ID_KEY = bytes([3 << 3 | 2])  # field 3 (id), length-delimited: the same number in both messages
 # The key of each raw contents entry (field number, length-delimited).
 _TAGS = {f: encode_varint(f << 3 | 2) for f in (_RAW_INPUT_FIELD, _RAW_OUTPUT_FIELD)}
@@ -377,10 +379,13 @@ class _Plan:
     """One form of received message: the message without its raw contents, parsed, and
     once it has decoded cleanly, each tensor's name, datatype, wire dtype, shape and size."""
 
-    __slots__ = ("message", "parameters", "requested", "tensors")
+    __slots__ = ("_cache", "_key", "message", "parameters", "requested", "tensors")
 
-    def __init__(self, message: Any) -> None:
+    def __init__(self, message: Any, key: bytes | None = None, cache: FormCache[bytes, _Plan] | None = None) -> None:
         self.message = message
+        # Where the form is remembered once it has decoded cleanly (learn), and under which bytes.
+        self._key = key
+        self._cache = cache
         self.parameters = parameters_from_proto(message.parameters)
         requested = getattr(message, "outputs", None) if hasattr(message, "raw_input_contents") else None
         self.requested = tuple(o.name for o in requested) if requested else None
@@ -398,6 +403,9 @@ class _Plan:
             size = math.prod(shape) * wire.itemsize if wire is not None else -1
             tensors.append((t.name, t.datatype, wire, shape, size, {"name": t.name, "datatype": t.datatype, "shape": list(shape)}))
         self.tensors = tuple(tensors)
+        if self._cache is not None and self._key is not None:
+            self._cache.put(self._key, self, len(self._key))
+            self._key = None
 
     def arrays(
         self, raws: Sequence[memoryview], kind: str, specs: Mapping[str, TensorSpec] | None
@@ -425,10 +433,11 @@ class _Plan:
 
 
 class _Reader:
-    """Received messages split into raw contents (views) and the rest, whose parse is kept per form."""
+    """Received messages split into raw contents (views) and the rest, whose parse is kept per
+    form once a message of the form has decoded cleanly (refused ones are not kept)."""
 
     def __init__(self) -> None:
-        self._plans: dict[bytes, _Plan] = {}
+        self._plans: FormCache[bytes, _Plan] = FormCache()
 
     def read(self, data: bytes, field: int, message_class: Any) -> tuple[_Plan, list[Any]]:
         name = "raw_input_contents" if field == _RAW_INPUT_FIELD else "raw_output_contents"
@@ -445,13 +454,11 @@ class _Reader:
                 rest = data
         else:
             rest, raws = split_raw(data, field)
-        plan = self._plans.get(rest) if len(rest) <= _MAX_KEY_BYTES else None
+        small = len(rest) <= MAX_FORM_BYTES
+        plan = self._plans.get(rest) if small else None
         if plan is None:
-            plan = _Plan(message if message is not None else _parse(message_class, rest))
-            if len(rest) <= _MAX_KEY_BYTES:
-                if len(self._plans) >= PLAN_LIMIT:
-                    self._plans.clear()
-                self._plans[bytes(rest)] = plan
+            message = message if message is not None else _parse(message_class, rest)
+            plan = _Plan(message, bytes(rest), self._plans) if small else _Plan(message)
         return plan, raws
 
 
@@ -633,6 +640,7 @@ def _decode_tensors(
                     len(shape) <= _MAX_DIMS
                     and min(shape, default=0) >= 0
                     and math.prod(shape) * wire.itemsize == len(raw)
+                    and _spannable(shape)
                     and not _has_contents(t)
                 ):
                     arrays[name] = np.frombuffer(raw, dtype=wire).reshape(shape)

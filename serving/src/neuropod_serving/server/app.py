@@ -8,7 +8,6 @@ a slow model never blocks the event loop (health checks keep answering).
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -21,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from neuropod import _json
 from neuropod.errors import NeuropodError, SpecError
 from neuropod_serving import __version__
 from neuropod_serving.protocol import (
@@ -32,6 +32,7 @@ from neuropod_serving.protocol import (
 )
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
+from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from neuropod_serving.server.registry import MODEL_VERSION, ServedModel, UnknownModelError
 
@@ -69,9 +70,9 @@ class _BearerAuth:
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        # compare_digest: the time taken must not tell an attacker how much of a guess was right.
-        if not hmac.compare_digest(given, self.expected):
-            reason = "no Authorization header" if not given else "the bearer token does not match"
+        # Checked on the headers alone: a request without the token is refused before its body is read.
+        reason = bearer_refusal(given, self.expected)
+        if reason is not None:
             response = _error(
                 401,
                 f"this server needs 'Authorization: Bearer <token>' ({reason})",
@@ -271,7 +272,12 @@ def _repository_body(body: bytes) -> dict[str, Any]:
     if not body.strip():
         return {}
     try:
-        value = json.loads(body)
+        # Bounded in depth and size before parsing: a body nested thousands deep is a 400, not a RecursionError.
+        value = _json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ProtocolError(
+            f"a repository request body is a JSON object in UTF-8 ({e.reason} at byte {e.start})"
+        ) from None
     except ValueError as e:
         raise ProtocolError(f"a repository request body is a JSON object: {e}") from None
     if not isinstance(value, dict):

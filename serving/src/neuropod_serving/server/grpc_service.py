@@ -26,7 +26,6 @@ the model failed              INTERNAL, naming the model; logged
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from concurrent import futures
 from typing import Any, NamedTuple
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from neuropod.errors import NeuropodError, SpecError
 from neuropod_serving import __version__
@@ -42,6 +42,7 @@ from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
+from neuropod_serving.server.limits import bearer_refusal, escape_log
 from neuropod_serving.server.registry import MODEL_VERSION, UnknownModelError
 
 log = logging.getLogger("neuropod_serving.server")
@@ -188,32 +189,51 @@ def _wrap(
     method: str,
     handler: Handler,
     *,
+    parse: Callable[[bytes], Any],
     model_of: Callable[[Any], str] | None,
     expected_auth: bytes | None,
     access_log: bool,
 ) -> Handler:
-    """``handler`` with authentication, errors mapped to status codes, and the access log."""
+    """``handler`` with authentication, errors mapped to status codes, and the access log.
 
-    def rpc(request: Any, context: grpc.ServicerContext) -> Any:
+    The RPC takes the request's bytes (grpcio deserializes nothing) and ``parse`` reads them
+    only after the token is checked: a call without it costs no more than its metadata.
+    """
+
+    def rpc(data: bytes, context: grpc.ServicerContext) -> Any:
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         details = ""
+        request = None
         try:
             if expected_auth is not None:
                 authenticate(context, expected_auth)
+            request = _parsed(parse, data, method)
             return handler(request, context)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status (status_of logs the unexpected)
-            code, details = status_of(e, method, model_of(request) if model_of is not None else "?")
+            code, details = status_of(e, method, _model(model_of, request) or "?")
         finally:
             if access_log and access.isEnabledFor(logging.INFO):
                 access.info(
                     '%s "%s %s" %s %.2fms',
-                    context.peer(), method, (model_of(request) if model_of is not None else "") or "-",
+                    context.peer(), method, escape_log(_model(model_of, request)) or "-",
                     code.name, (time.perf_counter() - started) * 1000,
                 )  # fmt: skip
         context.abort(code, details)  # raises: the RPC ends with this status
 
     return rpc
+
+
+def _parsed(parse: Callable[[bytes], Any], data: bytes, method: str) -> Any:
+    try:
+        return parse(data)
+    except DecodeError as e:
+        raise ProtocolError(f"the {method} request cannot be parsed: {e}") from None
+
+
+def _model(model_of: Callable[[Any], str] | None, request: Any) -> str:
+    """The model ``request`` names, "" before it is parsed or for a server-level RPC."""
+    return model_of(request) if model_of is not None and request is not None else ""
 
 
 def status_of(exc: Exception, method: str, model: str) -> tuple[grpc.StatusCode, str]:
@@ -245,9 +265,9 @@ def authenticate(context: grpc.ServicerContext, expected: bytes) -> None:
         if key == "authorization":
             given = value.encode() if isinstance(value, str) else bytes(value)
             break
-    # compare_digest: the time taken must not tell an attacker how much of a guess was right.
-    if not hmac.compare_digest(given, expected):
-        reason = "no authorization metadata" if not given else "the bearer token does not match"
+    reason = bearer_refusal(given, expected)
+    if reason is not None:
+        reason = "no authorization metadata" if not given else reason
         raise _Refused(
             grpc.StatusCode.UNAUTHENTICATED,
             f"this server needs 'authorization: Bearer <token>' in the call's metadata ({reason})",
@@ -301,11 +321,12 @@ def _handlers(engine: Engine, *, auth_token: str | None, access_log: bool) -> di
             _wrap(
                 name,
                 getattr(servicer, m.handler),
+                parse=getattr(m.request, "FromString", m.request),
                 model_of=m.model_of,
                 expected_auth=None if m.open else expected,
                 access_log=access_log,
             ),
-            request_deserializer=getattr(m.request, "FromString", m.request),
+            request_deserializer=None,  # the bytes: _wrap parses them after authentication
             response_serializer=None if m.response is None else m.response.SerializeToString,
         )
         for name, m in METHODS.items()
