@@ -262,10 +262,12 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
 
 
 def _transports(targets: list[Target], auth_token: str | None, ca_cert: Any, server_name: str | None) -> list[Transport]:
-    try:
-        from neuropod_serving.client._grpc import GrpcTransport
-    except ImportError as e:
-        if any(t.protocol == "grpc" for t in targets):
+    # Only a grpc:// URL imports grpcio and the protobuf messages: an http:// model works
+    # without them, and in a process whose other gRPC stack would clash with them.
+    if any(t.protocol == "grpc" for t in targets):
+        try:
+            from neuropod_serving.client._grpc import GrpcTransport
+        except ImportError as e:
             raise PluginNotInstalledError(f"gRPC remote models need grpcio and protobuf ({e}): {_INSTALL}") from None
     root: bytes | None = None
     context = None
