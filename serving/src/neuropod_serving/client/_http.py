@@ -214,10 +214,10 @@ class HttpTransport:
                 raise remote_error(self.target, "tls", str(e), call=call) from None
             except http.client.IncompleteRead as e:
                 conn.close()  # type: ignore[union-attr]
+                short = f" ({e.expected} bytes short)" if e.expected else ""
                 raise remote_error(
                     self.target, "protocol",
-                    f"the server closed the connection {e.expected} bytes short of the Content-Length it announced",
-                    call=call,
+                    f"the server closed the connection before the end of the answer it announced{short}", call=call,
                 ) from None  # fmt: skip
             except (OSError, http.client.HTTPException) as e:
                 if conn is not None:
