@@ -8,6 +8,13 @@ are checked against it before anything is sent (the same ``SpecError`` as a
 local model), tensors travel as raw bytes, and every transport or server
 fault is a :class:`~neuropod.errors.RemoteError` naming the URL.
 
+No server is trusted: sizes an answer announces cost memory only as their
+bytes arrive, shapes must match the data sent with them, outputs are checked
+against the output spec (a misfit is a RemoteError naming the server, code
+``protocol``), ``timeout=`` is a deadline for the whole call on both
+transports, and a token sent without TLS to a host that is not loopback
+warns (:class:`PlainTextTokenWarning`, once per server and process).
+
 The far end is any Open Inference Protocol server: ``neuropod serve``,
 Triton, MLServer, KServe. A neuropod server also sends each tensor's exact
 spec shape (symbol names) and says which backend and device run the model;
@@ -188,11 +195,13 @@ class RemoteModel(NeuropodModel):
     ) -> dict[str, np.ndarray]:
         """Run the model on a server (see :meth:`NeuropodModel.infer`).
 
-        :param timeout: seconds this call may take, retries included (the
-            model's ``timeout=`` by default; None there means no limit).
+        :param timeout: a deadline in seconds for this call: connecting,
+            sending, waiting, reading and retries included (the model's
+            ``timeout=`` by default; None there means no limit).
         :param output_device: None or ``"cpu"``; outputs of a remote model arrive in host memory.
         :raises RemoteError: the server could not be reached, did not answer
-            in time, or refused or failed the call; it names the URL.
+            in time (code ``deadline_exceeded``), refused or failed the call, or
+            answered with outputs that do not fit the spec; it names the URL.
         """
         if timeout is not None:
             check_seconds("timeout", timeout)
@@ -241,9 +250,10 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
 
     :param urls: ``SCHEME://HOST[:PORT]/MODEL[/VERSION]``, or several for a pool of
         servers (see :mod:`neuropod_serving.client._pool` for the policy).
-    :param timeout: seconds each ``infer`` may take, retries included (None: no limit).
+    :param timeout: a deadline in seconds for each ``infer``, retries included (None: no limit).
     :param retries: extra attempts of a call that found its server unavailable (default 2).
-    :param auth_token: sent as ``authorization: Bearer <token>``.
+    :param auth_token: sent as ``authorization: Bearer <token>``; without TLS to a host
+        that is not loopback, a :class:`PlainTextTokenWarning` (once per server and process).
     :param tls: True or False to force TLS on or off whatever the scheme says
         (grpcs and https are TLS).
     :param ca_cert: a PEM file of the certificates to trust (default: the system's).
