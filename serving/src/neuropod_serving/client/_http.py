@@ -6,8 +6,8 @@ head and the body apart), and answers are read into a ``bytearray`` so that
 the outputs are writable views of it (no copy).
 
 No server is trusted: a ``Content-Length`` is a claim, so the buffer grows
-with the bytes that actually arrive (:data:`FIRST_READ_BYTES` at once, then
-doubling), and a ``timeout`` is a deadline for the whole call, connecting,
+with the bytes that actually arrive (pages of up to :data:`FIRST_READ_BYTES`
+are written only as bytes come, then the buffer doubles), and a ``timeout`` is a deadline for the whole call, connecting,
 sending and every read included: a server that trickles its answer a byte at
 a time cannot hold a call past it.
 Tensors go as Triton's binary tensor extension when the server lists it
@@ -38,9 +38,12 @@ from neuropod_serving.protocol import HEADER_LENGTH, ProtocolError, build_infer_
 _ONE_WRITE = 64 * 1024
 # Idle connections kept per server (more are closed when they come back).
 _MAX_IDLE = 32
-#: An answer's buffer is allocated at its Content-Length up to this size; past it, the
-#: buffer doubles as bytes arrive, so a false claim costs at most this much memory.
-FIRST_READ_BYTES = 1 << 20
+#: An answer's buffer is taken at its Content-Length up to this size, its pages written only as
+#: the bytes arrive; past it, the buffer doubles as they do. A false claim costs address space
+#: up to this much, and memory only for what was sent.
+FIRST_READ_BYTES = 16 << 20
+# Answers up to this size are read into a bytearray of their Content-Length (zeroed first: cheap).
+_SMALL = 64 * 1024
 # The first buffer of an answer without a Content-Length (chunked, or until the server closes).
 _UNKNOWN_LENGTH_FIRST = 64 * 1024
 
@@ -134,30 +137,47 @@ def _left(deadline: float | None) -> float | None:
     return left
 
 
-def _read_body(response: http.client.HTTPResponse, length: int | None) -> bytearray:
-    """The body, in a buffer that grows only as its bytes arrive (see :data:`FIRST_READ_BYTES`):
-    ``length`` bytes when the server announced a Content-Length, else all it sends (chunked, or
-    until it closes).
+def _read_body(response: http.client.HTTPResponse, length: int | None) -> bytearray | memoryview:
+    """The body, in memory that grows only as its bytes arrive: ``length`` bytes when the server
+    announced a Content-Length, else all it sends (chunked, or until it closes).
+
+    Up to :data:`FIRST_READ_BYTES` of a Content-Length is taken at once, as a buffer whose pages
+    are not written before the bytes come (``np.empty``: no zero fill, so untouched pages cost no
+    memory); past it, the buffer doubles when full, keeping what came. Small answers (the common
+    case) get a plain ``bytearray``.
 
     :raises http.client.IncompleteRead: the server closed before ``length`` bytes came.
     """
-    data = bytearray(_UNKNOWN_LENGTH_FIRST if length is None else min(length, FIRST_READ_BYTES))
-    got = 0
-    while True:
-        with memoryview(data) as view:  # released before the buffer grows
-            while got < len(data):
+    if length is not None and length <= _SMALL:
+        data = bytearray(length)
+        with memoryview(data) as view:
+            got = 0
+            while got < length:
                 n = response.readinto(view[got:])
                 if not n:
-                    break
+                    raise http.client.IncompleteRead(b"", length - got)
                 got += n
-        if got < len(data):
+        return data
+    size = _UNKNOWN_LENGTH_FIRST if length is None else min(length, FIRST_READ_BYTES)
+    buffer = np.empty(size, np.uint8)
+    got = 0
+    while True:
+        view = memoryview(buffer)  # type: ignore[arg-type]
+        while got < size:
+            n = response.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        if got < size:
             if length is not None:
                 raise http.client.IncompleteRead(b"", length - got)
-            del data[got:]
-            return data
+            return view[:got]
         if length is not None and got >= length:
-            return data
-        data.extend(bytes(len(data) if length is None else min(len(data), length - got)))
+            return view
+        size = 2 * size if length is None else min(2 * size, length)
+        grown = np.empty(size, np.uint8)
+        grown[:got] = buffer[:got]
+        buffer = grown
 
 
 class HttpTransport:
