@@ -265,7 +265,7 @@ _MEASURE = textwrap.dedent("""
 
 
 def test_sizes_a_server_only_claims_cost_no_memory() -> None:
-    """Answers that announce 1 GiB to 1 TiB and send a few bytes: the client process's peak
+    """Answers that announce 1 GiB to terabytes and send a few bytes: the client process's peak
     RSS grows by less than 64 MiB over all of them, and each is a clear RemoteError naming the URL."""
     with _servers(lambda name: HTTP_LIES[name], lambda name: GRPC_LIES[name]) as fakes:
         urls = {f"http:{c}": fakes["http"].url(c) for c in HTTP_LIES}
