@@ -90,7 +90,8 @@ class RemoteError(NeuropodError, RuntimeError):
         model), ``"invalid_argument"`` (the server refused the inputs),
         ``"unauthenticated"``, ``"internal"`` (the model failed on the server),
         ``"tls"`` (the TLS handshake failed), ``"protocol"`` (an answer that does
-        not follow the Open Inference Protocol).
+        not follow the Open Inference Protocol, or whose outputs do not fit the
+        model's output spec).
     :ivar server_message: the server's own words, when it answered.
     """
 

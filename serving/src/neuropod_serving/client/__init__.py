@@ -8,6 +8,13 @@ are checked against it before anything is sent (the same ``SpecError`` as a
 local model), tensors travel as raw bytes, and every transport or server
 fault is a :class:`~neuropod.errors.RemoteError` naming the URL.
 
+No server is trusted: sizes an answer announces cost memory only as their
+bytes arrive, shapes must match the data sent with them, outputs are checked
+against the output spec (a misfit is a RemoteError naming the server, code
+``protocol``), ``timeout=`` is a deadline for the whole call on both
+transports, and a token sent without TLS to a host that is not loopback
+warns (:class:`PlainTextTokenWarning`, once per server and process).
+
 The far end is any Open Inference Protocol server: ``neuropod serve``,
 Triton, MLServer, KServe. A neuropod server also sends each tensor's exact
 spec shape (symbol names) and says which backend and device run the model;
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,12 +37,13 @@ import numpy as np
 
 from neuropod._args import check_flag, check_seconds
 from neuropod.backend import Backend
-from neuropod.errors import NeuropodError, PluginNotInstalledError, RemoteError
+from neuropod.errors import NeuropodError, PluginNotInstalledError, RemoteError, SpecError
 from neuropod.model import NeuropodModel
 from neuropod.spec import SpecValidator, TensorSpec
 from neuropod_serving import __version__
+from neuropod_serving.client._errors import remote_error
 from neuropod_serving.client._pool import Pool, Transport
-from neuropod_serving.client._target import SCHEMES, Target, parse_url
+from neuropod_serving.client._target import SCHEMES, Target, is_loopback, parse_url
 
 #: Seconds that loading (metadata and readiness calls) may take per server.
 CONNECT_TIMEOUT_S = 10.0
@@ -46,6 +55,10 @@ BACKEND_PARAMETER = "neuropod_backend"
 DEVICE_PARAMETER = "neuropod_device"
 
 _INSTALL = "pip install 'neuropod-serving[client]'"
+
+
+class PlainTextTokenWarning(UserWarning):
+    """``auth_token`` is sent without TLS to a server that is not on this machine."""
 
 
 class RemoteBackend(Backend):
@@ -123,12 +136,38 @@ class RemoteModel(NeuropodModel):
     def _no_device_tensors(self) -> str:
         return "a remote model's tensors travel to the server from host memory; pass numpy arrays (or CPU tensors)"
 
-    def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:
+    def _checked_infer(
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None, call_options: Any,
+        output_device: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """:meth:`NeuropodModel._checked_infer` for a server's answer: the inputs are checked as
+        for a local model (a SpecError), the outputs inside the call, so that outputs that do not
+        fit the spec are a RemoteError naming the server that sent them."""
+        if self._closed:
+            raise NeuropodError(f"Model {self.name!r} is closed")
+        validator = self._validator
+        if requested_outputs is not None:
+            requested_outputs = validator.check_requested(requested_outputs)
+        if output_device is not None:
+            self._output_device(output_device)  # "cpu" or an error: outputs arrive in host memory
+        checked, bindings = validator.check_inputs(inputs)
         timeout = self._timeout if call_options is None else call_options
         # All outputs are named when the caller names none: some servers (MLServer's runtimes)
         # answer only a default output to a request that names none.
         requested = requested_outputs if requested_outputs is not None else self._all_outputs
-        return self._pool.call(lambda t, remaining: t.infer(inputs, requested, remaining), timeout)
+
+        def call(transport: Transport, remaining: float | None) -> dict[str, np.ndarray]:
+            outputs = transport.infer(checked, requested, remaining)
+            if type(outputs) is not dict:
+                raise remote_error(transport.target, "protocol", "its answer holds no outputs", call="infer")
+            try:
+                validator.check_outputs(outputs, bindings, requested_outputs)
+            except SpecError as e:
+                raise remote_error(transport.target, "protocol", f"its outputs do not fit the model's spec: {e}",
+                                   call="infer") from None  # fmt: skip
+            return outputs
+
+        return self._pool.call(call, timeout)
 
     @property
     def name(self) -> str:
@@ -156,11 +195,13 @@ class RemoteModel(NeuropodModel):
     ) -> dict[str, np.ndarray]:
         """Run the model on a server (see :meth:`NeuropodModel.infer`).
 
-        :param timeout: seconds this call may take, retries included (the
-            model's ``timeout=`` by default; None there means no limit).
+        :param timeout: a deadline in seconds for this call: connecting,
+            sending, waiting, reading and retries included (the model's
+            ``timeout=`` by default; None there means no limit).
         :param output_device: None or ``"cpu"``; outputs of a remote model arrive in host memory.
         :raises RemoteError: the server could not be reached, did not answer
-            in time, or refused or failed the call; it names the URL.
+            in time (code ``deadline_exceeded``), refused or failed the call, or
+            answered with outputs that do not fit the spec; it names the URL.
         """
         if timeout is not None:
             check_seconds("timeout", timeout)
@@ -209,9 +250,10 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
 
     :param urls: ``SCHEME://HOST[:PORT]/MODEL[/VERSION]``, or several for a pool of
         servers (see :mod:`neuropod_serving.client._pool` for the policy).
-    :param timeout: seconds each ``infer`` may take, retries included (None: no limit).
+    :param timeout: a deadline in seconds for each ``infer``, retries included (None: no limit).
     :param retries: extra attempts of a call that found its server unavailable (default 2).
-    :param auth_token: sent as ``authorization: Bearer <token>``.
+    :param auth_token: sent as ``authorization: Bearer <token>``; without TLS to a host
+        that is not loopback, a :class:`PlainTextTokenWarning` (once per server and process).
     :param tls: True or False to force TLS on or off whatever the scheme says
         (grpcs and https are TLS).
     :param ca_cert: a PEM file of the certificates to trust (default: the system's).
@@ -251,6 +293,8 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
     if not url_list:
         raise ValueError("load_neuropod() was given an empty list of URLs")
     targets = [parse_url(u, tls=tls) for u in url_list]
+    if auth_token is not None:
+        _warn_plain_token(targets)
     transports = _transports(targets, auth_token, options.get("ca_cert"), server_name)
     pool = Pool(transports, retries=retries)
     try:
@@ -261,11 +305,37 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
         raise
 
 
+# Servers already warned about (host, port): one warning per server per process.
+_WARNED_PLAIN_TOKEN: set[tuple[str, int]] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def _warn_plain_token(targets: list[Target]) -> None:
+    """Warn, once per server and process, that ``auth_token`` goes as plain text to a server
+    beyond this machine (a URL without TLS whose host is not loopback)."""
+    for t in targets:
+        if t.tls or is_loopback(t.host):
+            continue
+        with _WARNED_LOCK:
+            if (t.host, t.port) in _WARNED_PLAIN_TOKEN:
+                continue
+            _WARNED_PLAIN_TOKEN.add((t.host, t.port))
+        warnings.warn(
+            f"Remote model {t.url}: auth_token is sent as plain text to {t.address}, a server beyond this "
+            f"machine, without TLS: anyone on the network path can read it. Use "
+            f"{'grpcs' if t.protocol == 'grpc' else 'https'}:// (or tls=True) for a server that is not local",
+            PlainTextTokenWarning,
+            stacklevel=5,  # the caller of load_neuropod (-> load_remote -> load -> here)
+        )
+
+
 def _transports(targets: list[Target], auth_token: str | None, ca_cert: Any, server_name: str | None) -> list[Transport]:
-    try:
-        from neuropod_serving.client._grpc import GrpcTransport
-    except ImportError as e:
-        if any(t.protocol == "grpc" for t in targets):
+    # Only a grpc:// URL imports grpcio and the protobuf messages: an http:// model works
+    # without them, and in a process whose other gRPC stack would clash with them.
+    if any(t.protocol == "grpc" for t in targets):
+        try:
+            from neuropod_serving.client._grpc import GrpcTransport
+        except ImportError as e:
             raise PluginNotInstalledError(f"gRPC remote models need grpcio and protobuf ({e}): {_INSTALL}") from None
     root: bytes | None = None
     context = None
@@ -356,4 +426,4 @@ def schemes() -> list[str]:
     return list(SCHEMES)
 
 
-__all__ = ["RemoteBackend", "RemoteError", "RemoteModel", "load", "schemes"]
+__all__ = ["PlainTextTokenWarning", "RemoteBackend", "RemoteError", "RemoteModel", "load", "schemes"]

@@ -2,8 +2,14 @@
 
 Python's ``http.client`` parses the answers; requests are written here so
 that a small request goes out in one ``send()`` (``http.client`` writes the
-head and the body apart), and answers are read into a ``bytearray`` of their
-``Content-Length`` so that the outputs are writable views of it (no copy).
+head and the body apart), and answers are read into a ``bytearray`` so that
+the outputs are writable views of it (no copy).
+
+No server is trusted: a ``Content-Length`` is a claim, so the buffer grows
+with the bytes that actually arrive (pages of up to :data:`FIRST_READ_BYTES`
+are written only as bytes come, then the buffer doubles), and a ``timeout`` is a deadline for the whole call, connecting,
+sending and every read included: a server that trickles its answer a byte at
+a time cannot hold a call past it.
 Tensors go as Triton's binary tensor extension when the server lists it
 (``neuropod serve``, Triton), as JSON otherwise (MLServer).
 """
@@ -11,9 +17,11 @@ Tensors go as Triton's binary tensor extension when the server lists it
 from __future__ import annotations
 
 import http.client
+import io
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -30,48 +38,81 @@ from neuropod_serving.protocol import HEADER_LENGTH, ProtocolError, build_infer_
 _ONE_WRITE = 64 * 1024
 # Idle connections kept per server (more are closed when they come back).
 _MAX_IDLE = 32
+#: An answer's buffer is taken at its Content-Length up to this size, its pages written only as
+#: the bytes arrive; past it, the buffer doubles as they do. A false claim costs address space
+#: up to this much, and memory only for what was sent.
+FIRST_READ_BYTES = 16 << 20
+# Answers up to this size are read into a bytearray of their Content-Length (zeroed first: cheap).
+_SMALL = 64 * 1024
+# The first buffer of an answer without a Content-Length (chunked, or until the server closes).
+_UNKNOWN_LENGTH_FIRST = 64 * 1024
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket's reading side for ``http.client``, each read bounded by the call's deadline
+    (a socket timeout alone bounds each read, not their sum)."""
+
+    def __init__(self, sock: socket.socket, deadline: float | None) -> None:
+        self._sock = sock
+        self.deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the deadline passed while the answer was still arriving")
+            self._sock.settimeout(left)
+        return self._sock.recv_into(b)
+
+
+class _Reading:
+    """What ``http.client.HTTPResponse`` takes as its socket: it only calls ``makefile``."""
+
+    def __init__(self, reader: _DeadlineReader) -> None:
+        self._reader = reader
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(self._reader)
 
 
 class _Connection:
     """One keep-alive connection."""
 
-    def __init__(self, target: Target, context: ssl.SSLContext | None, server_name: str | None, timeout: float | None):
-        sock = socket.create_connection((target.host, target.port), timeout=timeout)
+    def __init__(self, target: Target, context: ssl.SSLContext | None, server_name: str | None, deadline: float | None):
+        sock = socket.create_connection((target.host, target.port), timeout=_left(deadline))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if context is not None:
+                sock.settimeout(_left(deadline))
                 sock = context.wrap_socket(sock, server_hostname=server_name or target.host)
         except BaseException:
             sock.close()
             raise
         self.sock = sock
 
-    def roundtrip(self, head: bytes, body: bytes | None, timeout: float | None) -> tuple[http.client.HTTPResponse, Any]:
-        """Send a request and read the whole answer: (response, body as bytearray or bytes)."""
+    def roundtrip(self, head: bytes, body: bytes | None, deadline: float | None) -> tuple[http.client.HTTPResponse, Any]:
+        """Send a request and read the whole answer by ``deadline``: (response, body as bytearray or bytes).
+
+        :raises TimeoutError: the deadline passed.
+        :raises http.client.IncompleteRead: the server closed before its Content-Length came.
+        """
         sock = self.sock
-        sock.settimeout(timeout)
+        sock.settimeout(_left(deadline))  # sendall's timeout bounds the whole send
         if body is None:
             sock.sendall(head)
         elif len(body) <= _ONE_WRITE:
             sock.sendall(head + body)
         else:
             sock.sendall(head)
+            sock.settimeout(_left(deadline))
             sock.sendall(body)
-        response = http.client.HTTPResponse(sock)
+        response = http.client.HTTPResponse(_Reading(_DeadlineReader(sock, deadline)))  # type: ignore[arg-type]
         try:
             response.begin()
-            length = response.length
-            if length is None:
-                data: Any = response.read()
-            else:
-                data = bytearray(length)
-                view = memoryview(data)
-                got = 0
-                while got < length:
-                    n = response.readinto(view[got:])
-                    if not n:
-                        raise http.client.IncompleteRead(bytes(view[:got]), length - got)
-                    got += n
+            data = _read_body(response, response.length)
         finally:
             response.close()  # the response's file, not the socket
         return response, data
@@ -81,6 +122,62 @@ class _Connection:
             self.sock.close()
         except OSError:
             pass
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no limit).
+
+    :raises TimeoutError: it has passed.
+    """
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    return left
+
+
+def _read_body(response: http.client.HTTPResponse, length: int | None) -> bytearray | memoryview:
+    """The body, in memory that grows only as its bytes arrive: ``length`` bytes when the server
+    announced a Content-Length, else all it sends (chunked, or until it closes).
+
+    Up to :data:`FIRST_READ_BYTES` of a Content-Length is taken at once, as a buffer whose pages
+    are not written before the bytes come (``np.empty``: no zero fill, so untouched pages cost no
+    memory); past it, the buffer doubles when full, keeping what came. Small answers (the common
+    case) get a plain ``bytearray``.
+
+    :raises http.client.IncompleteRead: the server closed before ``length`` bytes came.
+    """
+    if length is not None and length <= _SMALL:
+        data = bytearray(length)
+        with memoryview(data) as view:
+            got = 0
+            while got < length:
+                n = response.readinto(view[got:])
+                if not n:
+                    raise http.client.IncompleteRead(b"", length - got)
+                got += n
+        return data
+    size = _UNKNOWN_LENGTH_FIRST if length is None else min(length, FIRST_READ_BYTES)
+    buffer = np.empty(size, np.uint8)
+    got = 0
+    while True:
+        view = memoryview(buffer)  # type: ignore[arg-type]
+        while got < size:
+            n = response.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        if got < size:
+            if length is not None:
+                raise http.client.IncompleteRead(b"", length - got)
+            return view[:got]
+        if length is not None and got >= length:
+            return view
+        size = 2 * size if length is None else min(2 * size, length)
+        grown = np.empty(size, np.uint8)
+        grown[:got] = buffer[:got]
+        buffer = grown
 
 
 class HttpTransport:
@@ -115,24 +212,33 @@ class HttpTransport:
     # --- connections ---------------------------------------------------------
 
     def _request(self, head: bytes, body: bytes | None, call: str, timeout: float | None) -> tuple[int, Any, Any]:
-        """One request on a pooled connection: (status, headers, body). A connection the
-        server closed while it was idle is replaced once, transparently."""
+        """One request on a pooled connection: (status, headers, body), all of it within ``timeout``.
+        A connection the server closed while it was idle is replaced once, transparently."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in (0, 1):
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             reused = conn is not None
             try:
                 if conn is None:
-                    conn = _Connection(self.target, self._context, self._server_name, timeout)
-                response, data = conn.roundtrip(head, body, timeout)
+                    conn = _Connection(self.target, self._context, self._server_name, deadline)
+                response, data = conn.roundtrip(head, body, deadline)
             except TimeoutError as e:
                 if conn is not None:
                     conn.close()
-                raise remote_error(self.target, "deadline_exceeded", str(e) or None, call=call, timeout=timeout) from None
+                detail = "the deadline passed" if str(e) in ("", "timed out") else str(e)
+                raise remote_error(self.target, "deadline_exceeded", detail, call=call, timeout=timeout) from None
             except ssl.SSLError as e:
                 if conn is not None:
                     conn.close()
                 raise remote_error(self.target, "tls", str(e), call=call) from None
+            except http.client.IncompleteRead as e:
+                conn.close()  # type: ignore[union-attr]
+                short = f" ({e.expected} bytes short)" if e.expected else ""
+                raise remote_error(
+                    self.target, "protocol",
+                    f"the server closed the connection before the end of the answer it announced{short}", call=call,
+                ) from None  # fmt: skip
             except (OSError, http.client.HTTPException) as e:
                 if conn is not None:
                     conn.close()

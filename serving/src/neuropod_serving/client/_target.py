@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
@@ -88,3 +89,19 @@ def parse_url(url: str, *, tls: bool | None = None) -> Target:
         model=segments[0],
         version=version,
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine by name or address: ``localhost`` (and names under
+    ``.localhost``), 127.0.0.0/8, ``::1``, and IPv4-mapped loopback (``::ffff:127.0.0.1``).
+    A name is not resolved: any other name counts as remote."""
+    name = host.strip("[]").rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(name.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
