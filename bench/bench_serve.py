@@ -1,6 +1,12 @@
 """neuropod serve against MLServer and against a bare floor, side by side in one run (issue 12).
 
     python bench/bench_serve.py --mlserver-venv VENV [--duration 2] [--repeats 3] [--json out.json]
+        [--baseline-python OTHER_VENV/bin/python]
+
+With ``--baseline-python``, ``neuropod serve`` from that interpreter (another
+release, e.g. the previous commit installed in a venv of its own) joins the
+neuropod cells (binary, JSON, gRPC, batched, MLP), and a last table gives each
+cell's requests/s against it.
 
 Servers (all on 127.0.0.1, free ports, pinned to CPU core 0 with taskset):
 
@@ -79,6 +85,8 @@ TINY, MANY, MLP = "tiny", "small_inputs_100", "mlp"
 #: 32-row run costs a few times that, not 32: a model where batching pays, unlike the tiny one.
 MLP_DIMS = (64, 2048, 2048, 2048, 16)
 CONCURRENCIES = (1, 8, 32)
+#: The row label of --baseline-python's server.
+BASELINE = "baseline"
 BATCH = 32
 
 
@@ -278,9 +286,10 @@ class Server:
         self.proc = None
 
 
-def neuropod_server(label: str, models: list[Model], tmp: Path, grpc: bool, extra: list[str] = ()) -> Server:  # type: ignore[assignment]
+def neuropod_server(label: str, models: list[Model], tmp: Path, grpc: bool, extra: list[str] = (),  # type: ignore[assignment]
+                    python: str = sys.executable) -> Server:  # fmt: skip
     http, grpc_port = free_port(), free_port() if grpc else 0
-    cmd = [sys.executable, "-m", "neuropod", "serve", *(str(m.package) for m in models), "--quiet",
+    cmd = [python, "-m", "neuropod", "serve", *(str(m.package) for m in models), "--quiet",
            "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", "0", *extra]  # fmt: skip
     return Server(label, "neuropod", tuple(m.name for m in models), http, grpc_port, cmd, tmp / f"{_slug(label)}.log")
 
@@ -519,6 +528,9 @@ def main() -> int:
                         help="the small --max-queue-delay-us tried beside 0 (default 500)")  # fmt: skip
     parser.add_argument("--grpc-processes", type=int, default=2, help="gRPC load processes (default 2)")
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
+    parser.add_argument("--baseline-python", help="also run `neuropod serve` from this interpreter (a venv holding "
+                        "another release, e.g. the previous commit's) in the same cells, and print each cell's "
+                        "ratio against it")  # fmt: skip
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed (default: report only)")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -552,6 +564,13 @@ def main() -> int:
                                 ["--max-batch-size", str(BATCH), "--max-queue-delay-us", str(delay)])  # fmt: skip
             batched.append(s)
         servers += batched
+        baseline: list[Server] = []
+        if args.baseline_python:
+            baseline.append(neuropod_server(BASELINE, [*both, models[MLP]], tmp, grpc, python=args.baseline_python))
+            baseline.append(neuropod_server(f"{BASELINE} batch {BATCH}, delay 0 us", [models[TINY], models[MLP]], tmp,
+                                            grpc, ["--max-batch-size", str(BATCH), "--max-queue-delay-us", "0"],
+                                            python=args.baseline_python))  # fmt: skip
+        servers += baseline
         if mlserver is not None:
             servers.append(mlserver_server("mlserver parallel_workers=0", both, tmp, mlserver, 0))
             servers.append(mlserver_server("mlserver default (1 worker)", both, tmp, mlserver, None))
@@ -599,8 +618,12 @@ def main() -> int:
             for model in (TINY, MANY):
                 for c in concurrencies:
                     add(protocol, model, c, "neuropod", by_label["neuropod"])
+                    if baseline:
+                        add(protocol, model, c, BASELINE, baseline[0])
                     if protocol == "rest":
                         add(protocol, model, c, "neuropod (JSON)", by_label["neuropod"], "json")
+                        if baseline:
+                            add(protocol, model, c, f"{BASELINE} (JSON)", baseline[0], "json")
                     for s in servers:
                         if s.kind == "mlserver":
                             add(protocol, model, c, s.label + (" (JSON)" if protocol == "rest" else ""), s,
@@ -609,11 +632,11 @@ def main() -> int:
                     if protocol == "grpc" and aio_floor is not None:
                         add(protocol, model, c, aio_floor.label, aio_floor)
                     if model == TINY and c == max(concurrencies):
-                        for s in batched:
+                        for s in [*batched, *baseline[1:]]:
                             add(protocol, model, c, s.label, s)
             # Where batching pays: a model whose run, not the request, is the cost.
             c = max(concurrencies)
-            for s in [by_label["neuropod"], *batched]:
+            for s in [by_label["neuropod"], *batched, *baseline]:
                 add(protocol, MLP, c, s.label, s)
         started = time.monotonic()
         for r in range(args.repeats):
@@ -622,6 +645,8 @@ def main() -> int:
             print(f"round {r + 1}/{args.repeats} done ({time.monotonic() - started:.0f} s)", flush=True)
         cells = [cell for cell, _ in plan]
         targets = report(cells, protocols, concurrencies, mlserver is not None)
+        if baseline:
+            report_baseline(cells)
         if args.json:
             write_json(args.json, cells, targets, args)
         return 1 if args.strict and not all(t["pass"] for t in targets) else 0
@@ -731,6 +756,28 @@ def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], ha
         print(f"INFO  batching on the {MLP} model (c={max(concurrencies)}, no target): "
               + ", ".join(f"{g:.2f}x ({w})" for g, w in mlp_gains))  # fmt: skip
     return targets
+
+
+def report_baseline(cells: list[Cell]) -> None:
+    """Each neuropod cell's requests/s over the same cell served by ``--baseline-python``'s neuropod."""
+    by_key = {(x.protocol, x.model, x.concurrency, x.server): x for x in cells}
+    pairs = [("neuropod", BASELINE), ("neuropod (JSON)", f"{BASELINE} (JSON)"),
+             (f"neuropod batch {BATCH}, delay 0 us", f"{BASELINE} batch {BATCH}, delay 0 us")]  # fmt: skip
+    ratios: list[tuple[float, str]] = []
+    print("\nAgainst the baseline (--baseline-python), requests/s ratio (median of the rounds' ratios):")
+    for x in cells:
+        for ours, theirs in pairs:
+            other = by_key.get((x.protocol, x.model, x.concurrency, theirs))
+            if x.server == ours and other is not None:
+                r = x.over(other)
+                where = f"{x.protocol} {x.model} c={x.concurrency} {ours}"
+                ratios.append((r, where))
+                print(f"  {where:<60} {x.median('rps'):9,.0f} vs {other.median('rps'):9,.0f} req/s: {r:.3f}")
+    if ratios:
+        values = sorted(r for r, _ in ratios)
+        worst = min(ratios)
+        print(f"INFO  against the baseline: median {statistics.median(values):.3f}, lowest {worst[0]:.3f} ({worst[1]}), "
+              f"{len(ratios)} cells")  # fmt: skip
 
 
 def _print_group(group: list[Cell], protocol: str, model: str, c: int) -> None:
