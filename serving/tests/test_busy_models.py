@@ -33,7 +33,7 @@ from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb  # noq
 from neuropod_serving.server import BatchPolicy, Engine, ModelLimits, ModelRegistry, create_app  # noqa: E402
 from neuropod_serving.server.grpc_service import start_grpc_server  # noqa: E402
 
-from conftest import adder_and_echo, private_caches, serve_in_thread  # noqa: E402
+from conftest import adder_and_echo, private_caches, python_package, serve_in_thread  # noqa: E402
 
 #: What "at once" means here: far below any model's sleep, far above a loaded CI runner's jitter.
 PROMPT_S = 0.4
@@ -50,21 +50,6 @@ def get_model(data_root):
         return {"y": x + 1}
     return model
 """
-
-
-def python_package(dest: Path, name: str, code: str, *, batched: bool = True) -> Path:
-    """A Python model package: ``x`` float32 [batch_size, 2] -> ``y`` (same shape); ``code`` defines get_model."""
-    from neuropod.packagers import create_python_neuropod
-
-    src = dest.parent / f"{name}_code"
-    src.mkdir(parents=True)
-    (src / f"{name}_model.py").write_text(code)
-    shape: list[Any] = ["batch_size", 2] if batched else [None, 2]
-    path: Path = create_python_neuropod(
-        dest, name, [], [{"python_root": src, "dirs_to_package": [""]}], f"{name}_model", "get_model",
-        [{"name": "x", "dtype": "float32", "shape": shape}], [{"name": "y", "dtype": "float32", "shape": shape}],
-    )  # fmt: skip
-    return path
 
 
 @pytest.fixture(scope="module")
