@@ -72,7 +72,9 @@ class Server:
 
 
 @contextmanager
-def serving(models: Path, *, limits: ModelLimits | None = None, batching: BatchPolicy | None = None) -> Iterator[Server]:
+def serving(
+    models: Path, *, limits: ModelLimits | None = None, batching: BatchPolicy | None = None
+) -> Iterator[Server]:
     """REST (uvicorn in a thread) and gRPC over one engine, as ``neuropod serve`` runs them."""
     engine = Engine(ModelRegistry.load([models]), limits=limits, batching=batching)
     grpc_server, port = start_grpc_server(engine, "127.0.0.1:0", access_log=False)
@@ -295,7 +297,10 @@ def test_cli_flags_and_defaults(tmp_path: Path) -> None:
     from neuropod_serving import cli
     from neuropod_serving.server import engine
 
-    assert (cli.DEFAULT_MAX_CONCURRENT, cli.DEFAULT_MAX_QUEUED) == (engine.DEFAULT_MAX_CONCURRENT, engine.DEFAULT_MAX_QUEUED)
+    assert (cli.DEFAULT_MAX_CONCURRENT, cli.DEFAULT_MAX_QUEUED) == (
+        engine.DEFAULT_MAX_CONCURRENT,
+        engine.DEFAULT_MAX_QUEUED,
+    )
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args([str(tmp_path)])
