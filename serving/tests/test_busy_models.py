@@ -311,3 +311,39 @@ def test_cli_flags_and_defaults(tmp_path: Path) -> None:
         parser.parse_args([str(tmp_path), "--max-concurrent-runs", "0"])
     with pytest.raises(ValueError, match="max_queued"):
         ModelLimits(max_queued=-1)
+
+
+def test_a_fast_graph_model_runs_on_the_loop_until_an_input_is_larger(repository: Path) -> None:
+    """The fast path stays: small requests to a proven-fast ONNX model run on the event loop's
+    thread; a first input larger than any it ran fast goes to the model's threads."""
+    import asyncio
+
+    engine = Engine(ModelRegistry.load([repository / "adder"]))
+    try:
+        served = engine.get("adder")
+        real = served.model.infer
+        threads: list[str] = []
+
+        def recording(inputs: Any, requested: Any = None) -> Any:
+            threads.append(threading.current_thread().name)
+            return real(inputs, requested)
+
+        served.model.infer = recording  # type: ignore[method-assign]
+
+        async def calls(rows: int, n: int) -> None:
+            x = np.ones((rows, 2), np.float32)
+            for _ in range(n):
+                out = await engine.infer(served, {"x": x, "y": x})
+                np.testing.assert_array_equal(out["out"], x + x)
+
+        asyncio.run(calls(2, 100))
+        loop_thread = threading.current_thread().name
+        assert threads[0] != loop_thread, "a model's first run (not yet measured) must not be on the loop"
+        # Most of them, not all: a stall of a loaded machine sends a few back to threads.
+        on_loop = threads[-50:].count(loop_thread)
+        assert on_loop > 25, f"only {on_loop} of the last 50 runs of a proven-fast model were on the loop"
+        threads.clear()
+        asyncio.run(calls(50_000, 1))
+        assert threads and loop_thread not in threads, f"a 50,000-row request ran on the loop: {threads}"
+    finally:
+        engine.close()

@@ -46,10 +46,13 @@ log = logging.getLogger("neuropod_serving.server")
 #: inline), while holding the loop for under a millisecond delays nothing a
 #: network client would notice. Slower models run in threads.
 INLINE_BELOW_S = 0.001
-#: A run that took this long moves its model off the event loop for good: a
-#: model that was once this slow may be again, and while it runs on the loop
-#: nothing else (health probes included) is answered.
-SLOW_RUN_S = 0.005
+#: A run that took this long after its model proved fast (a framework's first
+#: runs are slow, and do not count) moves the model off the event loop for
+#: good: a model that was once this slow may be again, and while it runs on the
+#: loop nothing else (health probes included) is answered. A run counts when
+#: at least half of it was CPU time of the thread that ran it, so a fast run
+#: that a busy core kept waiting does not count.
+SLOW_RUN_S = 0.02
 # Weight of the newest run in the moving average of a model's run time.
 _EWMA = 0.2
 #: Platforms whose models are arbitrary code (they may sleep or wait on I/O for any
@@ -160,8 +163,9 @@ class _Runner:
     #: Threads of this model's own for requests from an event loop: a busy model never holds another's.
     executor: concurrent.futures.ThreadPoolExecutor
     ewma_s: float = 1.0  # until measured: assume slow (a thread)
-    #: The largest input (bytes) of a run that took under INLINE_BELOW_S: larger requests
-    #: never run on the loop (a graph's run time grows with its input).
+    #: The largest first input (bytes) of a run that took under INLINE_BELOW_S: a request
+    #: whose first input is larger never runs on the loop (a graph's run time grows with
+    #: its input). The first input only, so that the check costs the same for 2 inputs or 100.
     inline_bytes: int = 0
 
 
@@ -334,9 +338,10 @@ class Engine:
 
         The model runs in a thread of its own, never on the event loop, unless it has proved
         fast: in process, not arbitrary Python code, its recent runs under
-        :data:`INLINE_BELOW_S` and none ever over :data:`SLOW_RUN_S`, no larger input than
-        one it ran fast, and no other request of it running or waiting. Then it runs right
-        here, where a thread hop would cost more than the model.
+        :data:`INLINE_BELOW_S` and none since over :data:`SLOW_RUN_S`, a first input no
+        larger than in a run under :data:`INLINE_BELOW_S`, and no other request of it
+        running or waiting. Then it runs right here, where a thread hop would cost more
+        than the model.
 
         The model gets writable input arrays (read-only ones are copied).
 
@@ -450,23 +455,28 @@ class Engine:
         None when it runs where it arrived, without waiting)."""
         inputs = writable(inputs)
         started = time.perf_counter()
+        cpu = time.thread_time()
         try:
             return runner.served.model.infer(inputs, requested)
         finally:
             seconds = time.perf_counter() - started
-            runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
-            if seconds >= SLOW_RUN_S:
+            # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
+            if seconds >= SLOW_RUN_S and runner.ewma_s < INLINE_BELOW_S and time.thread_time() - cpu >= SLOW_RUN_S / 2:
                 runner.inline_ok = False
             elif queued is not None and seconds < INLINE_BELOW_S and runner.inline_ok:
                 # Learnt on threads; a run on the loop had no larger input than this already.
                 size = _nbytes(inputs)
                 if size > runner.inline_bytes:
                     runner.inline_bytes = size
+            runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
             self.metrics.ran(runner.served.name, 0.0 if queued is None else started - queued, seconds)
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:
-    return sum(a.nbytes for a in inputs.values())
+    """The size of the first input (0 for none): what :attr:`_Runner.inline_bytes` compares."""
+    for a in inputs.values():
+        return int(a.nbytes)
+    return 0
 
 
 def _ordered(runner: _Runner, outputs: dict[str, np.ndarray], requested: list[str] | None) -> dict[str, np.ndarray]:
