@@ -20,9 +20,11 @@ inputs already writable are passed as they are.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -92,53 +94,68 @@ class ModelLimits:
 
 class _Gate:
     """Admission and concurrency of one model's requests: at most ``concurrent`` run
-    at once and ``capacity`` (running and waiting) are admitted; the next is refused."""
+    at once and ``capacity`` (running and waiting) are admitted; the next is refused.
 
-    __slots__ = ("_cv", "capacity", "concurrent", "name", "pending", "running")
+    Lock-free on the hot path: the counters are a deque and a SimpleQueue of run
+    slots, whose operations are atomic C calls. Threads admitted at the same instant
+    may pass ``capacity`` by their number: the bound is a back-pressure limit, not an
+    exact one. ``concurrent`` is exact.
+    """
+
+    __slots__ = ("_pending", "_slots", "capacity", "concurrent", "name")
 
     def __init__(self, name: str, concurrent: int, capacity: int) -> None:
         self.name = name
         self.concurrent = concurrent
         self.capacity = capacity
-        self.pending = 0  # admitted, not finished
-        self.running = 0  # holding a run slot
-        self._cv = threading.Condition(threading.Lock())
+        self._pending: collections.deque[None] = collections.deque()  # one entry per admitted request
+        self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()  # one entry per free run slot
+        for _ in range(concurrent):
+            self._slots.put(None)
+
+    @property
+    def pending(self) -> int:
+        """Requests admitted and not finished (running or waiting)."""
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        """Requests holding a run slot."""
+        return self.concurrent - self._slots.qsize()
 
     def admit(self, run_now: bool) -> bool:
         """Admit one request; with ``run_now``, also take a run slot if one is free
         (True when taken). :raises ModelBusyError: the model's queue is full."""
-        with self._cv:
-            if self.pending >= self.capacity:
-                raise ModelBusyError(
-                    f"model {self.name!r} is busy: {self.running} request(s) running and "
-                    f"{self.pending - self.running} waiting, its limit (neuropod serve --max-concurrent-runs "
-                    "and --max-queued-requests); retry later"
-                )
-            self.pending += 1
-            if run_now and self.running < self.concurrent:
-                self.running += 1
-                return True
-            return False
+        if len(self._pending) >= self.capacity:
+            running = self.running
+            raise ModelBusyError(
+                f"model {self.name!r} is busy: {running} request(s) running and "
+                f"{max(0, len(self._pending) - running)} waiting, its limit (neuropod serve --max-concurrent-runs "
+                "and --max-queued-requests); retry later"
+            )
+        self._pending.append(None)
+        if run_now:
+            try:
+                self._slots.get_nowait()
+            except queue.Empty:
+                return False
+            return True
+        return False
 
     def wait_slot(self) -> None:
         """Wait for a run slot (the request was admitted)."""
-        with self._cv:
-            while self.running >= self.concurrent:
-                self._cv.wait()
-            self.running += 1
+        self._slots.get()
 
     def leave(self, ran: bool) -> None:
         """The request finished (``ran``: it held a run slot)."""
-        with self._cv:
-            self.pending -= 1
-            if ran:
-                self.running -= 1
-                self._cv.notify()
+        self._pending.pop()
+        if ran:
+            self._slots.put(None)
 
     def drain(self, timeout: float) -> bool:
         """Wait until no admitted request is left (True), or ``timeout`` seconds (False)."""
         deadline = time.monotonic() + timeout
-        while self.pending:
+        while self._pending:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
