@@ -431,8 +431,10 @@ class Engine:
             return _ordered(runner, outputs, requested)
 
     def _runner(self, served: ServedModel) -> _Runner:
+        """The runner of ``served``, or of the model that replaced it in a reload since the
+        request looked it up (its spec checks apply then)."""
         runner = self._runners.get(served.name)
-        if runner is None or runner.served is not served:
+        if runner is None:
             raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited")
         return runner
 
