@@ -13,8 +13,9 @@ spec allows it, and records metrics.
 
 Every model gets writable input arrays on every server path: inputs decoded
 as views of read-only request bytes (gRPC, binary REST) are copied before the
-model runs, which costs one memory copy of those inputs (about 0.1 ms per MB);
-inputs already writable are passed as they are.
+model runs, which costs one allocation and copy of those inputs (about
+0.25 ms per MB); inputs already writable are passed as they are, and checking
+costs about 0.1 µs an input.
 """
 
 from __future__ import annotations
