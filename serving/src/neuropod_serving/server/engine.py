@@ -103,10 +103,12 @@ class _Gate:
     exact one. ``concurrent`` is exact.
     """
 
-    __slots__ = ("_pending", "_slots", "capacity", "concurrent", "name")
+    __slots__ = ("_pending", "_slots", "capacity", "concurrent", "limits", "name")
 
-    def __init__(self, name: str, concurrent: int, capacity: int) -> None:
+    def __init__(self, name: str, concurrent: int, capacity: int, limits: str) -> None:
         self.name = name
+        #: The options that set these limits, with their values (for the refusal's message).
+        self.limits = limits
         self.concurrent = concurrent
         self.capacity = capacity
         self._pending: collections.deque[None] = collections.deque()  # one entry per admitted request
@@ -128,11 +130,9 @@ class _Gate:
         """Admit one request; with ``run_now``, also take a run slot if one is free
         (True when taken). :raises ModelBusyError: the model's queue is full."""
         if len(self._pending) >= self.capacity:
-            running = self.running
             raise ModelBusyError(
-                f"model {self.name!r} is busy: {running} request(s) running and "
-                f"{max(0, len(self._pending) - running)} waiting, its limit (neuropod serve --max-concurrent-runs "
-                "and --max-queued-requests); retry later"
+                f"model {self.name!r} is busy: {len(self._pending)} of its requests are running or waiting, "
+                f"the most it takes ({self.limits}); retry later"
             )
         self._pending.append(None)
         if run_now:
@@ -246,10 +246,16 @@ class Engine:
 
             batcher = Batcher(name, model.infer, self.batching, inflight=self.workers, observe=observe)
         concurrent_runs = self.max_concurrent
+        queued = f"--max-queued-requests {self.limits.max_queued}"
+        limits = f"neuropod serve --max-concurrent-runs {concurrent_runs} {queued}"
         if batcher is not None:
             assert self.batching is not None
             # Requests a batcher may hold while running: its batches in flight, full.
             concurrent_runs = self.workers * self.batching.max_batch_size
+            limits = (
+                f"{self.workers} batch(es) of up to {self.batching.max_batch_size} at once and {queued}: "
+                "neuropod serve --workers, --max-batch-size, --max-queued-requests"
+            )
         backend = getattr(model, "backend", None)
         self._runners[served.name] = _Runner(
             served=served,
@@ -260,7 +266,7 @@ class Engine:
             # Out-of-process workers wait on a pipe: always a thread, so N workers run N requests.
             inline_ok=_in_process(model) and getattr(backend, "platform", None) not in _NEVER_INLINE,
             output_names=[s.name for s in model.outputs],
-            gate=_Gate(served.name, concurrent_runs, concurrent_runs + self.limits.max_queued),
+            gate=_Gate(served.name, concurrent_runs, concurrent_runs + self.limits.max_queued, limits),
             executor=concurrent.futures.ThreadPoolExecutor(
                 self.max_concurrent, thread_name_prefix=f"neuropod-infer-{served.name}"
             ),
