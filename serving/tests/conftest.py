@@ -105,3 +105,18 @@ def serve_in_thread(app: Any, *, log_level: str = "warning") -> Iterator[int]:
         srv.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def python_package(dest: Path, name: str, code: str, *, batched: bool = True) -> Path:
+    """A Python model package: ``x`` float32 [batch_size, 2] -> ``y`` (same shape); ``code`` defines get_model."""
+    from neuropod.packagers import create_python_neuropod
+
+    src = dest.parent / f"{name}_code"
+    src.mkdir(parents=True)
+    (src / f"{name}_model.py").write_text(code)
+    shape: list[Any] = ["batch_size", 2] if batched else [None, 2]
+    path: Path = create_python_neuropod(
+        dest, name, [], [{"python_root": src, "dirs_to_package": [""]}], f"{name}_model", "get_model",
+        [{"name": "x", "dtype": "float32", "shape": shape}], [{"name": "y", "dtype": "float32", "shape": shape}],
+    )  # fmt: skip
+    return path

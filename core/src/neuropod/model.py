@@ -131,7 +131,11 @@ class NeuropodModel:
             non-contiguous; string tensors are numpy unicode arrays or object
             arrays of ``str``), or another framework's tensor: a torch tensor,
             or any object with ``__dlpack__`` or ``__cuda_array_interface__``
-            (CuPy...). CPU tensors are read without a copy. A tensor on the
+            (CuPy...). CPU tensors are read without a copy: in this process
+            the model gets the caller's own arrays, so a model that edits an
+            input in place edits the caller's array (``neuropod serve`` gives
+            its models writable arrays on every path, copying read-only
+            request buffers). A tensor on the
             GPU the model runs on goes to the framework as it is, with no trip
             through host memory, when the backend takes device tensors
             (TorchScript, ONNX Runtime; in this process); elsewhere it is

@@ -24,6 +24,10 @@ DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_MAX_HEADERS = 100
 #: Seconds a REST request head may take from its first byte (or from the connection) to its end (then 408).
 DEFAULT_HEAD_TIMEOUT_S = 15.0
+# neuropod_serving.server.engine's defaults, repeated so that `neuropod --help` imports no numpy
+# (test_busy_models checks that they agree).
+DEFAULT_MAX_CONCURRENT = 4
+DEFAULT_MAX_QUEUED = 64
 
 
 def _positive(text: str) -> int:
@@ -34,6 +38,12 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def _non_negative(text: str) -> int:
+    if text.strip() == "0":
+        return 0
+    return _positive(text)
 
 
 def _port(text: str) -> int:
@@ -81,6 +91,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queue-delay-us", type=_delay_us, default=0, metavar="D",
         help="with --max-batch-size: wait up to D microseconds after the oldest request for more "
         "to join its batch (default 0: batch what is waiting)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-concurrent-runs", type=_positive, default=None, metavar="N",
+        help=f"runs of one model at once; each model has its own (default {DEFAULT_MAX_CONCURRENT}, "
+        "or 2 per --workers when that is more)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-queued-requests", type=_non_negative, default=DEFAULT_MAX_QUEUED, metavar="N",
+        help="requests of one model that may wait for a run or a batch; more are refused at once with "
+        f"429 (gRPC: RESOURCE_EXHAUSTED) (default {DEFAULT_MAX_QUEUED})",
     )  # fmt: skip
     parser.add_argument(
         "--auth-token-file", type=Path, metavar="FILE",
@@ -249,7 +269,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             f"--http-port {args.http_port}, --grpc-port {args.grpc_port} and --metrics-port {args.metrics_port} "
             "must differ (0 turns gRPC or the metrics port off)"
         )
-    from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry
+    from neuropod_serving.server import BatchPolicy, Engine, ModelLimits, ModelRegistry
     from neuropod_serving.server.metrics import ServerMetrics
 
     if not args.quiet:
@@ -257,7 +277,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     # Models load before the ports open: a bad package fails the start, not the first request.
     registry = ModelRegistry.load(args.paths, workers=args.workers)
     batching = BatchPolicy(args.max_batch_size, args.max_queue_delay_us / 1e6) if args.max_batch_size > 1 else None
-    engine = Engine(registry, batching=batching, metrics=ServerMetrics())
+    limits = ModelLimits(args.max_concurrent_runs, args.max_queued_requests)
+    engine = Engine(registry, batching=batching, metrics=ServerMetrics(), limits=limits)
     try:
         if not args.quiet:
             print(startup_table(registry, engine), file=out)

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from neuropod_serving.server.batching import BatchPolicy, batch_symbol
-from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.engine import Engine, ModelLimits
 from neuropod_serving.server.registry import (
     MODEL_VERSION,
+    ModelBusyError,
     ModelRegistry,
     RepositoryEntry,
     ServedModel,
@@ -47,6 +48,8 @@ __all__ = [
     "RepositoryEntry",
     "batch_symbol",
     "MODEL_VERSION",
+    "ModelBusyError",
+    "ModelLimits",
     "ModelRegistry",
     "ServedModel",
     "UnknownModelError",

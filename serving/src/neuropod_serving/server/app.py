@@ -34,7 +34,7 @@ from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
-from neuropod_serving.server.registry import MODEL_VERSION, ServedModel, UnknownModelError
+from neuropod_serving.server.registry import MODEL_VERSION, ModelBusyError, ServedModel, UnknownModelError
 
 log = logging.getLogger("neuropod_serving.server")
 
@@ -107,6 +107,8 @@ def _failure(exc: BaseException, model: str) -> tuple[int, str] | None:
         return 413, exc.message
     if isinstance(exc, UnknownModelError):
         return 404, str(exc)
+    if isinstance(exc, ModelBusyError):
+        return 429, str(exc)
     if isinstance(exc, SpecError):
         return 400, str(exc)
     if isinstance(exc, NeuropodError):
@@ -374,8 +376,10 @@ def create_app(
             raise
         except NeuropodError as e:
             # The package is at fault, not a running model: 400 like Triton, naming the model.
-            log.error("loading model %r failed: %s", name, e)
-            return _error(400, f"failed to load model {name!r}: {e}")
+            # A reload that fails leaves the model loaded before serving, as Triton does.
+            kept = "; the model loaded before keeps serving" if name in engine.registry else ""
+            log.error("loading model %r failed: %s%s", name, e, kept)
+            return _error(400, f"failed to load model {name!r}: {e}{kept}")
         log.info("loaded model %r", name)
         return JSONResponse({})
 

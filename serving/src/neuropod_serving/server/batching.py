@@ -16,7 +16,14 @@ opens a batch; the batch takes every waiting request with the same other dims
 ``max_queue_delay`` after that oldest request arrived for more to come. While
 ``inflight`` batches run, new requests queue, so under load batches grow on
 their own even with a delay of 0. A request with more rows than
-``max_batch_size`` runs alone (never split, never refused).
+``max_batch_size`` runs alone (never split, never refused). How many requests
+may wait is bounded by the :class:`~neuropod_serving.server.engine.Engine`
+before they are submitted (its ``ModelLimits``): the same limit as unbatched
+requests, so a full queue is refused at once rather than left to grow.
+
+The model always gets writable input arrays: a batch of several requests is a
+fresh concatenation, and a request that runs alone has its read-only inputs
+(views of request bytes) copied, as unbatched requests do.
 """
 
 from __future__ import annotations
@@ -83,6 +90,18 @@ class _Item:
     key: tuple[Any, ...]
     arrived: float
     future: concurrent.futures.Future[Arrays] = field(default_factory=concurrent.futures.Future)
+
+
+def writable(inputs: Arrays) -> Arrays:
+    """``inputs`` with every read-only array replaced by a writable copy (the same dict
+    when all are writable already): what a model may assume of its inputs on every
+    server path, so one that edits an input in place works however the request came.
+    Arrays decoded as views of request bytes (gRPC, binary REST) are read-only; the
+    copy costs one memcpy of those inputs."""
+    for a in inputs.values():
+        if not a.flags.writeable:
+            return {n: a if a.flags.writeable else a.copy() for n, a in inputs.items()}
+    return inputs
 
 
 def _key(inputs: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
@@ -223,7 +242,7 @@ class Batcher:
     def _run_merged(self, batch: list[_Item]) -> list[Arrays]:
         if len(batch) == 1:
             item = batch[0]
-            return [self._run(item.inputs, item.requested)]
+            return [self._run(writable(item.inputs), item.requested)]
         names = list(batch[0].inputs)
         merged = {n: np.concatenate([item.inputs[n] for item in batch]) for n in names}
         wanted: list[str] | None = []

@@ -3,19 +3,29 @@
 The REST app and the gRPC servicer decode a request into numpy arrays, call
 :meth:`Engine.infer`, and encode what it returns; they never touch a model
 directly. The engine checks the inputs against the spec (so a bad request is
-a :class:`~neuropod.errors.SpecError` before it can join a batch), runs the
-model in a thread (or on the calling thread when its recent runs took under
-:data:`INLINE_BELOW_S`, where a thread hop would cost more than the model),
-through the model's :class:`~neuropod_serving.server.batching.Batcher` when
-batching is on and the spec allows it, and records metrics.
+a :class:`~neuropod.errors.SpecError` before it can join a batch), admits it
+within the model's :class:`ModelLimits` (a full queue refuses it at once with
+:class:`~neuropod_serving.server.registry.ModelBusyError`), runs the model in a
+thread of the model's own (or on the calling thread when the model has proved
+fast, see :meth:`Engine.infer`), through the model's
+:class:`~neuropod_serving.server.batching.Batcher` when batching is on and the
+spec allows it, and records metrics.
+
+Every model gets writable input arrays on every server path: inputs decoded
+as views of read-only request bytes (gRPC, binary REST) are copied before the
+model runs, which costs one allocation and copy of those inputs (about
+0.25 ms per MB); inputs already writable are passed as they are, and checking
+costs about 0.1 µs an input.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -26,24 +36,131 @@ import numpy as np
 
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.spec import SpecValidator
-from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol
+from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol, writable
 from neuropod_serving.server.metrics import NoMetrics, Recorder
-from neuropod_serving.server.registry import ModelRegistry, ServedModel, UnknownModelError
+from neuropod_serving.server.registry import ModelBusyError, ModelRegistry, ServedModel, UnknownModelError
 
 log = logging.getLogger("neuropod_serving.server")
 
-#: A model whose recent runs took less than this runs on the event loop's
+#: A model whose recent runs took less than this can run on the event loop's
 #: thread. Handing a request to a thread and back costs 50 to 250 µs on a busy
 #: core (the result wakes the loop through its self-pipe; measured on the
 #: 100-input model of bench_serve.py, 0.26 ms a run: 0.96 -> 0.73 ms a request
 #: inline), while holding the loop for under a millisecond delays nothing a
 #: network client would notice. Slower models run in threads.
 INLINE_BELOW_S = 0.001
+#: A run that took this long after its model proved fast (a framework's first
+#: runs are slow, and do not count) moves the model off the event loop for
+#: good: a model that was once this slow may be again, and while it runs on the
+#: loop nothing else (health probes included) is answered. A run counts when
+#: at least half of it was CPU time of the thread that ran it, so a fast run
+#: that a busy core kept waiting does not count.
+SLOW_RUN_S = 0.02
 # Weight of the newest run in the moving average of a model's run time.
 _EWMA = 0.2
+#: Platforms whose models are arbitrary code (they may sleep or wait on I/O for any
+#: input): never run on the event loop, however fast their runs have been.
+_NEVER_INLINE = frozenset({"python"})
+#: Runs of one model at once when not configured: as many as the thread pool
+#: every model shared before (2 per OPE worker, at least 4).
+DEFAULT_MAX_CONCURRENT = 4
+#: Requests of one model that may wait for a run (or a batch) when not configured;
+#: one more is refused at once (HTTP 429, gRPC RESOURCE_EXHAUSTED).
+DEFAULT_MAX_QUEUED = 64
 #: What :meth:`Engine.infer` raises when the request is at fault, not the model:
-#: front ends count these as client failures (4xx, INVALID_ARGUMENT/NOT_FOUND).
-CLIENT_ERRORS = (SpecError, UnknownModelError)
+#: front ends count these as client failures (4xx, INVALID_ARGUMENT/NOT_FOUND/RESOURCE_EXHAUSTED).
+CLIENT_ERRORS = (SpecError, UnknownModelError, ModelBusyError)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """How many requests of each model run at once and how many may wait.
+
+    :param max_concurrent: runs of one model at once (unbatched requests;
+        a batched model runs as many batches as it has OPE workers). None:
+        :data:`DEFAULT_MAX_CONCURRENT`, or 2 per OPE worker when that is more.
+    :param max_queued: requests of one model waiting for a run or a batch;
+        one more is refused at once with :class:`ModelBusyError`.
+    """
+
+    max_concurrent: int | None = None
+    max_queued: int = DEFAULT_MAX_QUEUED
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be at least 1, not {self.max_concurrent}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be 0 or more, not {self.max_queued}")
+
+
+class _Gate:
+    """Admission and concurrency of one model's requests: at most ``concurrent`` run
+    at once and ``capacity`` (running and waiting) are admitted; the next is refused.
+
+    Lock-free on the hot path: the counters are a deque and a SimpleQueue of run
+    slots, whose operations are atomic C calls. Threads admitted at the same instant
+    may pass ``capacity`` by their number: the bound is a back-pressure limit, not an
+    exact one. ``concurrent`` is exact.
+    """
+
+    __slots__ = ("_pending", "_slots", "capacity", "concurrent", "limits", "name")
+
+    def __init__(self, name: str, concurrent: int, capacity: int, limits: str) -> None:
+        self.name = name
+        #: The options that set these limits, with their values (for the refusal's message).
+        self.limits = limits
+        self.concurrent = concurrent
+        self.capacity = capacity
+        self._pending: collections.deque[None] = collections.deque()  # one entry per admitted request
+        self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()  # one entry per free run slot
+        for _ in range(concurrent):
+            self._slots.put(None)
+
+    @property
+    def pending(self) -> int:
+        """Requests admitted and not finished (running or waiting)."""
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        """Requests holding a run slot."""
+        return self.concurrent - self._slots.qsize()
+
+    def admit(self, run_now: bool) -> bool:
+        """Admit one request; with ``run_now``, also take a run slot if one is free
+        (True when taken). :raises ModelBusyError: the model's queue is full."""
+        if len(self._pending) >= self.capacity:
+            raise ModelBusyError(
+                f"model {self.name!r} is busy: {len(self._pending)} of its requests are running or waiting, "
+                f"the most it takes ({self.limits}); retry later"
+            )
+        self._pending.append(None)
+        if run_now:
+            try:
+                self._slots.get_nowait()
+            except queue.Empty:
+                return False
+            return True
+        return False
+
+    def wait_slot(self) -> None:
+        """Wait for a run slot (the request was admitted)."""
+        self._slots.get()
+
+    def leave(self, ran: bool) -> None:
+        """The request finished (``ran``: it held a run slot)."""
+        self._pending.pop()
+        if ran:
+            self._slots.put(None)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until no admitted request is left (True), or ``timeout`` seconds (False)."""
+        deadline = time.monotonic() + timeout
+        while self._pending:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
 
 @dataclass
@@ -56,10 +173,18 @@ class _Runner:
     batcher: Batcher | None
     #: Why the model is not batched ("" when it is, or when batching is off).
     unbatched_reason: str
+    #: Whether the model may ever run on the event loop (in process, not arbitrary code, never slow yet).
     inline_ok: bool
     #: The spec's output names, in order: the order outputs go out when none were asked for.
     output_names: list[str]
+    gate: _Gate
+    #: Threads of this model's own for requests from an event loop: a busy model never holds another's.
+    executor: concurrent.futures.ThreadPoolExecutor
     ewma_s: float = 1.0  # until measured: assume slow (a thread)
+    #: The largest first input (bytes) of a run that took under INLINE_BELOW_S: a request
+    #: whose first input is larger never runs on the loop (a graph's run time grows with
+    #: its input). The first input only, so that the check costs the same for 2 inputs or 100.
+    inline_bytes: int = 0
 
 
 class Engine:
@@ -68,8 +193,7 @@ class Engine:
     :param batching: the policy for models whose spec has a batch dimension;
         None (or max_batch_size 1) turns batching off.
     :param metrics: where to record; nothing is recorded when None.
-    :param threads: threads for unbatched requests (default: 2 per OPE
-        worker, at least 4).
+    :param limits: runs at once and queue of each model (default: :class:`ModelLimits`'s).
     """
 
     def __init__(
@@ -78,16 +202,16 @@ class Engine:
         *,
         batching: BatchPolicy | None = None,
         metrics: Recorder | None = None,
-        threads: int | None = None,
+        limits: ModelLimits | None = None,
     ) -> None:
         self.registry = registry
         self.batching = batching if batching is not None and batching.max_batch_size > 1 else None
         self.metrics: Recorder = metrics if metrics is not None else NoMetrics()
-        #: OPE workers per model (1 in-process): batches in flight, and the thread pool's size.
+        #: OPE workers per model (1 in-process): batches in flight.
         self.workers = max(1, int(registry.load_options.get("workers", 1)))
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            threads or max(4, 2 * self.workers), thread_name_prefix="neuropod-infer"
-        )
+        self.limits = limits if limits is not None else ModelLimits()
+        #: Runs of one model at once (unbatched).
+        self.max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * self.workers)
         self._runners: dict[str, _Runner] = {}
         self._lock = threading.Lock()
         for served in registry:
@@ -121,6 +245,18 @@ class Engine:
                 metrics.computed(name, seconds, rows)
 
             batcher = Batcher(name, model.infer, self.batching, inflight=self.workers, observe=observe)
+        concurrent_runs = self.max_concurrent
+        queued = f"--max-queued-requests {self.limits.max_queued}"
+        limits = f"neuropod serve --max-concurrent-runs {concurrent_runs} {queued}"
+        if batcher is not None:
+            assert self.batching is not None
+            # Requests a batcher may hold while running: its batches in flight, full.
+            concurrent_runs = self.workers * self.batching.max_batch_size
+            limits = (
+                f"{self.workers} batch(es) of up to {self.batching.max_batch_size} at once and {queued}: "
+                "neuropod serve --workers, --max-batch-size, --max-queued-requests"
+            )
+        backend = getattr(model, "backend", None)
         self._runners[served.name] = _Runner(
             served=served,
             validator=SpecValidator(model.name, model.inputs, model.outputs, shared_symbols=_shared_symbols(model)),
@@ -128,18 +264,41 @@ class Engine:
             batcher=batcher,
             unbatched_reason="" if symbol is not None else f"no batch dimension: {reason}",
             # Out-of-process workers wait on a pipe: always a thread, so N workers run N requests.
-            inline_ok=_in_process(model),
+            inline_ok=_in_process(model) and getattr(backend, "platform", None) not in _NEVER_INLINE,
             output_names=[s.name for s in model.outputs],
+            gate=_Gate(served.name, concurrent_runs, concurrent_runs + self.limits.max_queued, limits),
+            executor=concurrent.futures.ThreadPoolExecutor(
+                self.max_concurrent, thread_name_prefix=f"neuropod-infer-{served.name}"
+            ),
         )
 
-    def load(self, name: str) -> ServedModel:
-        """Load (or reload) model ``name`` from the repository; see :meth:`ModelRegistry.load_model`."""
+    @property
+    def most_in_flight(self) -> int:
+        """Requests of one model that may be running or waiting at once (admitted)."""
+        per_batcher = self.workers * self.batching.max_batch_size if self.batching is not None else 0
+        return max(self.max_concurrent, per_batcher) + self.limits.max_queued
+
+    def load(self, name: str, *, drain_s: float = 30.0) -> ServedModel:
+        """Load (or reload) model ``name`` from the repository; see :meth:`ModelRegistry.load_model`.
+
+        On a reload, requests already running or queued on the model loaded before finish
+        on it (for up to ``drain_s`` seconds) before it is closed; new ones go to the new one.
+        When the load fails, the model loaded before keeps serving and the error is raised.
+        """
         with self._lock:
-            self._stop(name)
-            served = self.registry.load_model(name)
+            served, old = self.registry.load_model(name)
+            old_runner = self._runners.get(name)
             self._start(served)
             self._update_loaded()
-            return served
+        if old_runner is not None:
+            if old_runner.batcher is not None:
+                old_runner.batcher.close()
+            if not old_runner.gate.drain(drain_s):
+                log.warning("model %r reloaded while requests still ran on the old one after %g s", name, drain_s)
+            old_runner.executor.shutdown(wait=False)
+        if old is not None:
+            old.model.close()
+        return served
 
     def unload(self, name: str) -> None:
         """Stop serving model ``name`` and close it. :raises UnknownModelError: it is not loaded."""
@@ -151,8 +310,11 @@ class Engine:
 
     def _stop(self, name: str) -> None:
         runner = self._runners.pop(name, None)
-        if runner is not None and runner.batcher is not None:
+        if runner is None:
+            return
+        if runner.batcher is not None:
             runner.batcher.close()
+        runner.executor.shutdown(wait=False)
 
     def _update_loaded(self) -> None:
         self.metrics.loaded(len(self.registry))
@@ -160,9 +322,11 @@ class Engine:
     def close(self) -> None:
         """Stop every batcher and thread and close every model."""
         with self._lock:
+            runners = list(self._runners.values())
             for name in list(self._runners):
                 self._stop(name)
-            self._executor.shutdown(wait=True)
+            for runner in runners:
+                runner.executor.shutdown(wait=True)
             self.registry.close()
 
     # -- requests ----------------------------------------------------------------
@@ -196,39 +360,88 @@ class Engine:
         """Run one request (checked here first) and return the outputs it asked for, in the
         order asked for (else in spec order), as both protocols answer.
 
+        The model runs in a thread of its own, never on the event loop, unless it has proved
+        fast: in process, not arbitrary Python code, its recent runs under
+        :data:`INLINE_BELOW_S` and none since over :data:`SLOW_RUN_S`, a first input no
+        larger than in a run under :data:`INLINE_BELOW_S`, and no other request of it
+        running or waiting. Then it runs right here, where a thread hop would cost more
+        than the model.
+
+        The model gets writable input arrays (read-only ones are copied).
+
         :raises SpecError: the request does not fit the spec.
         :raises UnknownModelError: the model was unloaded before or while it ran.
+        :raises ModelBusyError: the model's queue is full (:class:`ModelLimits`).
         :raises NeuropodError: the model failed (BackendError, WorkerError...).
         """
         runner = self._runner(served)
         with self._unloaded_under(runner):
-            if runner.batcher is None and runner.inline_ok and runner.ewma_s < INLINE_BELOW_S:
+            if runner.batcher is not None:
+                self.check(served, inputs, requested)
+                runner.gate.admit(False)
+                try:
+                    outputs = await asyncio.wrap_future(runner.batcher.submit(inputs, requested))
+                finally:
+                    runner.gate.leave(False)
+                return _ordered(runner, outputs, requested)
+            # Unbatched, the model's own infer checks the spec: only what it does not check here.
+            self._check_missing(runner, inputs)
+            gate = runner.gate
+            inline = (
+                runner.inline_ok
+                and runner.ewma_s < INLINE_BELOW_S
+                and gate.pending == 0
+                and _nbytes(inputs) <= runner.inline_bytes
+            )
+            if gate.admit(inline):
                 # The common small-model case, without a coroutine or thread in between.
-                self._check_missing(runner, inputs)
-                outputs = self._run(runner, inputs, requested, None)
+                try:
+                    outputs = self._run(runner, inputs, requested, None)
+                finally:
+                    gate.leave(True)
             else:
-                outputs = await self._infer(runner, served, inputs, requested)
+                queued = time.perf_counter()
+                loop = asyncio.get_running_loop()
+                try:
+                    future = loop.run_in_executor(runner.executor, self._run_queued, runner, inputs, requested, queued)
+                except RuntimeError:  # the model's threads stopped: it is being unloaded
+                    gate.leave(False)
+                    raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited") from None
+                outputs = await future
             return _ordered(runner, outputs, requested)
 
     def infer_blocking(
         self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
     ) -> dict[str, np.ndarray]:
         """:meth:`infer` for a caller on a thread of its own (the gRPC server's workers): the
-        model runs on the calling thread, or the request joins its model's batch and waits.
-        Same checks, errors and metrics."""
+        model runs on the calling thread once a run slot is free, or the request joins its
+        model's batch and waits. Same checks, limits, errors and metrics."""
         runner = self._runner(served)
         with self._unloaded_under(runner):
+            gate = runner.gate
             if runner.batcher is not None:
                 self.check(served, inputs, requested)
-                outputs = runner.batcher.submit(inputs, requested).result()
+                gate.admit(False)
+                try:
+                    outputs = runner.batcher.submit(inputs, requested).result()
+                finally:
+                    gate.leave(False)
             else:
                 self._check_missing(runner, inputs)
-                outputs = self._run(runner, inputs, requested, None)
+                if gate.admit(True):
+                    try:
+                        outputs = self._run(runner, inputs, requested, None)
+                    finally:
+                        gate.leave(True)
+                else:
+                    outputs = self._run_queued(runner, inputs, requested, time.perf_counter())
             return _ordered(runner, outputs, requested)
 
     def _runner(self, served: ServedModel) -> _Runner:
+        """The runner of ``served``, or of the model that replaced it in a reload since the
+        request looked it up (its spec checks apply then)."""
         runner = self._runners.get(served.name)
-        if runner is None or runner.served is not served:
+        if runner is None:
             raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited")
         return runner
 
@@ -239,37 +452,57 @@ class Engine:
         it is not the model's failure."""
         try:
             yield
-        except SpecError:
+        except (SpecError, ModelBusyError):
             raise
         except NeuropodError as e:
             if self._runners.get(runner.served.name) is not runner:
                 raise UnknownModelError(f"model {runner.served.name!r} was unloaded while the request ran") from e
             raise
 
-    async def _infer(
-        self, runner: _Runner, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None
+    def _run_queued(
+        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float
     ) -> dict[str, np.ndarray]:
-        if runner.batcher is not None:
-            self.check(served, inputs, requested)
-            return await asyncio.wrap_future(runner.batcher.submit(inputs, requested))
-        # Unbatched, the model's own infer checks the spec: only what it does not check here.
-        self._check_missing(runner, inputs)
-        queued = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._run, runner, inputs, requested, queued)
+        """:meth:`_run` once a run slot is free, for an admitted request (leaves the gate after)."""
+        gate = runner.gate
+        try:
+            gate.wait_slot()
+        except BaseException:
+            gate.leave(False)
+            raise
+        try:
+            return self._run(runner, inputs, requested, queued)
+        finally:
+            gate.leave(True)
 
     def _run(
         self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float | None
     ) -> dict[str, np.ndarray]:
         """One unbatched run, timed from ``queued`` (when the request was handed to a thread;
         None when it runs where it arrived, without waiting)."""
+        inputs = writable(inputs)
         started = time.perf_counter()
+        cpu = time.thread_time()
         try:
             return runner.served.model.infer(inputs, requested)
         finally:
             seconds = time.perf_counter() - started
+            # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
+            if seconds >= SLOW_RUN_S and runner.ewma_s < INLINE_BELOW_S and time.thread_time() - cpu >= SLOW_RUN_S / 2:
+                runner.inline_ok = False
+            elif queued is not None and seconds < INLINE_BELOW_S and runner.inline_ok:
+                # Learnt on threads; a run on the loop had no larger input than this already.
+                size = _nbytes(inputs)
+                if size > runner.inline_bytes:
+                    runner.inline_bytes = size
             runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
             self.metrics.ran(runner.served.name, 0.0 if queued is None else started - queued, seconds)
+
+
+def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:
+    """The size of the first input (0 for none): what :attr:`_Runner.inline_bytes` compares."""
+    for a in inputs.values():
+        return int(a.nbytes)
+    return 0
 
 
 def _ordered(runner: _Runner, outputs: dict[str, np.ndarray], requested: list[str] | None) -> dict[str, np.ndarray]:

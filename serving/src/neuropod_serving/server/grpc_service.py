@@ -19,6 +19,7 @@ bad tensor, spec mismatch     INVALID_ARGUMENT, naming the tensor
 unknown model or version      NOT_FOUND
 missing or wrong token        UNAUTHENTICATED (not on ServerLive/Ready)
 message over the limit        RESOURCE_EXHAUSTED (refused by grpcio)
+the model's queue is full     RESOURCE_EXHAUSTED, at once (retry later)
 the model failed              INTERNAL, naming the model; logged
 ============================  ==========================================
 """
@@ -43,7 +44,7 @@ from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal, escape_log
-from neuropod_serving.server.registry import MODEL_VERSION, UnknownModelError
+from neuropod_serving.server.registry import MODEL_VERSION, ModelBusyError, UnknownModelError
 
 log = logging.getLogger("neuropod_serving.server")
 access = logging.getLogger("neuropod_serving.access")
@@ -244,6 +245,8 @@ def status_of(exc: Exception, method: str, model: str) -> tuple[grpc.StatusCode,
     """
     if isinstance(exc, _Refused):
         return exc.code, exc.details
+    if isinstance(exc, ModelBusyError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, (ProtocolError, SpecError, UnknownModelError)):
         code = (
             grpc.StatusCode.NOT_FOUND
@@ -413,9 +416,15 @@ class GrpcServer:
 
 def default_threads(engine: Engine) -> int:
     """Pool threads for ``engine``: a thread per request that can be waiting in a
-    batch or running in an OPE worker, twice over, and at least :data:`MIN_THREADS`."""
+    batch or running in an OPE worker, twice over, and at least :data:`MIN_THREADS`;
+    and on top, one for every request each model of the repository may hold
+    (running or queued, :class:`~neuropod_serving.server.engine.ModelLimits`), so that
+    busy models never leave health, metadata or another model's calls without a
+    thread. grpcio starts threads only when none is idle: the headroom costs nothing
+    while models keep up."""
     per_model = engine.workers * (engine.batching.max_batch_size if engine.batching is not None else 1)
-    return max(MIN_THREADS, 2 * per_model)
+    models = max(len(engine.registry), len({e.name for e in engine.registry.index()}))
+    return max(MIN_THREADS, 2 * per_model) + models * engine.most_in_flight
 
 
 __all__ = [

@@ -29,6 +29,11 @@ class UnknownModelError(NeuropodError):
     """A request named a model (or version) the server does not serve; HTTP 404."""
 
 
+class ModelBusyError(NeuropodError):
+    """A model's queue is full: the request is refused at once (HTTP 429, gRPC RESOURCE_EXHAUSTED)
+    rather than left to time out; the client may retry later."""
+
+
 @dataclass
 class ServedModel:
     """One loaded model and what the server answers about it without running it."""
@@ -100,6 +105,7 @@ class RepositoryEntry:
     #: "READY" (loaded) or "UNAVAILABLE" (found, not loaded: see ``reason``),
     #: states of the repository extension.
     state: str
+    #: Why it is not loaded; for a READY model, why its last reload failed (it serves what was loaded before).
     reason: str = ""
     #: False when the package could not even be read (its name is then the file's).
     readable: bool = True
@@ -127,6 +133,8 @@ class ModelRegistry:
         load_options: dict[str, Any] | None = None,
     ) -> None:
         self._models: dict[str, ServedModel] = {}
+        #: Why the last load of a model failed, by name, until it loads or is unloaded.
+        self._failures: dict[str, str] = {}
         self.paths = [Path(p) for p in paths]
         self._loader = loader
         #: The keyword arguments every model is loaded with (``workers`` among them).
@@ -165,6 +173,16 @@ class ModelRegistry:
         return registry
 
     def _load_path(self, pkg: Path) -> ServedModel:
+        served = self._open(pkg)
+        try:
+            self.add(served)
+        except BaseException:
+            served.model.close()
+            raise
+        return served
+
+    def _open(self, pkg: Path) -> ServedModel:
+        """Load the package at ``pkg`` without serving it yet."""
         loader = self._loader
         if loader is None:
             from neuropod import load_neuropod
@@ -172,12 +190,10 @@ class ModelRegistry:
             loader = load_neuropod
         model = loader(pkg, **self.load_options)
         try:
-            served = ServedModel(model, pkg)
-            self.add(served)
+            return ServedModel(model, pkg)
         except BaseException:
             model.close()
             raise
-        return served
 
     def index(self) -> list[RepositoryEntry]:
         """Every package under the repository PATHs now (rescanned), and every loaded model."""
@@ -192,7 +208,7 @@ class ModelRegistry:
             for pkg in found:
                 served = next((s for s in self._models.values() if s.path == pkg), None)
                 if served is not None:
-                    entries.append(RepositoryEntry(served.name, pkg, "READY"))
+                    entries.append(RepositoryEntry(served.name, pkg, "READY", self._failures.get(served.name, "")))
                     continue
                 try:
                     name = read_package(pkg).name
@@ -200,19 +216,50 @@ class ModelRegistry:
                     entries.append(RepositoryEntry(pkg.name, pkg, "UNAVAILABLE", f"cannot read the package: {e}", False))
                     continue
                 loaded = self._models.get(name)
-                reason = f"another package named {name!r} is loaded ({loaded.path})" if loaded else "not loaded"
+                if loaded is not None:
+                    reason = f"another package named {name!r} is loaded ({loaded.path})"
+                else:
+                    reason = self._failures.get(name, "not loaded")
                 entries.append(RepositoryEntry(name, pkg, "UNAVAILABLE", reason))
         listed = {e.path for e in entries}
-        entries += [RepositoryEntry(s.name, s.path, "READY") for s in self._models.values() if s.path not in listed]
+        entries += [
+            RepositoryEntry(s.name, s.path, "READY", self._failures.get(s.name, ""))
+            for s in self._models.values()
+            if s.path not in listed
+        ]
         return sorted(entries, key=lambda e: (e.name, str(e.path)))
 
-    def load_model(self, name: str) -> ServedModel:
+    def load_model(self, name: str) -> tuple[ServedModel, ServedModel | None]:
         """Load model ``name`` from the repository, replacing the loaded one of that name (a reload).
 
+        The new model is loaded before the old one is replaced: when the load fails, the
+        model loaded before keeps serving (as Triton does), and the failure is kept as the
+        ``reason`` of its repository index entry until a load succeeds or it is unloaded.
+
+        :returns: the model now served, and the one it replaced (None on a first load);
+            the caller closes the replaced one once nothing runs on it.
         :raises UnknownModelError: no package under the repository PATHs has that name.
-        :raises PackageError: several do, or the package fails to load (the old model
-            stays unloaded then: a failed reload serves nothing stale).
+        :raises PackageError: several do, or the package fails to load.
         """
+        try:
+            path = self._package_of(name)
+            served = self._open(path)
+            if served.name != name:
+                served.model.close()
+                raise PackageError(f"the package at {path} is now named {served.name!r}, not {name!r}")
+        except NeuropodError as e:
+            if name in self._models or not isinstance(e, UnknownModelError):
+                loaded = self._models.get(name)
+                kept = f"; still serving the model loaded before from {loaded.path}" if loaded is not None else ""
+                self._failures[name] = f"the last load failed: {e}{kept}"
+            raise
+        old = self._models.get(name)
+        self._models[name] = served
+        self._failures.pop(name, None)
+        return served, old
+
+    def _package_of(self, name: str) -> Path:
+        """The one package under the repository PATHs named ``name``."""
         candidates = [e for e in self.index() if e.name == name and e.path is not None]
         broken = [e for e in candidates if not e.readable]
         if broken and len(candidates) == len(broken):
@@ -228,14 +275,13 @@ class ModelRegistry:
             )
         path = paths.pop()
         assert path is not None
-        if name in self._models:
-            self.unload_model(name)
-        return self._load_path(path)
+        return path
 
     def unload_model(self, name: str) -> None:
         """Stop serving ``name`` and close it. :raises UnknownModelError: it is not loaded."""
         served = self.get(name)
         del self._models[name]
+        self._failures.pop(name, None)
         served.model.close()
 
     def add(self, served: ServedModel) -> None:
