@@ -267,12 +267,14 @@ class ExportedModel(_TorchModel):
         one_key = self._one_key
         if one_key is not None and self._positional_cpu and requested is None:
             # The common call, written out: numpy in, positional tensors, numpy out, no helper frames.
-            from_numpy = torch.from_numpy
             try:
-                result = self._call(*[from_numpy(inputs[n]) for n in self._order])
+                result = self._call(*map(torch.from_numpy, map(inputs.__getitem__, self._order)))
             except KeyError:
                 self._inputs(inputs)  # says which input is missing
                 raise
+            if len(one_key) == 1:
+                name, key = one_key[0]
+                return {name: result[key].numpy()}
             return {name: result[key].numpy() for name, key in one_key}
         args = self._inputs(inputs)
         guard = _InferenceGuard(True) if self._inference_mode else None  # type: ignore[misc]
