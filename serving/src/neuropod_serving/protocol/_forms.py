@@ -15,9 +15,11 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 #: Bytes all remembered forms of one cache may cost, estimated by :meth:`FormCache.put`'s caller.
-BUDGET = 2 * 2**20
-#: A form larger than this is never remembered (it is parsed again each time).
-MAX_FORM_BYTES = 8 * 1024
+BUDGET = 8 * 2**20
+#: A form larger than this is never remembered (it is parsed again each time). Real forms get
+#: large: the binary header of a request of 100 small tensors is about 10 KiB, and parsing it
+#: again costs more than the rest of the request.
+MAX_FORM_BYTES = 64 * 1024
 #: How many bytes of memory one byte of parsed JSON or protobuf can become, at most: measured,
 #: ``[{},{},...]`` parses to about 24x its text, and a ModelInferRequest of empty tensors (two
 #: bytes each on the wire) to about 45x its size.
