@@ -393,3 +393,32 @@ def test_neuropod_serve_applies_the_flags(repository: Path, tmp_path: Path) -> N
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+
+
+def test_the_grpc_pool_grows_past_its_base_only_for_calls_that_wait() -> None:
+    """Fast calls share the base threads (more threads would only contend for the GIL);
+    calls held long grow the pool, so a quick call behind them still finds a thread at once."""
+    import threading
+    import time
+
+    from neuropod_serving.server.grpc_service import ElasticPool
+
+    pool = ElasticPool(2, 12, thread_name_prefix="test-elastic")
+    try:
+        for _ in range(200):
+            done = [pool.submit(time.sleep, 0) for _ in range(8)]
+            for f in done:
+                f.result(timeout=5)
+        assert len(pool._threads) == 2, "calls that come and go quickly stay on the base threads"
+        release = threading.Event()
+        held = [pool.submit(release.wait, 10) for _ in range(8)]
+        started = time.perf_counter()
+        pool.submit(lambda: None).result(timeout=5)
+        waited = time.perf_counter() - started
+        assert waited < 0.5, f"a quick call behind 8 held ones waited {waited:.3f} s for a thread"
+        assert 9 <= len(pool._threads) <= 12
+        release.set()
+        for f in held:
+            assert f.result(timeout=5) is True
+    finally:
+        pool.shutdown(wait=True)

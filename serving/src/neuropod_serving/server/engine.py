@@ -126,6 +126,11 @@ class _Gate:
         """Requests holding a run slot."""
         return self.concurrent - self._slots.qsize()
 
+    @property
+    def waiting(self) -> int:
+        """Requests admitted and waiting for a run slot (approximate while others come and go)."""
+        return len(self._pending) - (self.concurrent - self._slots.qsize())
+
     def admit(self, run_now: bool) -> bool:
         """Admit one request; with ``run_now``, also take a run slot if one is free
         (True when taken). :raises ModelBusyError: the model's queue is full."""
@@ -363,8 +368,8 @@ class Engine:
         The model runs in a thread of its own, never on the event loop, unless it has proved
         fast: in process, not arbitrary Python code, its recent runs under
         :data:`INLINE_BELOW_S` and none since over :data:`SLOW_RUN_S`, a first input no
-        larger than in a run under :data:`INLINE_BELOW_S`, and no other request of it
-        running or waiting. Then it runs right here, where a thread hop would cost more
+        larger than in a run under :data:`INLINE_BELOW_S`, a free run slot and no other
+        request of it waiting for one. Then it runs right here, where a thread hop would cost more
         than the model.
 
         The model gets writable input arrays (read-only ones are copied).
@@ -387,10 +392,13 @@ class Engine:
             # Unbatched, the model's own infer checks the spec: only what it does not check here.
             self._check_missing(runner, inputs)
             gate = runner.gate
+            # Requests of this model running on its threads do not keep this one off the loop
+            # (at high concurrency some always are, and the model would never come back to
+            # the loop); requests waiting for a run slot do: they came first.
             inline = (
                 runner.inline_ok
                 and runner.ewma_s < INLINE_BELOW_S
-                and gate.pending == 0
+                and gate.waiting <= 0
                 and _nbytes(inputs) <= runner.inline_bytes
             )
             if gate.admit(inline):

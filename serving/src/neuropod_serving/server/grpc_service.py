@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -368,7 +369,10 @@ def start_grpc_server(
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be at least 1, not {threads}")
     handlers = _handlers(engine, auth_token=auth_token, access_log=access_log)
-    pool = futures.ThreadPoolExecutor(threads or default_threads(engine), thread_name_prefix="neuropod-grpc")
+    if threads is not None:
+        pool: futures.ThreadPoolExecutor = futures.ThreadPoolExecutor(threads, thread_name_prefix="neuropod-grpc")
+    else:
+        pool = ElasticPool(base_threads(engine), default_threads(engine), thread_name_prefix="neuropod-grpc")
     server = grpc.server(
         pool,
         options=[
@@ -414,6 +418,79 @@ class GrpcServer:
         self._pool.shutdown(wait=True)
 
 
+#: Seconds calls may wait for a thread before the pool grows past its base (see :class:`ElasticPool`).
+GROW_AFTER_S = 0.005
+
+
+class ElasticPool(futures.ThreadPoolExecutor):
+    """A thread pool of ``base`` threads that grows toward ``max_workers`` only while
+    its threads are stuck: when calls wait and no thread has taken a new call for
+    :data:`GROW_AFTER_S`.
+
+    Calls of fast models come and go faster than that, so under any load they share the
+    base threads, as many as contend for the GIL at a profit (every thread more costs
+    throughput: 32 threads serve a small model about 15% slower than 16). Slow calls (a
+    model's long runs, or requests waiting for a run slot) hold their threads, the pool
+    grows, and health, metadata and other models' calls find a thread within
+    milliseconds however many slow calls are in flight.
+    """
+
+    def __init__(self, base: int, max_workers: int, *, grow_after_s: float = GROW_AFTER_S, **kwargs: Any) -> None:
+        super().__init__(max(base, max_workers), **kwargs)
+        self._base = base
+        self._grow_after_s = grow_after_s
+        self._grow_lock = threading.Lock()
+        self._grow_armed = False
+        self._taken = 0  # calls taken by a thread so far (the pool's progress)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future[Any]:
+        return super().submit(self._take, fn, args, kwargs)
+
+    def _take(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._taken += 1  # a racy count is enough: it only has to change while threads take calls
+        return fn(*args, **kwargs)
+
+    def _adjust_thread_count(self) -> None:
+        if len(self._threads) < self._base:
+            super()._adjust_thread_count()
+            return
+        if self._idle_semaphore.acquire(timeout=0):
+            return  # an idle thread takes the call
+        self._arm()
+
+    def _arm(self) -> None:
+        with self._grow_lock:
+            if self._grow_armed:
+                return
+            self._grow_armed = True
+        timer = threading.Timer(self._grow_after_s, self._look, (self._taken,))
+        timer.daemon = True
+        timer.start()
+
+    def _look(self, taken: int) -> None:
+        """Calls still waiting: grow if no thread took one since ``taken`` was counted
+        (a thread for each waiting call, so that a health check behind many slow calls
+        waits one look, not one per call); look again while calls wait."""
+        with self._grow_lock:
+            self._grow_armed = False
+        waiting = self._work_queue.qsize()
+        if self._shutdown or waiting == 0:
+            return
+        if self._taken == taken:
+            for _ in range(min(waiting, self._max_workers - len(self._threads))):
+                super()._adjust_thread_count()
+        if self._work_queue.qsize() and len(self._threads) < self._max_workers:
+            self._arm()
+
+
+def base_threads(engine: Engine) -> int:
+    """The threads a gRPC pool keeps for calls that come and go quickly: a thread per
+    request that can be waiting in a batch or running in an OPE worker, twice over, and
+    at least :data:`MIN_THREADS`."""
+    per_model = engine.workers * (engine.batching.max_batch_size if engine.batching is not None else 1)
+    return max(MIN_THREADS, 2 * per_model)
+
+
 def default_threads(engine: Engine) -> int:
     """Pool threads for ``engine``: a thread per request that can be waiting in a
     batch or running in an OPE worker, twice over, and at least :data:`MIN_THREADS`;
@@ -435,6 +512,8 @@ __all__ = [
     "Method",
     "Servicer",
     "authenticate",
+    "ElasticPool",
+    "base_threads",
     "default_threads",
     "start_grpc_server",
     "status_of",
