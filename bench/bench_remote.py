@@ -12,8 +12,8 @@ Per case, sequential calls (one in flight), each timed on its own:
   the remote model, against ``neuropod serve``;
 * ``tritonclient.grpc`` / ``tritonclient.http`` (binary data) against the same
   server with the same inputs, each call building its InferInputs and reading
-  its outputs ``as_numpy``; run in a subprocess (remote_triton.py) because
-  tritonclient.grpc's protobuf messages cannot share a process with ours;
+  its outputs ``as_numpy``; run in a subprocess (remote_triton.py), so that
+  each client is timed in a process of its own;
 * the floor: a bare grpcio channel (identity serializers) sending the exact
   bytes of a ModelInferRequest built by our protocol code and getting back the
   exact bytes ``neuropod serve`` answered to it, from a bare grpcio threaded

@@ -1,10 +1,11 @@
 """The gRPC service against real ONNX models, driven by tritonclient.grpc and by grpc.aio.
 
 The server is the real :func:`start_grpc_server` on 127.0.0.1, on its own threads.
-tritonclient.grpc cannot be imported next to our own
-``inference.*`` messages, so it runs in a subprocess (grpc_triton_client.py)
-that executes a plan of calls and writes back what each returned; one plan
-per server keeps the suite fast. The plain grpc.aio client with our own
+tritonclient.grpc runs in a subprocess (grpc_triton_client.py), as a user's
+own process would run it, executing a plan of calls and writing back what
+each returned; one plan per server keeps the suite fast. (Our ``inference.*``
+messages live in a private protobuf pool, so the two could share a process:
+test_remote_untrusted checks that.) The plain grpc.aio client with our own
 messages runs in this process. Expected values are computed here with numpy.
 """
 
