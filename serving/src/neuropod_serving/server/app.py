@@ -178,7 +178,12 @@ class _RawInfer:
                     declared = value.decode("latin-1")
                 elif key == _HEADER_LENGTH_KEY:
                     header_length = value.decode("latin-1")
-            body = await _receive_body(receive, declared, self.limit)
+            body: bytes | bytearray = await _receive_body(receive, declared, self.limit)
+            if header_length is not None:
+                # Binary tensors are decoded as views of the body: of a bytearray they are
+                # writable, which a model may assume (one copy of the body instead of a copy
+                # per tensor before the run).
+                body = bytearray(body)
             small = len(body) <= INLINE_BODY_BYTES
             decoded = (
                 _decode(s, body, header_length) if small else await run_in_threadpool(_decode, s, body, header_length)
@@ -253,7 +258,7 @@ async def _receive_body(receive: Receive, declared: str | None, limit: int) -> b
 INLINE_BODY_BYTES = 64 * 1024
 
 
-def _decode(served: ServedModel, body: bytes, json_length: str | None) -> InferRequest:
+def _decode(served: ServedModel, body: bytes | bytearray, json_length: str | None) -> InferRequest:
     return parse_infer_request(body, json_length, input_spec=served.input_specs)
 
 
