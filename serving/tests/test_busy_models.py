@@ -352,28 +352,11 @@ def test_a_fast_graph_model_runs_on_the_loop_until_an_input_is_larger(repository
 def test_neuropod_serve_applies_the_flags(repository: Path, tmp_path: Path) -> None:
     """The real command with --max-concurrent-runs 1 --max-queued-requests 0: a second call
     while one runs is a 429 at once."""
-    import subprocess
-    import sys
+    from neuropod.testing import served
 
-    from conftest import free_port
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "neuropod", "serve", str(repository / "sleeper"), "--http-port", str(port),
-           "--grpc-port", "0", "--metrics-port", "0", "--quiet",
-           "--max-concurrent-runs", "1", "--max-queued-requests", "0"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"neuropod serve exited with {proc.returncode}: {proc.communicate()}"
-            try:
-                if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "neuropod serve was not ready within 30 s"
-            time.sleep(0.1)
+    options = ["--max-concurrent-runs", "1", "--max-queued-requests", "0"]
+    with served(repository / "sleeper", timeout=30, options=options) as server:
+        base = server.http
         with ThreadPoolExecutor(1) as pool:
             slow = pool.submit(_rest_sleep, base, SLOW_S)
             # Until the slow call holds the model's one slot, quick calls pass; then they are refused.
@@ -386,13 +369,6 @@ def test_neuropod_serve_applies_the_flags(repository: Path, tmp_path: Path) -> N
             assert r.status_code == 429, r.text
             assert waited < PROMPT_S, f"the refusal took {waited:.2f} s"
             assert slow.result().status_code == 200
-    finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
 
 
 def test_the_grpc_pool_grows_past_its_base_only_for_calls_that_wait() -> None:

@@ -597,8 +597,8 @@ class Served(NamedTuple):
 
 
 @contextlib.contextmanager
-def served(models: Path, *, timeout: float = 60.0) -> Iterator[Served]:
-    """``neuropod serve models`` in a subprocess on free ports, until the block ends.
+def served(models: Path, *, timeout: float = 60.0, options: Sequence[str] = ()) -> Iterator[Served]:
+    """``neuropod serve models [options...]`` in a subprocess on free ports, until the block ends.
 
     For a backend's tests that its packages serve: the server is the real
     command (``neuropod-serving`` must be installed), stopped with SIGTERM
@@ -614,7 +614,7 @@ def served(models: Path, *, timeout: float = 60.0) -> Iterator[Served]:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "neuropod", "serve", str(models), "--http-port", str(ports[0]),
-           "--grpc-port", str(ports[1]), "--metrics-port", "0", "--quiet"]  # fmt: skip
+           "--grpc-port", str(ports[1]), "--metrics-port", "0", "--quiet", *options]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{ports[0]}"
     try:
