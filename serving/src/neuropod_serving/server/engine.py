@@ -23,12 +23,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -380,7 +379,7 @@ class Engine:
         :raises NeuropodError: the model failed (BackendError, WorkerError...).
         """
         runner = self._runner(served)
-        with self._unloaded_under(runner):
+        try:
             if runner.batcher is not None:
                 self.check(served, inputs, requested)
                 runner.gate.admit(False)
@@ -417,6 +416,12 @@ class Engine:
                     raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited") from None
                 outputs = await future
             return _ordered(runner, outputs, requested)
+        except (SpecError, ModelBusyError):
+            raise
+        except NeuropodError as e:
+            if self._runners.get(served.name) is not runner:
+                raise self._closed_under(runner) from e
+            raise
 
     def infer_blocking(
         self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
@@ -425,7 +430,7 @@ class Engine:
         model runs on the calling thread once a run slot is free, or the request joins its
         model's batch and waits. Same checks, limits, errors and metrics."""
         runner = self._runner(served)
-        with self._unloaded_under(runner):
+        try:
             gate = runner.gate
             if runner.batcher is not None:
                 self.check(served, inputs, requested)
@@ -444,6 +449,12 @@ class Engine:
                 else:
                     outputs = self._run_queued(runner, inputs, requested, time.perf_counter())
             return _ordered(runner, outputs, requested)
+        except (SpecError, ModelBusyError):
+            raise
+        except NeuropodError as e:
+            if self._runners.get(served.name) is not runner:
+                raise self._closed_under(runner) from e
+            raise
 
     def _runner(self, served: ServedModel) -> _Runner:
         """The runner of ``served``, or of the model that replaced it in a reload since the
@@ -453,19 +464,14 @@ class Engine:
             raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited")
         return runner
 
-    @contextlib.contextmanager
-    def _unloaded_under(self, runner: _Runner) -> Iterator[None]:
-        """A NeuropodError (not a SpecError) raised inside becomes an UnknownModelError when
-        the model was closed under the request (its batcher stopped, or the model): then
-        it is not the model's failure."""
-        try:
-            yield
-        except (SpecError, ModelBusyError):
-            raise
-        except NeuropodError as e:
-            if self._runners.get(runner.served.name) is not runner:
-                raise UnknownModelError(f"model {runner.served.name!r} was unloaded while the request ran") from e
-            raise
+    @staticmethod
+    def _closed_under(runner: _Runner) -> UnknownModelError:
+        """What a NeuropodError (not a SpecError or ModelBusyError) raised while ``runner``
+        served a request becomes when the model was closed or replaced under the request
+        (its batcher stopped, or the model): then it is not the model's failure. Each
+        caller checks in its own ``except`` (not a context manager: this is on every
+        request's path)."""
+        return UnknownModelError(f"model {runner.served.name!r} was unloaded while the request ran")
 
     def _run_queued(
         self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float

@@ -473,12 +473,14 @@ class ElasticPool(futures.ThreadPoolExecutor):
         waits one look, not one per call); look again while calls wait."""
         with self._grow_lock:
             self._grow_armed = False
-        waiting = self._work_queue.qsize()
-        if self._shutdown or waiting == 0:
-            return
-        if self._taken == taken:
-            for _ in range(min(waiting, self._max_workers - len(self._threads))):
-                super()._adjust_thread_count()
+        # The lock submit() holds when it adds threads: one thread adds at a time, none after shutdown.
+        with self._shutdown_lock:
+            waiting = self._work_queue.qsize()
+            if self._shutdown or waiting == 0:
+                return
+            if self._taken == taken:
+                for _ in range(min(waiting, self._max_workers - len(self._threads))):
+                    super()._adjust_thread_count()
         if self._work_queue.qsize() and len(self._threads) < self._max_workers:
             self._arm()
 
