@@ -454,12 +454,37 @@ class _Reader:
                 rest = data
         else:
             rest, raws = split_raw(data, field)
+        if raws and field == _RAW_INPUT_FIELD:
+            raws = _writable_copy(raws)
         small = len(rest) <= MAX_FORM_BYTES
         plan = self._plans.get(rest) if small else None
         if plan is None:
             message = message if message is not None else _parse(message_class, rest)
             plan = _Plan(message, bytes(rest), self._plans) if small else _Plan(message)
         return plan, raws
+
+
+def _writable_copy(raws: list[Any]) -> list[memoryview]:
+    """Views of one writable copy of ``raws``: a request's tensors decoded over them are
+    writable, as a served model may assume of its inputs (see the engine), for one
+    allocation and copy of the tensors' bytes rather than a copy per tensor later."""
+    if len(raws) == 1:
+        return [memoryview(bytearray(raws[0]))]
+    views: list[memoryview] = []
+    if sum(len(r) for r in raws) < WIRE_THRESHOLD:
+        whole = memoryview(bytearray(b"".join(raws)))  # small: join in C, then slice
+    else:  # large: one copy, not a join and a copy
+        whole = memoryview(bytearray(sum(len(r) for r in raws)))
+        at = 0
+        for r in raws:
+            whole[at : at + len(r)] = r
+            at += len(r)
+    at = 0
+    for r in raws:
+        n = len(r)
+        views.append(whole[at : at + n])
+        at += n
+    return views
 
 
 def _parse(message_class: Any, data: bytes) -> Any:

@@ -11,11 +11,12 @@ fast, see :meth:`Engine.infer`), through the model's
 :class:`~neuropod_serving.server.batching.Batcher` when batching is on and the
 spec allows it, and records metrics.
 
-Every model gets writable input arrays on every server path: inputs decoded
-as views of read-only request bytes (gRPC, binary REST) are copied before the
-model runs, which costs one allocation and copy of those inputs (about
-0.25 ms per MB); inputs already writable are passed as they are, and checking
-costs about 0.1 µs an input.
+Every model gets writable input arrays on every server path. The front ends
+decode tensors over one writable copy of the request's tensor bytes (binary
+REST: the body; gRPC: the raw contents), one allocation and copy a request
+(about 0.25 ms per MB); any read-only input left (a caller of the engine's own)
+is copied before the model runs. Inputs already writable are passed as they
+are, and checking costs about 0.07 µs an input.
 """
 
 from __future__ import annotations
