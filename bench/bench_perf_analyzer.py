@@ -38,7 +38,6 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -132,7 +131,7 @@ def main() -> int:
     try:
         server.wait_ready()
         for r in range(args.repeats):
-            for protocol, c, tool in plan[r % len(plan):] + plan[: r % len(plan)]:
+            for protocol, c, tool in plan[r % len(plan) :] + plan[: r % len(plan)]:
                 if tool == "ours":
                     result = run_ours(server, tiny, bodies, protocol, c, args)
                 else:
