@@ -79,6 +79,8 @@ def run_perf_analyzer(cmd: list[str], server: bench_serve.Server, protocol: str,
         "--concurrency-range", f"{c}:{c}", "--measurement-mode", "time_windows",
         "--measurement-interval", str(int(args.duration * 1000)), "--stability-percentage", "50",
         "--max-trials", "4", "-f", str(out),
+        # Served unbatched, the model's configuration says dims [-1, 2]: one row a request, as ours sends.
+        "--shape", "x:1,2", "--shape", "y:1,2",
     ]  # fmt: skip
     if shm:
         # One row of float32 [1, 2]: 8 bytes an output.
