@@ -85,7 +85,9 @@ def batched(root: Path) -> Iterator[Any]:
 
 
 def _clients(server: Any) -> tuple[Any, Any]:
-    return httpclient.InferenceServerClient(server.http[len("http://") :]), grpcclient.InferenceServerClient(server.grpc)
+    """tritonclient's HTTP and gRPC clients of ``server``."""
+    http = httpclient.InferenceServerClient(server.http[len("http://") :])
+    return http, grpcclient.InferenceServerClient(server.grpc)
 
 
 def _triton_type(dtype: str) -> str:
@@ -186,7 +188,9 @@ def _check_agrees_with_metrics(stat: dict[str, Any], samples: Any, model: str) -
     assert inference["success"]["count"] + inference["fail"]["count"] == requests
     assert inference["fail"]["count"] == failures
     total_ns = inference["success"]["ns"] + inference["fail"]["ns"]
-    assert total_ns / 1e9 == pytest.approx(_metric(samples, "neuropod_request_duration_seconds_sum", model=model), abs=1e-6)
+    assert total_ns / 1e9 == pytest.approx(
+        _metric(samples, "neuropod_request_duration_seconds_sum", model=model), abs=1e-6
+    )
     assert inference["queue"]["count"] == _metric(samples, "neuropod_queue_duration_seconds_count", model=model)
     assert inference["queue"]["ns"] / 1e9 == pytest.approx(
         _metric(samples, "neuropod_queue_duration_seconds_sum", model=model), abs=1e-6
@@ -199,6 +203,19 @@ def _check_agrees_with_metrics(stat: dict[str, Any], samples: Any, model: str) -
     # perf_analyzer's server-side breakdown: no part of a request takes longer than the request.
     parts = sum(inference[k]["ns"] for k in ("queue", "compute_input", "compute_infer", "compute_output"))
     assert parts <= inference["success"]["ns"]
+
+
+PER_REQUEST = (
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
+    "cache_miss",
+)
+PER_RUN = ("compute_input", "compute_infer", "compute_output")
 
 
 def _grpc_stats_as_dict(response: Any) -> list[dict[str, Any]]:
@@ -214,16 +231,10 @@ def _grpc_stats_as_dict(response: Any) -> list[dict[str, Any]]:
             "last_inference": m.last_inference,
             "inference_count": m.inference_count,
             "execution_count": m.execution_count,
-            "inference_stats": {
-                k: duration(getattr(m.inference_stats, k))
-                for k in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
-                          "cache_hit", "cache_miss")
-            },  # fmt: skip
+            "inference_stats": {k: duration(getattr(m.inference_stats, k)) for k in PER_REQUEST},
             "batch_stats": [
-                {"batch_size": b.batch_size, **{k: duration(getattr(b, k)) for k in
-                                                ("compute_input", "compute_infer", "compute_output")}}
-                for b in m.batch_stats
-            ],  # fmt: skip
+                {"batch_size": b.batch_size, **{k: duration(getattr(b, k)) for k in PER_RUN}} for b in m.batch_stats
+            ],
         }
         for m in response.model_stats
     ]

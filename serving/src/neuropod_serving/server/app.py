@@ -30,8 +30,7 @@ from neuropod_serving.protocol import (
     build_infer_response,
     parse_infer_request,
 )
-from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
-from neuropod_serving.server import extensions
+from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics

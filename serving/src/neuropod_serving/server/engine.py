@@ -543,7 +543,9 @@ class Engine:
                     runner.inline_bytes = size
             runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
             if ok:
-                self.metrics.ran(runner.served.name, 0.0 if queued is None else begun - queued, seconds, started - begun)
+                self.metrics.ran(
+                    runner.served.name, 0.0 if queued is None else begun - queued, seconds, started - begun
+                )
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:

@@ -133,7 +133,10 @@ def model_config_message(config: dict[str, Any]) -> Any:
         output=tensors(config["output"], tc.ModelOutput),
         instance_group=[
             tc.ModelInstanceGroup(
-                name=g["name"], kind=tc.ModelInstanceGroup.Kind.Value(g["kind"]), count=g["count"], gpus=g.get("gpus", [])
+                name=g["name"],
+                kind=tc.ModelInstanceGroup.Kind.Value(g["kind"]),
+                count=g["count"],
+                gpus=g.get("gpus", []),
             )
             for g in config["instance_group"]
         ],

@@ -53,7 +53,7 @@ class ModelStats:
 
     __slots__ = (
         "batch_infer", "batch_input", "batch_output", "batched", "batched_requests", "batched_rows",
-        "fail_n", "fail_s", "last_s", "runs", "run_infer", "run_input",
+        "fail_n", "fail_s", "last_s", "run_infer", "run_input", "runs",
     )  # fmt: skip
 
     def __init__(self) -> None:
