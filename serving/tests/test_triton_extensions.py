@@ -352,6 +352,8 @@ def test_stats_without_batching(plain: Any) -> None:
     for key in ("queue", "compute_input", "compute_infer", "compute_output"):
         assert inference[key]["count"] == stat["execution_count"], key  # one of each per run
     assert inference["compute_output"]["ns"] == 0  # nothing to split: outputs are handed over as they are
+    # gRPC's raw contents are read-only: those requests' inputs were copied (compute input) before the run.
+    assert inference["compute_input"]["ns"] > before["inference_stats"]["compute_input"]["ns"]
     assert inference["cache_hit"] == inference["cache_miss"] == {"count": 0, "ns": 0}
     [one] = stat["batch_stats"]
     assert one["batch_size"] == 1 and one["compute_infer"]["count"] == stat["execution_count"]
@@ -439,29 +441,60 @@ def test_server_metadata_lists_what_is_served(plain: Any) -> None:
     assert _http_get(plain.http, "/v2/models/stats")[0] == 200
 
 
-def test_no_statistics_where_none_are_kept(root: Path) -> None:
-    """An engine built without ServerMetrics (as embedded, or a Ray Serve replica) neither lists
-    nor answers statistics, on either protocol; its configuration is still served."""
+@pytest.fixture(scope="module")
+def bare(root: Path) -> Iterator[Engine]:
+    """An in-process engine serving adder, built without metrics."""
     engine = Engine(ModelRegistry.load([root / "models" / "adder"]))
     try:
-        with TestClient(create_app(engine)) as client:
-            assert "statistics" not in client.get("/v2").json()["extensions"]
-            r = client.get("/v2/models/stats")
-            assert r.status_code == 404 and "keeps no statistics" in r.json()["error"]
-            assert client.get("/v2/models/adder/stats").status_code == 404
-            assert client.get("/v2/models/adder/config").json()["name"] == "adder"
-        server, port = start_grpc_server(engine, "127.0.0.1:0")
-        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-        try:
-            assert list(grpc.get_server_metadata().extensions) == ["model_configuration"]
-            with pytest.raises(InferenceServerException, match="keeps no statistics") as e:
-                grpc.get_inference_statistics("adder")
-            assert e.value.status() == "StatusCode.UNIMPLEMENTED"
-        finally:
-            grpc.close()
-            server.stop(None)
+        yield engine
     finally:
         engine.close()
+
+
+def test_no_statistics_where_none_are_kept(bare: Engine) -> None:
+    """An engine built without ServerMetrics (as embedded, or a Ray Serve replica) neither lists
+    nor answers statistics, on either protocol; its configuration is still served."""
+    with TestClient(create_app(bare)) as client:
+        assert "statistics" not in client.get("/v2").json()["extensions"]
+        r = client.get("/v2/models/stats")
+        assert r.status_code == 404 and "keeps no statistics" in r.json()["error"]
+        assert client.get("/v2/models/adder/stats").status_code == 404
+        assert client.get("/v2/models/adder/config").json()["name"] == "adder"
+    server, port = start_grpc_server(bare, "127.0.0.1:0")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        assert list(grpc.get_server_metadata().extensions) == ["model_configuration"]
+        with pytest.raises(InferenceServerException, match="keeps no statistics") as e:
+            grpc.get_inference_statistics("adder")
+        assert e.value.status() == "StatusCode.UNIMPLEMENTED"
+    finally:
+        grpc.close()
+        server.stop(None)
+
+
+def test_config_and_stats_need_the_token(bare: Engine) -> None:
+    """Like every route but health, the new ones are behind --auth-token-file on both protocols."""
+    with TestClient(create_app(bare, auth_token="s3cret")) as client:
+        for path in ("/v2/models/adder/config", "/v2/models/stats", "/v2/models/adder/versions/1/stats"):
+            r = client.get(path)
+            assert r.status_code == 401 and "Bearer" in r.json()["error"], path
+        r = client.get("/v2/models/adder/config", headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["max_batch_size"] == 0
+    server, port = start_grpc_server(bare, "127.0.0.1:0", auth_token="s3cret")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        for call in (
+            lambda **kw: grpc.get_model_config("adder", **kw),
+            lambda **kw: grpc.get_inference_statistics(**kw),
+        ):
+            with pytest.raises(InferenceServerException) as e:
+                call()
+            assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+        config = grpc.get_model_config("adder", headers={"authorization": "Bearer s3cret"})
+        assert config.config.name == "adder"
+    finally:
+        grpc.close()
+        server.stop(None)
 
 
 # --- the platform names, and the wire ---------------------------------------------------------------------------
