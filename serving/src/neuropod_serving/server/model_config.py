@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from neuropod.spec import TensorSpec
+    from neuropod_serving.protocol._grpc import triton_config_pb2
     from neuropod_serving.server.engine import Engine
     from neuropod_serving.server.registry import ServedModel
 
@@ -117,7 +118,7 @@ def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
     return config
 
 
-def model_config_message(config: dict[str, Any]) -> Any:
+def model_config_message(config: dict[str, Any]) -> triton_config_pb2.ModelConfigResponse:
     """The gRPC ModelConfigResponse holding a :func:`model_config` dict."""
     from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 

@@ -34,7 +34,10 @@ is not batched runs one request at a time, counted as batch size 1, and its
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from neuropod_serving.protocol._grpc import triton_config_pb2
 
 #: What a statistics request gets from an engine that keeps none (its metrics are not a
 #: ServerMetrics); the extension is then not listed either.
@@ -151,7 +154,7 @@ def model_statistics(
     }
 
 
-def statistics_response(model_stats: list[dict[str, Any]]) -> Any:
+def statistics_response(model_stats: list[dict[str, Any]]) -> triton_config_pb2.ModelStatisticsResponse:
     """The gRPC ModelStatisticsResponse of REST's ``{"model_stats": [...]}`` entries."""
     from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 
