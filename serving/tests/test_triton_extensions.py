@@ -46,7 +46,7 @@ from neuropod.testing import served  # noqa: E402
 from neuropod_serving.protocol._grpc import triton_config_pb2 as ours  # noqa: E402
 from neuropod_serving.server import Engine, ModelRegistry, create_app  # noqa: E402
 from neuropod_serving.server.grpc_service import start_grpc_server  # noqa: E402
-from neuropod_serving.server.model_config import triton_platform  # noqa: E402
+from neuropod_serving.server.model_config import instance_group, triton_platform  # noqa: E402
 
 from conftest import ADDER_IN, ADDER_OUT, ECHO_IN, ECHO_OUT, adder_and_echo, onnx_package, private_caches  # noqa: E402
 
@@ -511,6 +511,13 @@ def test_triton_platform_names(tmp_path: Path) -> None:
     assert triton_platform("tensorflow", tmp_path / "saved") == ("tensorflow_savedmodel", "tensorflow")
     # No Triton backend runs these: the package's own platform.
     assert triton_platform("jax") == ("jax", "jax")
+
+
+def test_instance_group_of_a_device() -> None:
+    # The GPU case cannot be served here (no GPU): its derivation from the model's device string.
+    assert instance_group("m", "cpu", 2) == {"name": "m", "kind": "KIND_CPU", "count": 2}
+    assert instance_group("m", "cuda:1", 1) == {"name": "m", "kind": "KIND_GPU", "count": 1, "gpus": [1]}
+    assert instance_group("m", "cuda", 3) == {"name": "m", "kind": "KIND_GPU", "count": 3, "gpus": [0]}
 
 
 def _same_fields(ours_descriptor: Any, theirs_descriptor: Any, seen: set[str]) -> None:

@@ -83,6 +83,16 @@ def _tensor(spec: TensorSpec, batched: bool) -> dict[str, Any]:
     }
 
 
+def instance_group(name: str, device: str, count: int) -> dict[str, Any]:
+    """The one instance group of a model running ``count`` copies on ``device`` (``cpu``, ``cuda:1``)."""
+    group: dict[str, Any] = {"name": name, "kind": "KIND_CPU", "count": count}
+    if device.startswith("cuda"):
+        index = device.partition(":")[2]
+        group["kind"] = "KIND_GPU"
+        group["gpus"] = [int(index) if index.isdigit() else 0]
+    return group
+
+
 def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
     """The Triton model configuration of ``served`` as ``engine`` serves it (JSON-ready).
 
@@ -94,11 +104,6 @@ def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
     platform, backend = triton_platform(model.platform, getattr(package, "data_dir", None))
     batching = serving.batching
     device = str(model.device)
-    group: dict[str, Any] = {"name": served.name, "kind": "KIND_CPU", "count": serving.instances}
-    if device.startswith("cuda"):
-        index = device.partition(":")[2]
-        group["kind"] = "KIND_GPU"
-        group["gpus"] = [int(index) if index.isdigit() else 0]
     config: dict[str, Any] = {
         "name": served.name,
         "platform": platform,
@@ -106,7 +111,7 @@ def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
         "max_batch_size": batching.max_batch_size if batching is not None else 0,
         "input": [_tensor(s, batching is not None) for s in model.inputs],
         "output": [_tensor(s, batching is not None) for s in model.outputs],
-        "instance_group": [group],
+        "instance_group": [instance_group(served.name, device, serving.instances)],
         "parameters": {
             "neuropod_platform": {"string_value": model.platform},
             "neuropod_backend": {"string_value": model.backend.id},
