@@ -35,7 +35,7 @@ pytest.importorskip("prometheus_client")
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from onnx import helper  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 from tritonclient.grpc import model_config_pb2 as triton_config  # noqa: E402
@@ -63,6 +63,10 @@ def root() -> Iterator[Path]:
     with private_caches(path):
         adder_and_echo(path / "models", echo_as_zip=True)
         onnx_package(path / "models" / "flat", "flat", [helper.make_node("Neg", ["v"], ["w"])], FLAT_IN, FLAT_OUT)
+        # Any length passes the spec; onnxruntime can reshape only 4 elements to [2, 2].
+        onnx_package(path / "models" / "broken", "broken", [helper.make_node("Reshape", ["v", "shape"], ["w"])],
+                     [("v", "float32", [None])], [("w", "float32", [2, 2])],
+                     [helper.make_tensor("shape", TensorProto.INT64, [2], [2, 2])])  # fmt: skip
         (path / "batched").mkdir()
         for name in ("adder", "flat"):
             shutil.copytree(path / "models" / name, path / "batched" / name)
@@ -246,7 +250,7 @@ def _grpc_stats_as_dict(response: Any) -> list[dict[str, Any]]:
 def test_config_without_batching_on_both_protocols(plain: Any) -> None:
     http, grpc = _clients(plain)
     try:
-        for name in ("adder", "echo", "flat"):
+        for name in ("adder", "echo", "flat"):  # (broken's spec is not in SPECS)
             expected = _expected_config(name, 0, 0, 1)
             config = http.get_model_config(name)
             assert _without_parameters(config) == expected
@@ -361,13 +365,35 @@ def test_stats_without_batching(plain: Any) -> None:
     _check_agrees_with_metrics(stat, samples, "adder")
 
 
+def test_stats_of_a_model_that_fails(plain: Any) -> None:
+    """A run that fails is a failed request, not an inference nor an execution."""
+    http, _ = _clients(plain)
+    try:
+        v = httpclient.InferInput("v", [3], "FP32")
+        v.set_data_from_numpy(np.arange(3, dtype=np.float32))
+        with pytest.raises(InferenceServerException, match="broken") as e:
+            http.infer("broken", [v])
+        assert e.value.status() == "500"
+        stat = http.get_inference_statistics("broken")["model_stats"][0]
+        samples = _metrics(plain.http)
+    finally:
+        http.close()
+    assert (stat["inference_count"], stat["execution_count"], stat["batch_stats"]) == (0, 0, [])
+    inference = stat["inference_stats"]
+    assert inference["fail"]["count"] == 1 and inference["fail"]["ns"] > 0
+    assert inference["success"] == inference["queue"] == inference["compute_infer"] == {"count": 0, "ns": 0}
+    assert stat["last_inference"] > 0
+    assert _metric(samples, "neuropod_request_failures_total", model="broken", reason="model") == 1
+    _check_agrees_with_metrics(stat, samples, "broken")
+
+
 def test_stats_all_models_and_grpc_agree_with_rest(plain: Any) -> None:
     http, grpc = _clients(plain)
     try:
         inputs, expected = _adder_inputs(grpcclient, 1, 99)
         np.testing.assert_allclose(grpc.infer("adder", inputs).as_numpy("doubled"), 2 * expected, rtol=1e-6)
         every = http.get_inference_statistics()["model_stats"]
-        assert [m["name"] for m in every] == ["adder", "echo", "flat"]
+        assert [m["name"] for m in every] == ["adder", "broken", "echo", "flat"]
         # Statistics requests are not inferences: asking again changes nothing.
         assert _grpc_stats_as_dict(grpc.get_inference_statistics()) == every
         assert _grpc_stats_as_dict(grpc.get_inference_statistics("adder", "1")) == [every[0]]
