@@ -87,7 +87,10 @@ class ServerMetrics:
         self._compute_duration: dict[str, _Histogram] = {}
         self._batch_size: dict[str, _Histogram] = {}
         self._loaded = 0
+        # What Triton's statistics need beyond the histograms (see statistics.py).
         self._stats: dict[str, ModelStats] = {}
+        self._last: dict[str, float] = {}
+        self._run_input: dict[str, float] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -100,11 +103,11 @@ class ServerMetrics:
             if hist is None:
                 hist = self._request_duration[key] = _Histogram(LATENCY_BUCKETS)
             hist.observe(seconds)
-            stats = self._stats.get(model) or self._new_stats(model)
-            stats.last_s = time.time()
+            self._last[model] = time.time()
             if failure is not None:
                 fkey = (model, protocol, failure)
                 self._failures[fkey] = self._failures.get(fkey, 0) + 1
+                stats = self._stats.get(model) or self._new_stats(model)
                 stats.fail_n += 1
                 stats.fail_s += seconds
 
@@ -122,10 +125,8 @@ class ServerMetrics:
         with self._lock:
             _observe(self._queue_duration, model, LATENCY_BUCKETS, queued)
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
-            stats = self._stats.get(model) or self._new_stats(model)
-            stats.runs += 1
-            stats.run_input += prepared
-            stats.run_infer += seconds
+            if prepared:  # only when read-only inputs were copied (gRPC)
+                self._run_input[model] = self._run_input.get(model, 0.0) + prepared
 
     def computed(
         self,
@@ -153,19 +154,20 @@ class ServerMetrics:
     def statistics(self, model: str, version: str) -> dict[str, Any]:
         """Model ``model``'s ``$model_stat`` in Triton's statistics schema (zeros before its first request)."""
         with self._lock:
-            requests = requests_s = 0.0
+            requests, requests_s = 0, 0.0
             for (name, _), hist in self._request_duration.items():
                 if name == model:
                     requests += sum(hist.counts)
                     requests_s += hist.total
-            queue = self._queue_duration.get(model)
             return model_statistics(
                 model,
                 version,
                 self._stats.get(model),
-                requests=int(requests),
-                requests_s=requests_s,
-                queue=(sum(queue.counts), queue.total) if queue is not None else (0, 0.0),
+                last_s=self._last.get(model, 0.0),
+                requests=(requests, requests_s),
+                queue=_count_and_sum(self._queue_duration.get(model)),
+                runs=_count_and_sum(self._compute_duration.get(model)),
+                run_input=self._run_input.get(model, 0.0),
             )
 
     def render(self) -> bytes:
@@ -222,6 +224,10 @@ def _observe(by_model: dict[str, _Histogram], model: str, bounds: tuple[float, .
     if hist is None:
         hist = by_model[model] = _Histogram(bounds)
     hist.observe(value)
+
+
+def _count_and_sum(hist: _Histogram | None) -> tuple[int, float]:
+    return (sum(hist.counts), hist.total) if hist is not None else (0, 0.0)
 
 
 class _Collector:

@@ -1,10 +1,14 @@
 """Triton's statistics extension: per-model counts and durations in Triton's schema.
 
-The numbers are the ones ``GET /metrics`` exports, recorded by the same calls
-of :class:`~neuropod_serving.server.metrics.ServerMetrics` under the same lock
-(a few more counter updates per request), so the two never disagree; this
-module keeps what Prometheus' histograms do not (which runs were batched, and
-how long their inputs and outputs took) and builds Triton's answer.
+The numbers are the ones ``GET /metrics`` exports, read from its histograms
+(request, queue and compute durations) or recorded by the same calls of
+:class:`~neuropod_serving.server.metrics.ServerMetrics` under the same lock, so
+the two never disagree. What the histograms do not hold is kept beside them:
+when a model's last request was answered (a clock read and a dict store per
+request), failed requests' time, copies of read-only inputs, and each batch's
+size, request count and input/output times (a few counters per failure, copy
+or batch; an unbatched run that succeeds adds nothing). This module builds
+Triton's answer from them.
 
 What each duration means here, per request (``inference_stats``):
 
@@ -51,23 +55,19 @@ DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "comp
 
 
 class ModelStats:
-    """What one model's statistics need beyond Prometheus' histograms; updated under
-    :class:`ServerMetrics`' lock. Seconds are floats, turned into ns when read."""
+    """A model's failed requests and batched runs, which its statistics need beyond
+    Prometheus' histograms; updated under :class:`ServerMetrics`' lock, and only by a
+    failure or a batch (an unbatched run that succeeds costs nothing here). Seconds are
+    floats, turned into ns when read."""
 
     __slots__ = (
         "batch_infer", "batch_input", "batch_output", "batched", "batched_requests", "batched_rows",
-        "fail_n", "fail_s", "last_s", "run_infer", "run_input", "runs",
+        "fail_n", "fail_s",
     )  # fmt: skip
 
     def __init__(self) -> None:
-        #: Wall-clock time (time.time()) of the model's last request, 0 before any.
-        self.last_s = 0.0
         self.fail_n = 0
         self.fail_s = 0.0
-        # Unbatched runs (one request each): count, compute input and infer seconds.
-        self.runs = 0
-        self.run_input = 0.0
-        self.run_infer = 0.0
         #: Batched runs by rows: [runs, input s, infer s, output s].
         self.batched: dict[int, list[Any]] = {}
         self.batched_rows = 0
@@ -106,38 +106,46 @@ def model_statistics(
     version: str,
     stats: ModelStats | None,
     *,
-    requests: int,
-    requests_s: float,
+    last_s: float,
+    requests: tuple[int, float],
     queue: tuple[int, float],
+    runs: tuple[int, float],
+    run_input: float,
 ) -> dict[str, Any]:
     """One ``$model_stat`` of Triton's statistics response.
 
-    :param stats: the model's accumulators (None: nothing recorded yet).
-    :param requests: requests of the model answered (with outputs or an error), on every protocol.
-    :param requests_s: their seconds, summed.
+    :param stats: the model's failures and batched runs (None: none recorded yet).
+    :param last_s: when its last request was answered (``time.time()``; 0 before any).
+    :param requests: requests of the model answered (with outputs or an error), on every
+        protocol, and their seconds summed: the request histograms'.
     :param queue: the waits recorded (count, seconds summed): the queue histogram's.
+    :param runs: the successful runs, batched or not (count, seconds summed): the compute histogram's.
+    :param run_input: seconds copying inputs before unbatched runs, summed.
     """
     s = stats if stats is not None else ModelStats()
     runs_by_size: dict[int, list[Any]] = {rows: list(entry) for rows, entry in s.batched.items()}
-    if s.runs:
+    # Unbatched runs (one request each) are the compute histogram's runs that were not batches.
+    single = runs[0] - sum(entry[0] for entry in s.batched.values())
+    single_s = runs[1] - sum(entry[2] for entry in s.batched.values())
+    if single:
         one = runs_by_size.setdefault(1, [0, 0.0, 0.0, 0.0])
-        one[0] += s.runs
-        one[1] += s.run_input
-        one[2] += s.run_infer
-    per_request = s.runs + s.batched_requests
+        one[0] += single
+        one[1] += run_input
+        one[2] += single_s
+    per_request = single + s.batched_requests
     zero = _duration(0, 0.0)
     return {
         "name": name,
         "version": version,
-        "last_inference": round(s.last_s * 1000),
-        "inference_count": s.runs + s.batched_rows,
-        "execution_count": s.runs + sum(entry[0] for entry in s.batched.values()),
+        "last_inference": round(last_s * 1000),
+        "inference_count": single + s.batched_rows,
+        "execution_count": runs[0],
         "inference_stats": {
-            "success": _duration(requests - s.fail_n, requests_s - s.fail_s),
+            "success": _duration(requests[0] - s.fail_n, requests[1] - s.fail_s),
             "fail": _duration(s.fail_n, s.fail_s),
             "queue": _duration(*queue),
-            "compute_input": _duration(per_request, s.run_input + s.batch_input),
-            "compute_infer": _duration(per_request, s.run_infer + s.batch_infer),
+            "compute_input": _duration(per_request, run_input + s.batch_input),
+            "compute_infer": _duration(per_request, single_s + s.batch_infer),
             "compute_output": _duration(per_request, s.batch_output),
             "cache_hit": zero,
             "cache_miss": dict(zero),
