@@ -443,7 +443,7 @@ def test_max_queue_delay_merges_requests_that_arrive_within_it(
     rec = Recorder(registry.get("adder").model.infer)
     observed: list[tuple[list[float], float, int]] = []
     batcher = make_batcher(
-        "adder", rec, BatchPolicy(8, max_queue_delay_s=1.0), observe=lambda w, s, r: observed.append((w, s, r))
+        "adder", rec, BatchPolicy(8, max_queue_delay_s=1.0), observe=lambda w, s, r, *_: observed.append((w, s, r))
     )
     a, b = _adder_inputs(1, 1), _adder_inputs(2, 2)
     fa = batcher.submit(a, None)
@@ -465,7 +465,7 @@ def test_max_queue_delay_merges_requests_that_arrive_within_it(
 def test_observe_gets_one_wait_per_request(registry: ModelRegistry, make_batcher: Callable[..., Batcher]) -> None:
     rec = Recorder(registry.get("adder").model.infer, hold_first=True)
     observed: list[tuple[list[float], float, int]] = []
-    batcher = make_batcher("adder", rec, BatchPolicy(4), observe=lambda w, s, r: observed.append((w, s, r)))
+    batcher = make_batcher("adder", rec, BatchPolicy(4), observe=lambda w, s, r, *_: observed.append((w, s, r)))
     first = _hold(batcher, rec, _adder_inputs(1, 0))
     futures = [batcher.submit(_adder_inputs(1, i), None) for i in range(1, 7)]
     rec.release.set()

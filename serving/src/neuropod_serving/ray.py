@@ -311,12 +311,22 @@ class RayMetrics:
     def queued(self, model: str, seconds: float) -> None:
         self._queue.observe(seconds, self._model(model))
 
-    def ran(self, model: str, queued: float, seconds: float) -> None:
+    def ran(self, model: str, queued: float, seconds: float, prepared: float = 0.0) -> None:
         tags = self._model(model)
         self._queue.observe(queued, tags)
         self._compute.observe(seconds, tags)
 
-    def computed(self, model: str, seconds: float, rows: int | None) -> None:
+    def computed(
+        self,
+        model: str,
+        seconds: float,
+        rows: int | None,
+        requests: int = 1,
+        prepared: float = 0.0,
+        extracted: float = 0.0,
+    ) -> None:
+        # Triton's statistics (the other arguments) are not kept on Ray Serve: one replica's
+        # numbers behind a load-balancing proxy would mislead, as /metrics would.
         tags = self._model(model)
         self._compute.observe(seconds, tags)
         if rows is not None:
@@ -483,6 +493,13 @@ class NeuropodModel:
 
     async def ModelInfer(self, request: bytes, grpc_context: Any) -> Any:
         return await self._rpc("ModelInfer", request, grpc_context)
+
+    async def ModelConfig(self, request: bytes, grpc_context: Any) -> Any:
+        return await self._rpc("ModelConfig", request, grpc_context)
+
+    async def ModelStatistics(self, request: bytes, grpc_context: Any) -> Any:
+        # Answers UNIMPLEMENTED: a replica keeps no statistics (RayMetrics), and does not list them.
+        return await self._rpc("ModelStatistics", request, grpc_context)
 
 
 def _parse(spec: Any, data: bytes) -> Any:

@@ -30,16 +30,15 @@ from neuropod_serving.protocol import (
     build_infer_response,
     parse_infer_request,
 )
-from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
+from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
+from neuropod_serving.server.model_config import model_config
 from neuropod_serving.server.registry import MODEL_VERSION, ModelBusyError, ServedModel, UnknownModelError
+from neuropod_serving.server.statistics import NO_STATISTICS
 
 log = logging.getLogger("neuropod_serving.server")
-
-#: Only what is really implemented: clients probe this list before using an extension.
-EXTENSIONS = ["binary_tensor_data", "model_repository"]
 # Load balancers and orchestrators probe these without credentials.
 _OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 
@@ -330,8 +329,10 @@ def create_app(
         # Models load before the server listens, so a listening server is ready.
         return JSONResponse({"ready": True})
 
+    served_extensions = extensions.listed(extensions.REST, engine)
+
     async def server_metadata(request: Request) -> Response:
-        return JSONResponse({"name": "neuropod", "version": __version__, "extensions": EXTENSIONS})
+        return JSONResponse({"name": "neuropod", "version": __version__, "extensions": served_extensions})
 
     def served(request: Request) -> ServedModel:
         params = request.path_params
@@ -350,6 +351,16 @@ def create_app(
         # POSTs to these paths never get here (_RawInfer answers them); the
         # routes stay so that other methods get Starlette's 405.
         raise AssertionError("POST .../infer is handled by _RawInfer")
+
+    async def config(request: Request) -> Response:
+        return JSONResponse(model_config(engine, served(request)))
+
+    async def statistics(request: Request) -> Response:
+        if not isinstance(metrics, ServerMetrics):
+            return _error(404, NO_STATISTICS)
+        name = request.path_params.get("model")
+        models = [served(request)] if name is not None else sorted(engine.registry, key=lambda s: s.name)
+        return JSONResponse({"model_stats": [metrics.statistics(s.name, MODEL_VERSION) for s in models]})
 
     async def prometheus(request: Request) -> Response:
         if not isinstance(metrics, ServerMetrics):
@@ -407,6 +418,12 @@ def create_app(
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
+        # Before /v2/models/{model}, which "stats" would match too (as in Triton, it means all models).
+        Route("/v2/models/stats", statistics, methods=["GET"]),
+        Route("/v2/models/{model}/stats", statistics, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}/stats", statistics, methods=["GET"]),
+        Route("/v2/models/{model}/config", config, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}/config", config, methods=["GET"]),
         Route("/v2/models/{model}", metadata, methods=["GET"]),
         Route("/v2/models/{model}/versions/{version}", metadata, methods=["GET"]),
         Route("/v2/models/{model}/ready", model_ready, methods=["GET"]),

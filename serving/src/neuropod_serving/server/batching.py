@@ -116,8 +116,10 @@ class Batcher:
     """Batches one model's requests; :meth:`submit` from any thread.
 
     :param run: runs one (possibly concatenated) set of inputs; the model's ``infer``.
-    :param observe: called after every run with (queue seconds per request,
-        compute seconds, rows), for metrics.
+    :param observe: called after every successful run with (queue seconds per
+        request, the model's run seconds, rows, seconds preparing its inputs
+        (concatenation, copies), seconds splitting its outputs back per request),
+        for metrics and statistics.
     """
 
     def __init__(
@@ -127,7 +129,7 @@ class Batcher:
         policy: BatchPolicy,
         *,
         inflight: int = 1,
-        observe: Callable[[list[float], float, int], None] | None = None,
+        observe: Callable[[list[float], float, int, float, float], None] | None = None,
     ) -> None:
         self.name = name
         self.policy = policy
@@ -224,13 +226,14 @@ class Batcher:
             started = time.perf_counter()
             waited = [started - item.arrived for item in batch]
             try:
-                results = self._run_merged(batch)
+                results, times = self._run_merged(batch, started)
             except BaseException as e:  # noqa: BLE001 - every waiter gets the failure
                 self._fail(batch, e)
                 return
             if self._observe is not None:
                 try:
-                    self._observe(waited, time.perf_counter() - started, sum(i.rows for i in batch))
+                    prepared, ran, extracted = times
+                    self._observe(waited, ran, sum(i.rows for i in batch), prepared, extracted)
                 except Exception:  # metrics must never leave a batch unanswered
                     log.exception("recording metrics of model %r failed", self.name)
             for item, result in zip(batch, results):
@@ -239,10 +242,15 @@ class Batcher:
         finally:
             self._slots.release()
 
-    def _run_merged(self, batch: list[_Item]) -> list[Arrays]:
+    def _run_merged(self, batch: list[_Item], started: float) -> tuple[list[Arrays], tuple[float, float, float]]:
+        """Each request's outputs, and the seconds (from ``started``) spent preparing the
+        model's inputs, running it, and splitting its outputs back per request."""
         if len(batch) == 1:
             item = batch[0]
-            return [self._run(writable(item.inputs), item.requested)]
+            inputs = writable(item.inputs)
+            ready = time.perf_counter()
+            outputs = self._run(inputs, item.requested)
+            return [outputs], (ready - started, time.perf_counter() - ready, 0.0)
         names = list(batch[0].inputs)
         merged = {n: np.concatenate([item.inputs[n] for item in batch]) for n in names}
         wanted: list[str] | None = []
@@ -252,7 +260,9 @@ class Batcher:
                 break
             assert wanted is not None
             wanted.extend(n for n in item.requested if n not in wanted)
+        ready = time.perf_counter()
         outputs = self._run(merged, wanted)
+        ran = time.perf_counter()
         total = sum(item.rows for item in batch)
         for n, arr in outputs.items():
             if arr.ndim == 0 or arr.shape[0] != total:
@@ -266,7 +276,7 @@ class Batcher:
         for i, item in enumerate(batch):
             names_i = item.requested if item.requested is not None else list(outputs)
             results.append({n: parts[n][i] for n in names_i})
-        return results
+        return results, (ready - started, ran - ready, time.perf_counter() - ran)
 
     @staticmethod
     def _fail(batch: list[_Item], error: BaseException) -> None:

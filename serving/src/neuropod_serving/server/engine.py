@@ -168,11 +168,27 @@ class _Gate:
         return True
 
 
+@dataclass(frozen=True)
+class ModelServing:
+    """How the engine serves one model: the settings its Triton model configuration
+    reports (:mod:`neuropod_serving.server.model_config`), read from this one place.
+
+    :param batching: the batch policy of the model's batcher; None when its requests
+        are not batched (no batch dimension in its spec, or batching off).
+    :param instances: copies of the model that run at once: its OPE workers (1 in process).
+    """
+
+    batching: BatchPolicy | None
+    instances: int
+
+
 @dataclass
 class _Runner:
     """How one served model runs: its validator, batcher and recent run time."""
 
     served: ServedModel
+    #: What its model configuration reports (set where the batcher and workers are chosen).
+    serving: ModelServing
     validator: SpecValidator
     required: frozenset[str]
     batcher: Batcher | None
@@ -229,6 +245,13 @@ class Engine:
         """:raises UnknownModelError: no such model or version is loaded."""
         return self.registry.get(name, version)
 
+    def serving(self, name: str) -> ModelServing:
+        """How model ``name`` is served (batching, instances). :raises UnknownModelError: it is not loaded."""
+        runner = self._runners.get(name)
+        if runner is None:
+            raise UnknownModelError(f"no model named {name!r} is loaded here")
+        return runner.serving
+
     def batched(self, name: str) -> tuple[bool, str]:
         """Whether requests to model ``name`` are batched, and if not, why (for the start-up table)."""
         runner = self._runners[name]
@@ -244,10 +267,10 @@ class Engine:
             name = model.name
             metrics = self.metrics
 
-            def observe(waited: list[float], seconds: float, rows: int) -> None:
+            def observe(waited: list[float], seconds: float, rows: int, prepared: float, extracted: float) -> None:
                 for w in waited:
                     metrics.queued(name, w)
-                metrics.computed(name, seconds, rows)
+                metrics.computed(name, seconds, rows, len(waited), prepared, extracted)
 
             batcher = Batcher(name, model.infer, self.batching, inflight=self.workers, observe=observe)
         concurrent_runs = self.max_concurrent
@@ -264,6 +287,7 @@ class Engine:
         backend = getattr(model, "backend", None)
         self._runners[served.name] = _Runner(
             served=served,
+            serving=ModelServing(batcher.policy if batcher is not None else None, self.workers),
             validator=SpecValidator(model.name, model.inputs, model.outputs, shared_symbols=_shared_symbols(model)),
             required=frozenset(s.name for s in model.inputs),
             batcher=batcher,
@@ -493,12 +517,21 @@ class Engine:
         self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float | None
     ) -> dict[str, np.ndarray]:
         """One unbatched run, timed from ``queued`` (when the request was handed to a thread;
-        None when it runs where it arrived, without waiting)."""
-        inputs = writable(inputs)
-        started = time.perf_counter()
+        None when it runs where it arrived, without waiting). Only a run that succeeds is
+        recorded (queue, input copies, the model's run), as a batch's run is."""
+        begun = time.perf_counter()  # the queue ends; copying read-only inputs (compute input) starts
+        copied = writable(inputs)
+        if copied is inputs:
+            started = begun  # nothing was copied: no second clock read on the common path
+        else:
+            inputs = copied
+            started = time.perf_counter()
         cpu = time.thread_time()
+        ok = False
         try:
-            return runner.served.model.infer(inputs, requested)
+            outputs = runner.served.model.infer(inputs, requested)
+            ok = True
+            return outputs
         finally:
             seconds = time.perf_counter() - started
             # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
@@ -510,7 +543,10 @@ class Engine:
                 if size > runner.inline_bytes:
                     runner.inline_bytes = size
             runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
-            self.metrics.ran(runner.served.name, 0.0 if queued is None else started - queued, seconds)
+            if ok:
+                self.metrics.ran(
+                    runner.served.name, 0.0 if queued is None else begun - queued, seconds, started - begun
+                )
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:

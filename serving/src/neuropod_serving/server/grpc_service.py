@@ -9,8 +9,10 @@ model runs on that thread too, or the request waits there for its batch.
 
 Messages go through :mod:`neuropod_serving.protocol.grpc_codec` and requests
 through the same :class:`~neuropod_serving.server.engine.Engine` as REST, so
-both protocols check, batch, count and refuse alike. The six methods are
+both protocols check, batch, count and refuse alike. The methods are
 registered here with grpcio's generic handlers (no generated ``_pb2_grpc``):
+the Open Inference Protocol's six, and Triton's ModelConfig and ModelStatistics
+(messages of our own wire-compatible ``triton_config.proto``).
 
 ============================  ==========================================
 what went wrong               status (details: the same text as REST's)
@@ -21,6 +23,8 @@ missing or wrong token        UNAUTHENTICATED (not on ServerLive/Ready)
 message over the limit        RESOURCE_EXHAUSTED (refused by grpcio)
 the model's queue is full     RESOURCE_EXHAUSTED, at once (retry later)
 the model failed              INTERNAL, naming the model; logged
+statistics asked of an        UNIMPLEMENTED, saying why (no ServerMetrics:
+engine that keeps none        embedded, or a Ray Serve replica)
 ============================  ==========================================
 """
 
@@ -42,18 +46,19 @@ from neuropod_serving import __version__
 from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
-from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
+from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
+from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal, escape_log
+from neuropod_serving.server.metrics import ServerMetrics
+from neuropod_serving.server.model_config import model_config, model_config_message
 from neuropod_serving.server.registry import MODEL_VERSION, ModelBusyError, UnknownModelError
+from neuropod_serving.server.statistics import NO_STATISTICS, statistics_response
 
 log = logging.getLogger("neuropod_serving.server")
 access = logging.getLogger("neuropod_serving.access")
 
 SERVICE = "inference.GRPCInferenceService"
-#: Extensions this gRPC service implements: the OIP proto defines none of
-#: Triton's (binary tensors are REST's; its proto has no repository RPCs).
-EXTENSIONS: list[str] = []
 #: Threads answering calls when the caller does not say: enough for every
 #: OPE worker to be busy while others decode, and for batches to fill.
 MIN_THREADS = 16
@@ -78,11 +83,12 @@ Handler = Callable[[Any, grpc.ServicerContext], Any]
 
 
 class Servicer:
-    """The six RPCs of GRPCInferenceService over one engine."""
+    """The RPCs of GRPCInferenceService over one engine."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.metrics = engine.metrics
+        self.extensions = extensions.listed(extensions.GRPC, engine)
 
     def server_live(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -92,7 +98,7 @@ class Servicer:
         return pb.ServerReadyResponse(ready=True)
 
     def server_metadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="neuropod", version=__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name="neuropod", version=__version__, extensions=self.extensions)
 
     def model_ready(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         self.engine.get(request.name, request.version or None)
@@ -104,6 +110,25 @@ class Servicer:
         # A list: Ray Serve's context (neuropod_serving.ray) adds its own trailers to it.
         context.set_trailing_metadata([(codec.SHAPES_METADATA_KEY, codec.shapes_metadata(metadata))])
         return codec.model_metadata_response(metadata)
+
+    def model_config(self, request: tc.ModelConfigRequest, context: Any) -> tc.ModelConfigResponse:
+        served = self.engine.get(request.name, request.version or None)
+        return model_config_message(model_config(self.engine, served))
+
+    def model_statistics(self, request: tc.ModelStatisticsRequest, context: Any) -> tc.ModelStatisticsResponse:
+        metrics = self.metrics
+        if not isinstance(metrics, ServerMetrics):
+            raise _Refused(grpc.StatusCode.UNIMPLEMENTED, NO_STATISTICS)
+        if request.name:
+            models = [self.engine.get(request.name, request.version or None)]
+        elif request.version:
+            raise ProtocolError(
+                f"a ModelStatistics request names version {request.version!r} but no model; "
+                "name the model, or leave both empty for every model"
+            )
+        else:
+            models = sorted(self.engine.registry, key=lambda s: s.name)
+        return statistics_response([metrics.statistics(s.name, MODEL_VERSION) for s in models])
 
     def model_infer(self, call: InferCall, context: Any) -> bytes:
         with self._counted(call) as state:
@@ -304,7 +329,7 @@ def _by_call(request: Any) -> str:
     return str(request.model_name)
 
 
-#: The six RPCs of GRPCInferenceService, by method name.
+#: The RPCs of GRPCInferenceService served, by method name.
 METHODS: dict[str, Method] = {
     "ServerLive": Method("server_live", pb.ServerLiveRequest, pb.ServerLiveResponse, None, True),
     "ServerReady": Method("server_ready", pb.ServerReadyRequest, pb.ServerReadyResponse, None, True),
@@ -314,6 +339,10 @@ METHODS: dict[str, Method] = {
     # Requests are parsed by InferCall, answers serialized by the codec (bytes): big tensors
     # then skip protobuf's copies (grpc_codec.serialize_model_infer_response).
     "ModelInfer": Method("model_infer", InferCall, None, _by_call, False),
+    "ModelConfig": Method("model_config", tc.ModelConfigRequest, tc.ModelConfigResponse, _by_name, False),
+    "ModelStatistics": Method(
+        "model_statistics", tc.ModelStatisticsRequest, tc.ModelStatisticsResponse, _by_name, False
+    ),
 }
 
 
@@ -507,7 +536,6 @@ def default_threads(engine: Engine) -> int:
 
 
 __all__ = [
-    "EXTENSIONS",
     "METHODS",
     "SERVICE",
     "GrpcServer",

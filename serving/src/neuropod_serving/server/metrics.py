@@ -13,17 +13,24 @@ Names follow Prometheus' conventions (base units, ``_total`` counters):
   arrival at the handler to its encoded reply;
 - ``neuropod_queue_duration_seconds{model}``: waiting for a batch or a thread;
 - ``neuropod_compute_duration_seconds{model}``: the model's ``infer`` call
-  (once per batch);
+  (once per batch), for runs that succeeded;
 - ``neuropod_batch_size{model}``: rows (along the batch dimension) per run;
 - ``neuropod_models_loaded``.
+
+The same calls keep Triton's per-model statistics
+(:mod:`neuropod_serving.server.statistics`, ``GET /v2/models/stats``), so
+those and these always agree.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any, Protocol
+
+from neuropod_serving.server.statistics import ModelStats, model_statistics
 
 #: Seconds: 50 µs to 10 s, dense where a small model's latency lies.
 LATENCY_BUCKETS = (
@@ -80,6 +87,10 @@ class ServerMetrics:
         self._compute_duration: dict[str, _Histogram] = {}
         self._batch_size: dict[str, _Histogram] = {}
         self._loaded = 0
+        # What Triton's statistics need beyond the histograms (see statistics.py).
+        self._stats: dict[str, ModelStats] = {}
+        self._last: dict[str, float] = {}
+        self._run_input: dict[str, float] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -92,29 +103,72 @@ class ServerMetrics:
             if hist is None:
                 hist = self._request_duration[key] = _Histogram(LATENCY_BUCKETS)
             hist.observe(seconds)
+            self._last[model] = time.time()
             if failure is not None:
                 fkey = (model, protocol, failure)
                 self._failures[fkey] = self._failures.get(fkey, 0) + 1
+                stats = self._stats.get(model) or self._new_stats(model)
+                stats.fail_n += 1
+                stats.fail_s += seconds
+
+    def _new_stats(self, model: str) -> ModelStats:
+        stats = self._stats[model] = ModelStats()
+        return stats
 
     def queued(self, model: str, seconds: float) -> None:
         with self._lock:
             _observe(self._queue_duration, model, LATENCY_BUCKETS, seconds)
 
-    def ran(self, model: str, queued: float, seconds: float) -> None:
-        """One unbatched run: :meth:`queued` and :meth:`computed` in one."""
+    def ran(self, model: str, queued: float, seconds: float, prepared: float = 0.0) -> None:
+        """One unbatched run that succeeded: ``queued`` seconds waiting for a run slot,
+        ``prepared`` copying its read-only inputs, ``seconds`` in the model."""
         with self._lock:
             _observe(self._queue_duration, model, LATENCY_BUCKETS, queued)
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
+            if prepared:  # only when read-only inputs were copied (gRPC)
+                self._run_input[model] = self._run_input.get(model, 0.0) + prepared
 
-    def computed(self, model: str, seconds: float, rows: int | None) -> None:
+    def computed(
+        self,
+        model: str,
+        seconds: float,
+        rows: int | None,
+        requests: int = 1,
+        prepared: float = 0.0,
+        extracted: float = 0.0,
+    ) -> None:
+        """One batched run that succeeded: ``requests`` requests of ``rows`` rows in all,
+        ``prepared`` seconds making its inputs, ``seconds`` in the model, ``extracted``
+        splitting its outputs (each request's wait is :meth:`queued`)."""
         with self._lock:
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
             if rows is not None:
                 _observe(self._batch_size, model, BATCH_BUCKETS, rows)
+            stats = self._stats.get(model) or self._new_stats(model)
+            stats.batch(rows if rows is not None else requests, requests, prepared, seconds, extracted)
 
     def loaded(self, count: int) -> None:
         """How many models are loaded now."""
         self._loaded = count
+
+    def statistics(self, model: str, version: str) -> dict[str, Any]:
+        """Model ``model``'s ``$model_stat`` in Triton's statistics schema (zeros before its first request)."""
+        with self._lock:
+            requests, requests_s = 0, 0.0
+            for (name, _), hist in self._request_duration.items():
+                if name == model:
+                    requests += sum(hist.counts)
+                    requests_s += hist.total
+            return model_statistics(
+                model,
+                version,
+                self._stats.get(model),
+                last_s=self._last.get(model, 0.0),
+                requests=(requests, requests_s),
+                queue=_count_and_sum(self._queue_duration.get(model)),
+                runs=_count_and_sum(self._compute_duration.get(model)),
+                run_input=self._run_input.get(model, 0.0),
+            )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -172,6 +226,10 @@ def _observe(by_model: dict[str, _Histogram], model: str, bounds: tuple[float, .
     hist.observe(value)
 
 
+def _count_and_sum(hist: _Histogram | None) -> tuple[int, float]:
+    return (sum(hist.counts), hist.total) if hist is not None else (0, 0.0)
+
+
 class _Collector:
     """What the private registry scrapes: :meth:`ServerMetrics.families`."""
 
@@ -190,9 +248,17 @@ class Recorder(Protocol):
 
     def queued(self, model: str, seconds: float) -> None: ...
 
-    def ran(self, model: str, queued: float, seconds: float) -> None: ...
+    def ran(self, model: str, queued: float, seconds: float, prepared: float = 0.0) -> None: ...
 
-    def computed(self, model: str, seconds: float, rows: int | None) -> None: ...
+    def computed(
+        self,
+        model: str,
+        seconds: float,
+        rows: int | None,
+        requests: int = 1,
+        prepared: float = 0.0,
+        extracted: float = 0.0,
+    ) -> None: ...
 
     def loaded(self, count: int) -> None: ...
 
@@ -206,10 +272,18 @@ class NoMetrics:
     def queued(self, model: str, seconds: float) -> None:
         pass
 
-    def ran(self, model: str, queued: float, seconds: float) -> None:
+    def ran(self, model: str, queued: float, seconds: float, prepared: float = 0.0) -> None:
         pass
 
-    def computed(self, model: str, seconds: float, rows: int | None) -> None:
+    def computed(
+        self,
+        model: str,
+        seconds: float,
+        rows: int | None,
+        requests: int = 1,
+        prepared: float = 0.0,
+        extracted: float = 0.0,
+    ) -> None:
         pass
 
     def loaded(self, count: int) -> None:

@@ -1,0 +1,38 @@
+"""The Triton protocol extensions this server serves: what ServerMetadata lists.
+
+One table for both front ends, so ``GET /v2`` and gRPC ``ServerMetadata`` can
+never disagree with what is routed. Clients (tritonclient, perf_analyzer) probe
+this list before they use an extension, so an extension is listed on a
+protocol only where its routes or RPCs answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REST = "rest"
+GRPC = "grpc"
+_BOTH = frozenset({REST, GRPC})
+
+#: Every extension served, by Triton's name, and the protocols that serve it.
+EXTENSIONS: tuple[tuple[str, frozenset[str]], ...] = (
+    # A REST body format; gRPC carries tensors as raw bytes without it.
+    ("binary_tensor_data", frozenset({REST})),
+    ("model_configuration", _BOTH),
+    ("model_repository", frozenset({REST})),
+    ("statistics", _BOTH),
+)
+
+#: Extensions answered only when the engine keeps statistics (its metrics are a ServerMetrics:
+#: not on a Ray Serve replica, whose numbers go to Ray's metrics agents).
+NEEDS_STATISTICS = frozenset({"statistics"})
+
+
+def listed(protocol: str, engine: Any) -> list[str]:
+    """The extensions ``protocol`` (``"rest"`` or ``"grpc"``) serves for ``engine``, in table order."""
+    from neuropod_serving.server.metrics import ServerMetrics
+
+    statistics = isinstance(engine.metrics, ServerMetrics)
+    return [
+        name for name, protocols in EXTENSIONS if protocol in protocols and (statistics or name not in NEEDS_STATISTICS)
+    ]
