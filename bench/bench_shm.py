@@ -51,6 +51,20 @@ def _package(dest: Path) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
     onnx.checker.check_model(model)
+    # The floor: the same call with a 12-byte input, to a model that does as little.
+    tiny = helper.make_graph(
+        [helper.make_node("ReduceMean", ["image", "axes"], ["mean"], keepdims=0)], "t",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, 1, 1])],
+        [helper.make_tensor_value_info("mean", TensorProto.FLOAT, [1, 3])],
+        initializer=[helper.make_tensor("axes", TensorProto.INT64, [2], [2, 3])],
+    )  # fmt: skip
+    tiny_model = helper.make_model(tiny, opset_imports=[helper.make_opsetid("", 18)])
+    tiny_model.ir_version = 8
+    create_onnx_neuropod(
+        dest / "tiny_mean", "tiny_mean", onnx_model=tiny_model,
+        input_spec=[{"name": "image", "dtype": "float32", "shape": [1, 3, 1, 1]}],
+        output_spec=[{"name": "mean", "dtype": "float32", "shape": [1, 3]}],
+    )  # fmt: skip
     return Path(create_onnx_neuropod(
         dest / "image_mean", "image_mean", onnx_model=model,
         input_spec=[{"name": "image", "dtype": "float32", "shape": list(SHAPE)}],
@@ -83,6 +97,7 @@ def main() -> None:
 
     image = np.random.default_rng(0).random(SHAPE, dtype=np.float32)
     expected = image.mean(axis=(2, 3))
+    tiny = image[:, :, :1, :1].copy()
     rows: list[tuple[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="neuropod-bench-shm-") as tmp:
         root = Path(tmp)
@@ -124,8 +139,17 @@ def main() -> None:
                         client.infer("image_mean", [tensor], outputs=[output])
                         return shm.get_contents_as_numpy(out_handle, np.float32, [1, 3])
 
+                    def floor(module: Any = module, client: Any = client, binary: Any = binary) -> np.ndarray:
+                        tensor = module.InferInput("image", [1, 3, 1, 1], "FP32")
+                        tensor.set_data_from_numpy(tiny, **binary)
+                        result = client.infer(
+                            "tiny_mean", [tensor], outputs=[module.InferRequestedOutput("mean", **binary)]
+                        )
+                        return result.as_numpy("mean")
+
                     for fn in (in_message, in_shm):
                         np.testing.assert_allclose(fn(), expected, rtol=1e-4)
+                    rows.append((f"{label}, 12-byte input to a tiny model (floor)", _median_ms(floor, args.calls)))
                     rows.append((f"{label}, binary tensors in the message", _median_ms(in_message, args.calls)))
                     rows.append((f"{label}, system shared memory", _median_ms(in_shm, args.calls)))
                 clients["REST"][1].unregister_system_shared_memory()
@@ -137,9 +161,9 @@ def main() -> None:
 
     print(f"image float32 {list(SHAPE)} = {image.nbytes / 1e6:.1f} MB, output float32 [1, 3]; "
           f"medians of {args.calls} calls (one run on a shared machine: compare lines within it)")  # fmt: skip
-    print(f"{'':<42}{'ms':>9}{'overhead ms':>14}")
+    print(f"{'':<48}{'ms':>9}{'overhead ms':>14}")
     for name, ms in rows:
-        print(f"{name:<42}{ms:9.2f}{ms - own:14.2f}")
+        print(f"{name:<48}{ms:9.2f}{ms - own:14.2f}")
     print(f"the server's copy of the input out of its region (numpy, 6.9 MB): {copy_ms:.2f} ms")
 
 

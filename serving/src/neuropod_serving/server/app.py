@@ -192,11 +192,11 @@ class _RawInfer:
             requested = list(decoded.outputs) if decoded.outputs is not None else None
             if decoded.shared_memory is not None:
                 held = shared_memory_api.lease(engine, decoded)
-                small = held.nbytes <= shared_memory_api.INLINE_BYTES
-                if small:
+                if held.input_bytes <= shared_memory_api.INLINE_BYTES:
                     shared_memory_api.read_inputs(held, s, decoded)
                 else:
                     await run_in_threadpool(shared_memory_api.read_inputs, held, s, decoded)
+                small = small and held.output_bytes <= shared_memory_api.INLINE_BYTES
             failure = "model"
             try:
                 outputs = await engine.infer(s, decoded.inputs, requested)

@@ -355,10 +355,14 @@ class Lease:
             raise
 
     @property
-    def nbytes(self) -> int:
-        """The bytes the request's inputs and outputs may take in shared memory."""
-        tensors = (*self.request.inputs.values(), *self.request.outputs.values())
-        return sum(t.byte_size for t in tensors)
+    def input_bytes(self) -> int:
+        """The bytes of the request's inputs in shared memory."""
+        return sum(t.byte_size for t in self.request.inputs.values())
+
+    @property
+    def output_bytes(self) -> int:
+        """The bytes the request gave its outputs in shared memory (at most what is written)."""
+        return sum(t.byte_size for t in self.request.outputs.values())
 
     def read_inputs(self, specs: Mapping[str, Any] | None = None) -> dict[str, np.ndarray[Any, Any]]:
         """The inputs in shared memory as arrays of their own (copies), by name.
@@ -371,7 +375,7 @@ class Lease:
             raw = self._regions[t.region].read(t.offset, t.byte_size)
             obj = {"name": name, "datatype": t.datatype, "shape": list(t.shape or ())}
             spec = specs.get(name) if specs is not None else None
-            arrays[name] = decode_tensor(obj, binary=memoryview(raw), spec=spec, where=f"input {name!r}",
+            arrays[name] = decode_tensor(obj, binary=memoryview(raw.data), spec=spec, where=f"input {name!r}",
                                          size_name=BYTE_SIZE)  # fmt: skip
         return arrays
 
@@ -434,7 +438,7 @@ def _open_segment(name: str, key: str) -> int:
             fd = os.open(os.path.join(_SHM_DIR, base), flags)
         else:
             try:
-                import _posixshmem  # the module multiprocessing.shared_memory uses
+                import _posixshmem  # type: ignore[import-not-found]  # multiprocessing.shared_memory's
             except ImportError:
                 raise _refused(f"system shared memory is not supported on {sys.platform}") from None
             fd = _posixshmem.shm_open("/" + base, os.O_RDWR, mode=0o600)
