@@ -297,6 +297,9 @@ def test_register_refusals(server: Server, regions: list[Any]) -> None:
     with pytest.raises(InferenceServerException, match="does not exist") as e:
         server.grpc.register_system_shared_memory("nope", missing, 8)
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException, match="a shared memory region's name is a non-empty string") as e:
+        server.grpc.register_system_shared_memory("", key, 8)
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
     answer = server.raw.get("/v2/systemsharedmemory/region/never/status")
     assert answer.status_code == 404 and "no system shared memory region named 'never'" in answer.json()["error"]
     with pytest.raises(InferenceServerException, match="never") as e:
@@ -564,6 +567,41 @@ def test_a_request_holds_its_region_past_unregistration(regions: list[Any], serv
     assert not region._mm.closed
     lease.release()
     assert region._mm.closed
+
+
+def test_bad_bytes_in_a_region_are_refused_by_name(regions: list[Any], server: Server) -> None:
+    handle, key = _segment(regions, 64)
+    shm.set_shared_memory_region(handle, [np.array([0, 1, 2], np.uint8), np.array([200], "<u4").view(np.uint8)])
+    registry = SharedMemoryRegistry()
+    try:
+        registry.register_system("bad", key, 0, 64)
+        cases = [
+            (SharedTensor("b", "bad", 0, 3, "BOOL", (3,)), "BOOL bytes must be 0 or 1"),
+            (SharedTensor("s", "bad", 3, 8, "BYTES", (1,)), "BYTES element 0 says it is 200 bytes long"),
+        ]
+        for tensor, needle in cases:
+            lease = registry.lease(SharedMemoryRequest(inputs={tensor.name: tensor}))
+            try:
+                with pytest.raises(ProtocolError, match=needle):
+                    lease.read_inputs()
+            finally:
+                lease.release()
+    finally:
+        registry.close()
+
+
+def test_the_engine_closes_its_regions(models: Path, regions: list[Any], server: Server) -> None:
+    from neuropod_serving.server import Engine, ModelRegistry
+
+    _, key = _segment(regions, 4096)
+    before = _open_on(key)
+    with private_caches(models.parent):
+        engine = Engine(ModelRegistry.load([models]), shared_memory=SharedMemoryRegistry())
+    assert engine.shared_memory is not None
+    engine.shared_memory.register_system("kept", key, 0, 4096)
+    assert _open_on(key) == before + 1
+    engine.close()  # as neuropod serve does when it stops
+    assert _open_on(key) == before
 
 
 def test_a_segment_shrunk_after_registration_is_refused_not_a_crash(regions: list[Any], server: Server) -> None:
