@@ -392,6 +392,30 @@ def test_grpc_infer_refusals(server: Server, regions: list[Any]) -> None:
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
+def test_grpc_raw_contents_for_an_input_in_shared_memory_are_refused(server: Server, regions: list[Any]) -> None:
+    """What tritonclient never sends: a raw_input_contents entry for an input in a region too."""
+    from tritonclient.grpc import service_pb2
+
+    _, key = _segment(regions, 64)
+    server.grpc.register_system_shared_memory("extra", key, 64)
+    request = service_pb2.ModelInferRequest(model_name="adder")
+    for name in ("x", "y"):
+        request.inputs.add(name=name, datatype="FP32", shape=[3, 2])
+        request.raw_input_contents.append(bytes(24))
+    request.inputs[0].parameters["shared_memory_region"].string_param = "extra"
+    request.inputs[0].parameters["shared_memory_byte_size"].int64_param = 24
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelInferResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            call(request, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "raw_input_contents has 2 entries, but 1 input(s) are not in shared memory" in e.value.details()
+
+
 def test_unregistering_while_requests_use_the_region(server: Server, regions: list[Any]) -> None:
     """Requests naming a region race with its unregistration and registration again: each is
     answered (with outputs, or 400 naming the region), and the server keeps serving."""

@@ -119,6 +119,11 @@ def parse_model_infer_request(
     if shared is not None and shared.inputs:
         # Inputs in shared memory have no raw contents: the entries are the other inputs', in order.
         tensors = [t for t in tensors if not shared_memory.mentions(t.parameters)]
+        if raws and len(raws) != len(tensors):
+            raise ProtocolError(
+                f"raw_input_contents has {len(raws)} entries, but {len(tensors)} input(s) are not in shared memory: "
+                "an input in shared memory has no entry, every other input has one, in the order of the inputs"
+            )
     inputs = _decode_tensors(tensors, raws, "input", specs)
     outputs: dict[str, bool | None] | None = None
     if request.outputs:
