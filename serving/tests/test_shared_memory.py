@@ -536,6 +536,26 @@ def test_server_without_the_option_refuses_shared_memory(models: Path, regions: 
             plain.close()
 
 
+def test_registering_needs_the_token(models: Path, regions: list[Any], server: Server, tmp_path: Path) -> None:
+    _, key = _segment(regions, 64)
+    (tmp_path / "token").write_text("shm-t0ken")
+    options = ["--allow-client-shm", "--auth-token-file", str(tmp_path / "token")]
+    with private_caches(models.parent), served(models, options=options) as where:
+        guarded = Server(where.http, where.grpc)
+        try:
+            answer = guarded.raw.post("/v2/systemsharedmemory/region/r/register", json={"key": key, "byte_size": 64})
+            assert answer.status_code == 401
+            with pytest.raises(InferenceServerException) as e:
+                guarded.grpc.register_system_shared_memory("r", key, 64)
+            assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+            headers = {"authorization": "Bearer shm-t0ken"}
+            guarded.grpc.register_system_shared_memory("r", key, 64, headers=headers)
+            assert [r["name"] for r in guarded.http.get_system_shared_memory_status(headers=headers)] == ["r"]
+            guarded.http.unregister_system_shared_memory(headers=headers)
+        finally:
+            guarded.close()
+
+
 # --- the registry in this process: leaks and races ------------------------------------------
 
 
