@@ -126,6 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="close REST connections whose request head is not complete S seconds after it began, "
         f"with 408 (default {DEFAULT_HEAD_TIMEOUT_S:g})",
     )  # fmt: skip
+    parser.add_argument(
+        "--allow-client-shm", action="store_true",
+        help="let clients on this machine register system (POSIX) and CUDA shared memory regions and pass "
+        "tensors in them (Triton's shared-memory extensions; off by default: a client could then make the "
+        "server read and write any shared memory object this user can open)",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no start-up table and no access log (warnings and errors only)")
     ray = parser.add_argument_group(
         "Ray Serve", "deploy each package as a Ray Serve application (pip install 'neuropod-serving[ray]')"
@@ -278,7 +284,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     registry = ModelRegistry.load(args.paths, workers=args.workers)
     batching = BatchPolicy(args.max_batch_size, args.max_queue_delay_us / 1e6) if args.max_batch_size > 1 else None
     limits = ModelLimits(args.max_concurrent_runs, args.max_queued_requests)
-    engine = Engine(registry, batching=batching, metrics=ServerMetrics(), limits=limits)
+    shared_memory = None
+    if getattr(args, "allow_client_shm", False):
+        from neuropod_serving.server.shared_memory import SharedMemoryRegistry
+
+        shared_memory = SharedMemoryRegistry()
+    engine = Engine(registry, batching=batching, metrics=ServerMetrics(), limits=limits, shared_memory=shared_memory)
     try:
         if not args.quiet:
             print(startup_table(registry, engine), file=out)
@@ -293,6 +304,11 @@ def run_ray(args: argparse.Namespace, out: TextIO) -> int:
     on the cluster at ``--address`` (or a local one); Ctrl-C deletes them again."""
     import time
 
+    if getattr(args, "allow_client_shm", False):
+        raise NeuropodError(
+            "--allow-client-shm is not supported with --ray: Ray Serve's replicas may run on other machines "
+            "than the client's shared memory"
+        )
     if args.tls_cert is not None or args.tls_key is not None:
         raise NeuropodError(
             "--tls-cert/--tls-key are not supported with --ray: Ray Serve's proxies serve plain HTTP and gRPC "

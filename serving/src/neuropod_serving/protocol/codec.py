@@ -20,7 +20,7 @@ import math
 import struct
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from neuropod import _json
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_serving.protocol._forms import MAX_FORM_BYTES, FormCache
+
+if TYPE_CHECKING:
+    from neuropod_serving.protocol.shared_memory import SharedMemoryRequest
 
 #: OIP datatype -> the spec dtype it means. BYTES carries UTF-8 text.
 DATATYPES: dict[str, str] = {
@@ -76,6 +79,14 @@ _FAST_ENCODE: dict[np.dtype[Any], str] = {w: d for d, w in _WIRE_DTYPES.items()}
 # allow_nan: NaN and Infinity are what Triton's and Python's JSON write for them.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 _encode_str = json.encoder.encode_basestring
+
+
+# The shared-memory parameters (neuropod_serving.protocol.shared_memory.KEYS, which imports this module).
+_SHARED_KEYS = frozenset({"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"})
+
+
+class _InSharedMemory(Exception):
+    """An input of the request is in shared memory (:func:`_decode_tensors` without ``shared``)."""
 
 
 class ProtocolError(NeuropodError):
@@ -251,6 +262,9 @@ class InferRequest:
     outputs: dict[str, bool | None] | None = None
     id: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: The inputs and requested outputs that are in shared memory regions (Triton's shared-memory
+    #: extensions), None when none are: such inputs are not in ``inputs`` until the server reads them.
+    shared_memory: SharedMemoryRequest | None = None
 
     @property
     def binary_data_output(self) -> bool:
@@ -293,8 +307,15 @@ def parse_infer_request(
     """
     header, binary, known = _split(body, json_length, "request")
     specs = specs_by_name(input_spec)
-    inputs = _decode_tensors(header, "inputs", binary, specs, required=True, known=known)
+    shared_inputs: dict[str, Any] | None = None
+    try:
+        inputs = _decode_tensors(header, "inputs", binary, specs, required=True, known=known)
+    except _InSharedMemory:
+        # Decoded again, taking the inputs in shared memory aside (no cost to other requests).
+        shared_inputs = {}
+        inputs = _decode_tensors(header, "inputs", binary, specs, required=True, shared=shared_inputs)
     outputs: dict[str, bool | None] | None = None
+    shared_outputs: dict[str, Any] | None = None
     if header.get("outputs") is not None:
         outputs = {}
         for i, out in enumerate(_list(header["outputs"], "request 'outputs'")):
@@ -304,17 +325,37 @@ def parse_infer_request(
             name = _name(out, where)
             if name in outputs:  # as gRPC: answering once would hide a client's mistake
                 raise ProtocolError(f"output {name!r} is requested twice; ask for each output once")
-            choice = _parameters(out, f"output {name!r}").get("binary_data")
+            params = _parameters(out, f"output {name!r}")
+            choice = params.get("binary_data")
             if choice is not None and not isinstance(choice, bool):
                 raise ProtocolError(f"output {name!r}: parameters.binary_data must be true or false, not {_show(choice)}")
+            if params and not _SHARED_KEYS.isdisjoint(params):
+                shared_outputs = _shared_output(shared_outputs, name, params, choice)
             outputs[name] = choice
     parameters = _parameters(header, "request")
     choice = parameters.get("binary_data_output")
     if choice is not None and not isinstance(choice, bool):
         raise ProtocolError(f"request parameters.binary_data_output must be true or false, not {_show(choice)}")
     decoded = InferRequest(inputs=inputs, outputs=outputs, id=_optional_str(header, "id"), parameters=dict(parameters))
+    if shared_inputs is not None or shared_outputs is not None:
+        from neuropod_serving.protocol.shared_memory import SharedMemoryRequest
+
+        decoded.shared_memory = SharedMemoryRequest(shared_inputs or {}, shared_outputs or {})
     _remember(known)
     return decoded
+
+
+def _shared_output(
+    shared: dict[str, Any] | None, name: str, params: Mapping[str, Any], binary: bool | None
+) -> dict[str, Any]:
+    """``shared`` (made when None) with requested output ``name`` in shared memory added."""
+    from neuropod_serving.protocol.shared_memory import shared_output
+
+    if binary:
+        raise ProtocolError(f"output {name!r} asks for binary_data and for shared memory; an output goes back one way")
+    shared = {} if shared is None else shared
+    shared[name] = shared_output(name, params)
+    return shared
 
 
 def parse_infer_response(
@@ -390,6 +431,41 @@ def build_infer_response(
         header["id"] = id
     names = set(outputs) if binary is True else set() if binary is False else set(binary)
     return _build(header, "outputs", outputs, names)
+
+
+def build_shared_response(
+    model_name: str,
+    outputs: Mapping[str, np.ndarray[Any, Any]],
+    shared: Mapping[str, Mapping[str, Any]],
+    *,
+    binary: Collection[str] = (),
+    model_version: str | None = None,
+    id: str | None = None,
+) -> Body:
+    """:func:`build_infer_response` for a request whose outputs ``shared`` were written to shared
+    memory: those are listed with their name, datatype, shape and the parameters given (where
+    they were written), without data; the others as usual.
+    """
+    header: dict[str, Any] = {"model_name": model_name}
+    if model_version is not None:
+        header["model_version"] = model_version
+    if id is not None:
+        header["id"] = id
+    entries: list[dict[str, Any]] = []
+    raws: list[bytes] = []
+    for name, array in outputs.items():
+        params = shared.get(name)
+        if params is None:
+            obj, raw = encode_tensor(name, array, binary=name in binary)
+            if raw is not None:
+                raws.append(raw)
+        else:
+            obj = {"name": name, "datatype": datatype_of(array, tensor=name), "shape": list(array.shape),
+                   "parameters": dict(params)}  # fmt: skip
+        entries.append(obj)
+    header["outputs"] = entries
+    text = _ENCODER.encode(header).encode("utf-8")
+    return Body(b"".join([text, *raws]), len(text)) if raws else Body(text, None)
 
 
 # --- single tensors ----------------------------------------------------------
@@ -711,7 +787,14 @@ def _decode_tensors(
     *,
     required: bool,
     known: _KnownHeader | None = None,
+    shared: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray[Any, Any]]:
+    """The tensors of ``header[key]`` as arrays (binary ones views of ``binary``).
+
+    :param shared: where inputs in shared memory go (as
+        :class:`~neuropod_serving.protocol.shared_memory.SharedTensor`); when None, the
+        first one met raises :class:`_InSharedMemory` (the caller decodes again with a dict).
+    """
     if known is not None:
         plan = known.plans.get(key)
         if plan is not None:
@@ -743,7 +826,7 @@ def _decode_tensors(
                 wire = _FAST_DECODE.get(datatype)
                 size = params.get("binary_data_size")
                 if (
-                    wire is not None and type(size) is int and (specs is None or spec is not None)
+                    wire is not None and type(size) is int and len(params) == 1 and (specs is None or spec is not None)
                     and (spec is None or spec.dtype == DATATYPES[datatype])
                     and 0 <= size <= available - pos and len(shape) <= _MAX_DIMS and _plain_dims(shape)
                     and size == math.prod(shape) * wire.itemsize
@@ -758,7 +841,7 @@ def _decode_tensors(
         if not isinstance(obj, Mapping):
             raise ProtocolError(f"{where} must be an object with name, datatype, shape and data, not {_kind(obj)}")
         name = _name(obj, where)
-        if name in arrays:
+        if name in arrays or (shared and name in shared):
             raise ProtocolError(f"{kind} {name!r} appears twice; each {kind} is sent once")
         spec = None
         if specs is not None:
@@ -767,7 +850,18 @@ def _decode_tensors(
                     f"{kind} {name!r} is not one of this model's {kind}s: {', '.join(specs) or '(none)'}"
                 )
             spec = specs[name]
-        size = _parameters(obj, f"{kind} {name!r}").get("binary_data_size")
+        params = _parameters(obj, f"{kind} {name!r}")
+        if params and not _SHARED_KEYS.isdisjoint(params):
+            if key != "inputs":
+                raise ProtocolError(f"{kind} {name!r} was written to shared memory, which this client does not read")
+            if shared is None:
+                raise _InSharedMemory()
+            from neuropod_serving.protocol.shared_memory import shared_input
+
+            carries = "'data'" if "data" in obj else "binary_data_size" if "binary_data_size" in params else None
+            shared[name] = shared_input(name, obj.get("datatype"), obj.get("shape"), params, spec=spec, carries=carries)
+            continue
+        size = params.get("binary_data_size")
         raw = None
         if size is not None:
             if not _is_int(size) or size < 0:
@@ -971,6 +1065,7 @@ __all__ = [
     "ProtocolError",
     "build_infer_request",
     "build_infer_response",
+    "build_shared_response",
     "datatype_of",
     "decode_tensor",
     "encode_tensor",

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 
 from neuropod import _json
 from neuropod.spec import TensorSpec
+from neuropod_serving.protocol import shared_memory
 from neuropod_serving.protocol._forms import MAX_FORM_BYTES, FormCache
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, encode_varint, split_raw
@@ -43,6 +44,7 @@ from neuropod_serving.protocol.codec import (
     ProtocolError,
     _shape,
     _spannable,
+    datatype_of,
     decode_tensor,
     encode_tensor,
     spec_dtype,
@@ -111,7 +113,18 @@ def parse_model_infer_request(
     :raises ProtocolError: for every fault, naming the tensor.
     """
     specs = specs_by_name(input_spec)
-    inputs = _decode_tensors(request.inputs, request.raw_input_contents if raws is None else raws, "input", specs)
+    raws = request.raw_input_contents if raws is None else raws
+    shared = _shared_memory(request, specs) if _in_shared_memory(request) else None
+    tensors = request.inputs
+    if shared is not None and shared.inputs:
+        # Inputs in shared memory have no raw contents: the entries are the other inputs', in order.
+        tensors = [t for t in tensors if not shared_memory.mentions(t.parameters)]
+        if raws and len(raws) != len(tensors):
+            raise ProtocolError(
+                f"raw_input_contents has {len(raws)} entries, but {len(tensors)} input(s) are not in shared memory: "
+                "an input in shared memory has no entry, every other input has one, in the order of the inputs"
+            )
+    inputs = _decode_tensors(tensors, raws, "input", specs)
     outputs: dict[str, bool | None] | None = None
     if request.outputs:
         outputs = {}
@@ -121,12 +134,54 @@ def parse_model_infer_request(
             if out.name in outputs:
                 raise ProtocolError(f"output {out.name!r} is requested twice; ask for each output once")
             outputs[out.name] = None
+    if shared is not None:
+        twice = next((n for n in shared.inputs if n in inputs), None)
+        if twice is not None:
+            raise ProtocolError(f"input {twice!r} appears twice; each input is sent once")
     return InferRequest(
         inputs=inputs,
         outputs=outputs,
         id=request.id or None,
         parameters=parameters_from_proto(request.parameters),
+        shared_memory=shared,
     )
+
+
+def _in_shared_memory(message: Any) -> bool:
+    """Whether an input or requested output of a ModelInferRequest is in shared memory."""
+    if not hasattr(message, "raw_input_contents"):
+        return False
+    return any(shared_memory.mentions(t.parameters) for t in message.inputs) or any(
+        shared_memory.mentions(o.parameters) for o in message.outputs
+    )
+
+
+def _shared_memory(request: Any, specs: Mapping[str, TensorSpec] | None) -> shared_memory.SharedMemoryRequest:
+    """The inputs and requested outputs of ``request`` that are in shared memory."""
+    shared = shared_memory.SharedMemoryRequest()
+    for i, t in enumerate(request.inputs):
+        params = parameters_from_proto(t.parameters)
+        if not shared_memory.mentions(params):
+            continue
+        name = t.name
+        if not name:
+            raise ProtocolError(f"inputs[{i}]: 'name' must be a non-empty string")
+        if name in shared.inputs:
+            raise ProtocolError(f"input {name!r} appears twice; each input is sent once")
+        spec = None
+        if specs is not None:
+            spec = specs.get(name)
+            if spec is None:
+                raise ProtocolError(f"input {name!r} is not one of this model's inputs: {', '.join(specs) or '(none)'}")
+        carries = "typed contents" if _has_contents(t) else None
+        shared.inputs[name] = shared_memory.shared_input(
+            name, t.datatype, list(t.shape), params, spec=spec, carries=carries
+        )
+    for out in request.outputs:
+        params = parameters_from_proto(out.parameters)
+        if shared_memory.mentions(params):
+            shared.outputs[out.name] = shared_memory.shared_output(out.name, params)
+    return shared
 
 
 def build_model_infer_request(
@@ -282,6 +337,41 @@ def serialize_model_infer_response(
     return data
 
 
+def serialize_shared_response(
+    model_name: str,
+    outputs: Mapping[str, np.ndarray[Any, Any]],
+    shared: Mapping[str, Mapping[str, Any]],
+    *,
+    model_version: str | None = None,
+    id: str | None = None,
+) -> bytes:
+    """A serialized ModelInferResponse for a request whose outputs ``shared`` were written to
+    shared memory: those carry the parameters given (where they were written) and an empty
+    ``raw_output_contents`` entry, so that every other output's entry keeps its place (as
+    Triton answers, and tritonclient reads); the others as usual.
+
+    :raises ProtocolError: an output the protocol cannot carry, naming it.
+    """
+    kind = pb.ModelInferResponse.InferOutputTensor
+    tensors: list[Any] = []
+    raws: list[Any] = []
+    for name, array in outputs.items():
+        params = shared.get(name)
+        if params is None:
+            made, raw = _encode_tensors({name: array}, kind)
+            tensors.extend(made)
+            raws.extend(raw)
+            continue
+        tensor = kind(name=name, datatype=datatype_of(array, tensor=name), shape=array.shape)
+        _fill_parameters(tensor.parameters, params)
+        tensors.append(tensor)
+        raws.append(b"")
+    response = pb.ModelInferResponse(
+        model_name=model_name, model_version=model_version or "", id=id or "", outputs=tensors, raw_output_contents=raws
+    )
+    return response.SerializeToString()  # type: ignore[no-any-return]
+
+
 def parse_model_infer_response(response: pb.ModelInferResponse, raws: Sequence[Any] | None = None) -> InferResponse:
     """Decode a ModelInferResponse (raw or typed contents) into numpy arrays.
 
@@ -394,8 +484,8 @@ class _Plan:
     def learn(self, kind: str) -> None:
         """Remember the tensors' forms (after the full decode accepted them)."""
         entries = self.message.inputs if kind == "input" else self.message.outputs
-        if any(_has_contents(t) for t in entries):
-            return  # typed contents: every call is decoded the full way
+        if any(_has_contents(t) for t in entries) or _in_shared_memory(self.message):
+            return  # typed contents or shared memory: every call is decoded the full way
         tensors = []
         for t in entries:
             shape = tuple(t.shape)
@@ -742,5 +832,6 @@ __all__ = [
     "parse_model_infer_response",
     "serialize_model_infer_request",
     "serialize_model_infer_response",
+    "serialize_shared_response",
     "shapes_metadata",
 ]

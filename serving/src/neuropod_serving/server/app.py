@@ -30,7 +30,7 @@ from neuropod_serving.protocol import (
     build_infer_response,
     parse_infer_request,
 )
-from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions
+from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions, shared_memory_api
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -169,6 +169,7 @@ class _RawInfer:
         engine = self.engine
         started = time.perf_counter()
         failure: str | None = "client"
+        held = None  # the shared memory regions the request uses, if any
         try:
             s = engine.get(name, version)
             declared = header_length = None
@@ -188,15 +189,30 @@ class _RawInfer:
                 _decode(s, body, header_length) if small else await run_in_threadpool(_decode, s, body, header_length)
             )
             requested = list(decoded.outputs) if decoded.outputs is not None else None
+            if decoded.shared_memory is not None:
+                held = shared_memory_api.lease(engine, decoded)
+                if held.input_bytes <= shared_memory_api.INLINE_BYTES:
+                    shared_memory_api.read_inputs(held, s, decoded)
+                else:
+                    await run_in_threadpool(shared_memory_api.read_inputs, held, s, decoded)
+                small = small and held.output_bytes <= shared_memory_api.INLINE_BYTES
             failure = "model"
             try:
                 outputs = await engine.infer(s, decoded.inputs, requested)
             except CLIENT_ERRORS:
                 failure = "client"
                 raise
-            content, json_length = (
-                _encode(s, decoded, outputs) if small else await run_in_threadpool(_encode, s, decoded, outputs)
-            )
+            if held is None:
+                content, json_length = (
+                    _encode(s, decoded, outputs) if small else await run_in_threadpool(_encode, s, decoded, outputs)
+                )
+            else:
+                failure = "client"  # an output that does not fit where the request put it
+                content, json_length = (
+                    shared_memory_api.rest_body(held, s, decoded, outputs)
+                    if small
+                    else await run_in_threadpool(shared_memory_api.rest_body, held, s, decoded, outputs)
+                )
             failure = None
         except _Disconnected:
             return
@@ -208,6 +224,8 @@ class _RawInfer:
             await _send_error(send, *answer)
             return
         finally:
+            if held is not None:
+                held.release()
             if name in engine.registry:
                 engine.metrics.request(name, "rest", time.perf_counter() - started, failure)
         await _send(send, 200, content, json_length)
@@ -432,6 +450,7 @@ def create_app(
         Route("/v2/repository/models/{model}/load", repository_load, methods=["POST"]),
         Route("/v2/repository/models/{model}/unload", repository_unload, methods=["POST"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        *shared_memory_api.routes(engine, lambda request: _read_body(request, max_request_bytes)),
     ]
     handlers: dict[Any, Any] = {NeuropodError: on_failure, _TooLarge: on_failure}
     app: ASGIApp = _RawInfer(Starlette(routes=routes, exception_handlers=handlers), engine, max_request_bytes)

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,6 +39,9 @@ from neuropod.spec import SpecValidator
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol, writable
 from neuropod_serving.server.metrics import NoMetrics, Recorder
 from neuropod_serving.server.registry import ModelBusyError, ModelRegistry, ServedModel, UnknownModelError
+
+if TYPE_CHECKING:
+    from neuropod_serving.server.shared_memory import SharedMemoryRegistry
 
 log = logging.getLogger("neuropod_serving.server")
 
@@ -215,6 +218,8 @@ class Engine:
         None (or max_batch_size 1) turns batching off.
     :param metrics: where to record; nothing is recorded when None.
     :param limits: runs at once and queue of each model (default: :class:`ModelLimits`'s).
+    :param shared_memory: the regions clients register for tensors in shared memory (Triton's
+        shared-memory extensions); None: this server takes no tensors in shared memory.
     """
 
     def __init__(
@@ -224,8 +229,10 @@ class Engine:
         batching: BatchPolicy | None = None,
         metrics: Recorder | None = None,
         limits: ModelLimits | None = None,
+        shared_memory: SharedMemoryRegistry | None = None,
     ) -> None:
         self.registry = registry
+        self.shared_memory = shared_memory
         self.batching = batching if batching is not None and batching.max_batch_size > 1 else None
         self.metrics: Recorder = metrics if metrics is not None else NoMetrics()
         #: OPE workers per model (1 in-process): batches in flight.
@@ -357,6 +364,8 @@ class Engine:
             for runner in runners:
                 runner.executor.shutdown(wait=True)
             self.registry.close()
+            if self.shared_memory is not None:
+                self.shared_memory.close()
 
     # -- requests ----------------------------------------------------------------
 

@@ -21,11 +21,15 @@ EXTENSIONS: tuple[tuple[str, frozenset[str]], ...] = (
     ("model_configuration", _BOTH),
     ("model_repository", frozenset({REST})),
     ("statistics", _BOTH),
+    ("system_shared_memory", _BOTH),
+    ("cuda_shared_memory", _BOTH),
 )
 
 #: Extensions answered only when the engine keeps statistics (its metrics are a ServerMetrics:
 #: not on a Ray Serve replica, whose numbers go to Ray's metrics agents).
 NEEDS_STATISTICS = frozenset({"statistics"})
+#: Extensions answered only when the server takes tensors in shared memory (``--allow-client-shm``).
+NEEDS_SHARED_MEMORY = frozenset({"system_shared_memory", "cuda_shared_memory"})
 
 
 def listed(protocol: str, engine: Any) -> list[str]:
@@ -33,6 +37,11 @@ def listed(protocol: str, engine: Any) -> list[str]:
     from neuropod_serving.server.metrics import ServerMetrics
 
     statistics = isinstance(engine.metrics, ServerMetrics)
+    shared_memory = getattr(engine, "shared_memory", None) is not None
     return [
-        name for name, protocols in EXTENSIONS if protocol in protocols and (statistics or name not in NEEDS_STATISTICS)
+        name
+        for name, protocols in EXTENSIONS
+        if protocol in protocols
+        and (statistics or name not in NEEDS_STATISTICS)
+        and (shared_memory or name not in NEEDS_SHARED_MEMORY)
     ]

@@ -47,7 +47,8 @@ from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
-from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions
+from neuropod_serving.protocol._grpc import triton_shm_pb2 as shm_pb
+from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions, shared_memory_api
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal, escape_log
 from neuropod_serving.server.metrics import ServerMetrics
@@ -82,7 +83,7 @@ class _Refused(Exception):
 Handler = Callable[[Any, grpc.ServicerContext], Any]
 
 
-class Servicer:
+class Servicer(shared_memory_api.SharedMemoryRpcs):
     """The RPCs of GRPCInferenceService over one engine."""
 
     def __init__(self, engine: Engine) -> None:
@@ -133,14 +134,34 @@ class Servicer:
     def model_infer(self, call: InferCall, context: Any) -> bytes:
         with self._counted(call) as state:
             served, decoded, requested = self._begin(call, state)
+            if decoded.shared_memory is not None:
+                return self._infer_shared(state, served, decoded, requested)
             outputs = self.engine.infer_blocking(served, decoded.inputs, requested)
             return self._finish(state, served, decoded, outputs)
+
+    def _infer_shared(self, state: _InferState, served: Any, decoded: Any, requested: list[str] | None) -> bytes:
+        """:meth:`model_infer` of a request with tensors in shared memory (see :mod:`.shared_memory`)."""
+        state.failure = "client"
+        held = shared_memory_api.lease(self.engine, decoded)
+        try:
+            shared_memory_api.read_inputs(held, served, decoded)
+            state.failure = "model"
+            outputs = self.engine.infer_blocking(served, decoded.inputs, requested)
+            state.failure = "client"  # an output that does not fit where the request put it
+            response = shared_memory_api.grpc_message(held, served, decoded, outputs)
+        finally:
+            held.release()
+        state.failure = None
+        return response
 
     async def model_infer_async(self, call: InferCall, context: Any) -> bytes:
         """:meth:`model_infer` for a caller on an event loop (the Ray Serve deployment):
         the model runs through :meth:`Engine.infer`, never blocking the loop on a batch."""
         with self._counted(call) as state:
             served, decoded, requested = self._begin(call, state)
+            if decoded.shared_memory is not None:
+                state.failure = "client"
+                shared_memory_api.registry_of(self.engine)  # Ray's replicas take no shared memory: refused
             outputs = await self.engine.infer(served, decoded.inputs, requested)
             return self._finish(state, served, decoded, outputs)
 
@@ -343,7 +364,21 @@ METHODS: dict[str, Method] = {
     "ModelStatistics": Method(
         "model_statistics", tc.ModelStatisticsRequest, tc.ModelStatisticsResponse, _by_name, False
     ),
-}
+    # Triton's shared-memory extensions (shared_memory_api.SharedMemoryRpcs).
+    "SystemSharedMemoryStatus": Method("system_shared_memory_status", shm_pb.SystemSharedMemoryStatusRequest,
+                                       shm_pb.SystemSharedMemoryStatusResponse, None, False),
+    "SystemSharedMemoryRegister": Method("system_shared_memory_register", shm_pb.SystemSharedMemoryRegisterRequest,
+                                         shm_pb.SystemSharedMemoryRegisterResponse, None, False),
+    "SystemSharedMemoryUnregister": Method("system_shared_memory_unregister",
+                                           shm_pb.SystemSharedMemoryUnregisterRequest,
+                                           shm_pb.SystemSharedMemoryUnregisterResponse, None, False),
+    "CudaSharedMemoryStatus": Method("cuda_shared_memory_status", shm_pb.CudaSharedMemoryStatusRequest,
+                                     shm_pb.CudaSharedMemoryStatusResponse, None, False),
+    "CudaSharedMemoryRegister": Method("cuda_shared_memory_register", shm_pb.CudaSharedMemoryRegisterRequest,
+                                       shm_pb.CudaSharedMemoryRegisterResponse, None, False),
+    "CudaSharedMemoryUnregister": Method("cuda_shared_memory_unregister", shm_pb.CudaSharedMemoryUnregisterRequest,
+                                         shm_pb.CudaSharedMemoryUnregisterResponse, None, False),
+}  # fmt: skip
 
 
 def _handlers(engine: Engine, *, auth_token: str | None, access_log: bool) -> dict[str, grpc.RpcMethodHandler]:
