@@ -18,10 +18,10 @@ What each duration means here, per request (``inference_stats``):
 - ``queue``: waiting for a run slot or for a batch to run
   (``neuropod_queue_duration_seconds``).
 - ``compute_input``: making the model's inputs from the decoded request:
-  concatenating a batch, copying read-only inputs (views of request bytes)
-  so the model gets writable arrays. Decoding the request is not in it: like
-  Triton's front end, it is part of ``success`` only (perf_analyzer's
-  "overhead").
+  concatenating a batch, or copying read-only inputs so the model gets
+  writable arrays (only an engine caller's own: the front ends decode into
+  writable memory). Decoding the request is not in it: like Triton's front
+  end, it is part of ``success`` only (perf_analyzer's "overhead").
 - ``compute_infer``: the model's ``infer`` call (its spec checks and the
   framework's run) (``neuropod_compute_duration_seconds``).
 - ``compute_output``: splitting a batch's outputs back per request; 0 for a
