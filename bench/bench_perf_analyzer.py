@@ -77,8 +77,8 @@ def run_perf_analyzer(cmd: list[str], server: bench_serve.Server, protocol: str,
     full = [
         "taskset", "-c", bench_serve.LOAD_CORE, *cmd, "-m", "tiny", "-u", f"127.0.0.1:{port}", "-i", protocol,
         "--concurrency-range", f"{c}:{c}", "--measurement-mode", "time_windows",
-        "--measurement-interval", str(int(args.duration * 1000)), "--stability-percentage", "50",
-        "--max-trials", "4", "-f", str(out),
+        "--measurement-interval", str(int(args.duration * 1000)), "--stability-percentage", "100",
+        "--max-trials", "8", "-f", str(out),
         # Served unbatched, the model's configuration says dims [-1, 2]: one row a request, as ours sends.
         "--shape", "x:1,2", "--shape", "y:1,2",
     ]  # fmt: skip
@@ -123,7 +123,8 @@ def main() -> int:
     models = bench_serve.build_models(tmp)
     tiny = models[bench_serve.TINY]
     bodies = bench_serve.write_bodies(tiny, tmp)
-    server = bench_serve.neuropod_server("neuropod", [tiny], tmp, grpc=True)
+    # --allow-client-shm: perf_analyzer --shared-memory registers regions of its own.
+    server = bench_serve.neuropod_server("neuropod", [tiny], tmp, grpc=True, extra=["--allow-client-shm"])
     cells: dict[tuple[str, int, str], Cell] = {}
     plan = [(p, c, tool) for p in ("http", "grpc") for c in CONCURRENCIES
             for tool in ("perf_analyzer", "perf_analyzer shm", "ours")]  # fmt: skip

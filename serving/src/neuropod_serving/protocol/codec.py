@@ -443,8 +443,9 @@ def build_shared_response(
     id: str | None = None,
 ) -> Body:
     """:func:`build_infer_response` for a request whose outputs ``shared`` were written to shared
-    memory: those are listed with their name, datatype, shape and the parameters given (where
-    they were written), without data; the others as usual.
+    memory: those are listed with their name, datatype and shape only, without data or
+    parameters (Triton's C++ client, perf_analyzer's, reads any output's ``parameters`` as
+    binary data and needs ``binary_data_size`` there); the others as usual.
     """
     header: dict[str, Any] = {"model_name": model_name}
     if model_version is not None:
@@ -460,8 +461,7 @@ def build_shared_response(
             if raw is not None:
                 raws.append(raw)
         else:
-            obj = {"name": name, "datatype": datatype_of(array, tensor=name), "shape": list(array.shape),
-                   "parameters": dict(params)}  # fmt: skip
+            obj = {"name": name, "datatype": datatype_of(array, tensor=name), "shape": list(array.shape)}
         entries.append(obj)
     header["outputs"] = entries
     text = _ENCODER.encode(header).encode("utf-8")
