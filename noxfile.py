@@ -416,6 +416,25 @@ def bench_serve(session: nox.Session) -> None:
 
 
 @nox.session(python=DEFAULT_PYTHON)
+def bench_perf_analyzer(session: nox.Session) -> None:
+    """Triton's perf_analyzer against neuropod serve (HTTP, gRPC, system shared memory) beside
+    bench_serve.py's own load generators on the same cells (about 3 min; wrk, taskset, two cores;
+    perf_analyzer from --perf-analyzer, ../shared/tools/perf-analyzer or PATH)."""
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
+                    f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", "tritonclient[grpc,http]")  # fmt: skip
+    session.run("python", "bench/bench_perf_analyzer.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_shm(session: nox.Session) -> None:
+    """System shared memory against binary tensors in the message for a 6.9 MB image, REST and
+    gRPC, with tritonclient, next to the model's own run (about 1 min)."""
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
+                    f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", "tritonclient[grpc,http]")  # fmt: skip
+    session.run("python", "bench/bench_shm.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
 def bench_remote(session: nox.Session) -> None:
     """A remote model's infer (gRPC and REST) against the same model in-process, tritonclient and
     the bare grpcio / Starlette floors, sequential calls (about 7 min; taskset, two cores)."""
