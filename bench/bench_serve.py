@@ -1,12 +1,13 @@
 """neuropod serve against MLServer and against a bare floor, side by side in one run (issue 12).
 
     python bench/bench_serve.py --mlserver-venv VENV [--duration 2] [--repeats 3] [--json out.json]
-        [--baseline-python OTHER_VENV/bin/python]
+        [--baseline-python OTHER_VENV/bin/python [--baseline-only]]
 
 With ``--baseline-python``, ``neuropod serve`` from that interpreter (another
 release, e.g. the previous commit installed in a venv of its own) joins the
 neuropod cells (binary, JSON, gRPC, batched, MLP), and a last table gives each
-cell's requests/s against it.
+cell's requests/s against it. ``--baseline-only`` measures those pairs alone
+(no floor, MLServer or second batching delay), about half the time a round.
 
 Servers (all on 127.0.0.1, free ports, pinned to CPU core 0 with taskset):
 
@@ -528,11 +529,16 @@ def main() -> int:
                         help="the small --max-queue-delay-us tried beside 0 (default 500)")  # fmt: skip
     parser.add_argument("--grpc-processes", type=int, default=2, help="gRPC load processes (default 2)")
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
+    parser.add_argument("--baseline-only", action="store_true", help="with --baseline-python: measure only the "
+                        "cells that have a baseline (no floor, MLServer or second batching delay), so more rounds "
+                        "fit in the same time")  # fmt: skip
     parser.add_argument("--baseline-python", help="also run `neuropod serve` from this interpreter (a venv holding "
                         "another release, e.g. the previous commit's) in the same cells, and print each cell's "
                         "ratio against it")  # fmt: skip
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed (default: report only)")
     args = parser.parse_args()
+    if args.baseline_only and not args.baseline_python:
+        raise SystemExit("bench_serve: --baseline-only needs --baseline-python")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     protocols = [p.strip() for p in args.protocols.split(",")]
     if shutil.which("wrk") is None and "rest" in protocols:
@@ -624,6 +630,11 @@ def main() -> int:
                         add(protocol, model, c, "neuropod (JSON)", by_label["neuropod"], "json")
                         if baseline:
                             add(protocol, model, c, f"{BASELINE} (JSON)", baseline[0], "json")
+                    if args.baseline_only:
+                        if model == TINY and c == max(concurrencies):
+                            add(protocol, model, c, batched[0].label, batched[0])
+                            add(protocol, model, c, baseline[1].label, baseline[1])
+                        continue
                     for s in servers:
                         if s.kind == "mlserver":
                             add(protocol, model, c, s.label + (" (JSON)" if protocol == "rest" else ""), s,
@@ -636,7 +647,7 @@ def main() -> int:
                             add(protocol, model, c, s.label, s)
             # Where batching pays: a model whose run, not the request, is the cost.
             c = max(concurrencies)
-            for s in [by_label["neuropod"], *batched, *baseline]:
+            for s in [by_label["neuropod"], *(batched[:1] if args.baseline_only else batched), *baseline]:
                 add(protocol, MLP, c, s.label, s)
         started = time.monotonic()
         for r in range(args.repeats):
@@ -644,7 +655,7 @@ def main() -> int:
                 cell.rounds.append(run())
             print(f"round {r + 1}/{args.repeats} done ({time.monotonic() - started:.0f} s)", flush=True)
         cells = [cell for cell, _ in plan]
-        targets = report(cells, protocols, concurrencies, mlserver is not None)
+        targets = [] if args.baseline_only else report(cells, protocols, concurrencies, mlserver is not None)
         if baseline:
             report_baseline(cells)
         if args.json:
