@@ -1,0 +1,76 @@
+"""gRPC's health checking protocol (``grpc.health.v1.Health``), what Kubernetes' gRPC probes and
+``grpc_health_probe`` call, on the same port as the inference service.
+
+Built on grpcio-health-checking (gRPC's own implementation, in the ``[server]`` extra):
+
+- service ``""``: the server. SERVING while it serves (models load before the port
+  opens, as ServerReady says), NOT_SERVING once it is shutting down.
+- service ``"<model>"``: that model. SERVING while it is loaded, NOT_SERVING once
+  unloaded (or while the server shuts down). ``Check`` of a name that was never
+  loaded here answers NOT_FOUND; ``Watch`` of one answers SERVICE_UNKNOWN and
+  keeps the stream open, as the protocol says, and sends SERVING when it loads.
+
+Like the REST health routes and ServerLive/ServerReady, the service needs no
+token with ``--auth-token-file``: probes carry none. A ``Watch`` stream holds
+no thread (grpcio sends its updates from the thread that changes a status), but
+it counts against the open streams bound (``--max-grpc-streams``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.grpc_repository import StreamSlots
+from neuropod_serving.server.grpc_service import _Refused
+from neuropod_serving.server.registry import ServedModel
+
+SERVICE = "grpc.health.v1.Health"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ModelHealth(health.HealthServicer):
+    """The statuses of the server and of each model of ``engine``, kept in step with its loads and unloads."""
+
+    def __init__(self, engine: Engine, slots: StreamSlots) -> None:
+        super().__init__(experimental_non_blocking=True)
+        self._engine = engine
+        self._slots = slots
+        self.set("", SERVING)
+        for served in engine.registry:
+            self.set(served.name, SERVING)
+        engine.listeners.append(self._changed)
+
+    def _changed(self, name: str, served: ServedModel | None) -> None:
+        self.set(name, SERVING if served is not None else NOT_SERVING)
+
+    def Watch(self, request: Any, context: Any, send_response_callback: Any = None) -> Any:
+        try:
+            self._slots.take("Health/Watch")
+        except _Refused as e:
+            context.abort(e.code, e.details)
+        if not context.add_callback(self._slots.give_back):
+            self._slots.give_back()  # the call ended already
+        return super().Watch(request, context, send_response_callback)
+
+    def shut_down(self) -> None:
+        """Every status NOT_SERVING (watchers are told), and stop following the engine."""
+        try:
+            self._engine.listeners.remove(self._changed)
+        except ValueError:
+            pass
+        self.enter_graceful_shutdown()
+
+
+def add_health(server: grpc.Server, engine: Engine, slots: StreamSlots) -> ModelHealth:
+    """Serve the health checking protocol for ``engine`` on ``server`` (not started yet)."""
+    servicer = ModelHealth(engine, slots)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+__all__ = ["SERVICE", "ModelHealth", "add_health"]
