@@ -189,7 +189,7 @@ def test_instance_group_count_sets_the_worker_processes(server: Server) -> None:
     server.triton_grpc.load_model("adder", config=json.dumps(config))
     served = server.engine.get("adder")
     assert served.settings is not None and (served.settings.workers, served.settings.device) == (2, "cpu")
-    pids = served.model.worker_pids()  # type: ignore[attr-defined]
+    pids = served.model.worker_pids  # type: ignore[attr-defined]
     assert len(pids) == 2 and len(set(pids)) == 2
     for seed in range(4):
         _adder_ok(server, rows=2, seed=seed)

@@ -55,7 +55,8 @@ log = logging.getLogger("neuropod_serving.server")
 access = logging.getLogger("neuropod_serving.access")
 
 SERVICE = "inference.GRPCInferenceService"
-#: Triton's extensions this gRPC service implements (binary tensors are REST's).
+#: Triton's extensions ``neuropod serve``'s gRPC service implements (binary tensors are REST's);
+#: a Servicer made without them (Ray Serve's replicas) lists none.
 EXTENSIONS: list[str] = ["model_repository"]
 #: Threads answering calls when the caller does not say: enough for every
 #: OPE worker to be busy while others decode, and for batches to fill.
@@ -83,9 +84,11 @@ Handler = Callable[[Any, grpc.ServicerContext], Any]
 class Servicer:
     """The six RPCs of GRPCInferenceService over one engine."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, extensions: list[str] | None = None) -> None:
         self.engine = engine
         self.metrics = engine.metrics
+        #: What ServerMetadata lists.
+        self.extensions = extensions if extensions is not None else []
 
     def server_live(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -95,7 +98,7 @@ class Servicer:
         return pb.ServerReadyResponse(ready=True)
 
     def server_metadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="neuropod", version=__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name="neuropod", version=__version__, extensions=self.extensions)
 
     def model_ready(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         self.engine.get(request.name, request.version or None)
@@ -325,7 +328,7 @@ def _handlers(
 ) -> dict[str, grpc.RpcMethodHandler]:
     """Every method's handler; with ``streams`` (a :class:`~.grpc_repository.StreamSlots`), also
     Triton's repository RPCs and ModelStreamInfer (:mod:`.grpc_repository`)."""
-    servicer = Servicer(engine)
+    servicer = Servicer(engine, EXTENSIONS if streams is not None else None)
     expected = None if auth_token is None else f"Bearer {auth_token}".encode()
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
