@@ -185,7 +185,9 @@ def test_index_lists_every_entry_with_a_reason(server: Server) -> None:
 def test_unload_and_load(server: Server) -> None:
     _adder_ok(server)
     server.triton.unload_model("adder")
-    assert not server.triton.is_model_ready("adder")
+    with pytest.raises(InferenceServerException) as info:
+        server.triton.is_model_ready("adder")  # ModelReady of a model not loaded: NOT_FOUND
+    assert info.value.status() == "StatusCode.NOT_FOUND"
     with pytest.raises(InferenceServerException) as info:
         _adder_ok(server)
     assert info.value.status() == "StatusCode.NOT_FOUND" and "'adder'" in info.value.message()
@@ -197,7 +199,7 @@ def test_unload_and_load(server: Server) -> None:
     for rows in (1, 3):
         _adder_ok(server, rows, seed=rows)
     server.triton.unload_model("echo", unload_dependents=True)  # Triton's parameter: nothing depends on echo
-    assert not server.triton.is_model_ready("echo")
+    assert _index(server)["echo"].state == "UNAVAILABLE"
 
 
 def test_load_failures(server: Server, packages: Path) -> None:
