@@ -424,7 +424,7 @@ def create_app(
             message = f"{request.method} is not a method of {request.url.path!r}" + (f"; it takes {allowed}" if allowed else "")
         else:
             message = str(exc.detail)
-        return _error(exc.status_code, message, headers=exc.headers)
+        return _error(exc.status_code, message, headers=dict(exc.headers) if exc.headers else None)
 
     async def on_bug(request: Request, exc: Exception) -> Response:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)

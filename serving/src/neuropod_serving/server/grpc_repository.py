@@ -158,9 +158,8 @@ def stream_error(message: str, data: bytes) -> bytes:
         answer = pb.ModelInferResponse(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         )
-    return rpb.ModelStreamInferResponse(
-        error_message=message, infer_response=answer.SerializeToString()
-    ).SerializeToString()
+    reply = rpb.ModelStreamInferResponse(error_message=message, infer_response=answer.SerializeToString())
+    return bytes(reply.SerializeToString())
 
 
 def model_stream_infer(

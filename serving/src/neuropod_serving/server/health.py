@@ -33,7 +33,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class ModelHealth(health.HealthServicer):
+class ModelHealth(health.HealthServicer):  # type: ignore[misc]  # grpcio-health-checking ships no types
     """The statuses of the server and of each model of ``engine``, kept in step with its loads and unloads."""
 
     def __init__(self, engine: Engine, slots: StreamSlots) -> None:
