@@ -12,6 +12,7 @@ loaded before serving.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -196,6 +197,19 @@ def test_instance_group_count_sets_the_worker_processes(server: Server) -> None:
     server.triton.load_model("adder")
     assert not hasattr(server.engine.get("adder").model, "worker_pids")  # in process again
     _adder_ok(server)
+    deadline = time.monotonic() + 30
+    for pid in pids:  # the replaced model's workers stopped with it
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"OPE worker {pid} outlived its model"
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_config_that_agrees_with_the_package_is_taken(batching_server: Server) -> None:

@@ -68,6 +68,7 @@ class Server:
     metrics: ServerMetrics
     address: str
     triton: Any  # tritonclient.grpc.InferenceServerClient
+    grpc_server: Any  # GrpcServer (stopping it twice is harmless)
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def server(packages: Path, tmp_path: Path, request: pytest.FixtureRequest) -> It
     address = f"127.0.0.1:{port}"
     triton = grpcclient.InferenceServerClient(address)
     try:
-        yield Server(models, engine, metrics, address, triton)
+        yield Server(models, engine, metrics, address, triton, grpc_server)
     finally:
         triton.close()
         grpc_server.stop(None)
@@ -419,3 +420,60 @@ def test_stream_config_load_round_trip(server: Server) -> None:
     result, error = answers["after-reload"]
     assert error is None
     np.testing.assert_allclose(result.as_numpy("out"), expected, rtol=1e-6)
+
+
+# -- health, in process --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("server", [{"max_streams": 1}], indirect=True, ids=["1-stream"])
+def test_health_watch_counts_as_a_stream_and_sees_the_server_stop(server: Server) -> None:
+    health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
+    health_pb2_grpc = pytest.importorskip("grpc_health.v1.health_pb2_grpc")
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        # The one stream allowed is the Watch: a ModelStreamInfer is refused, a second Watch too.
+        refused = channel.stream_stream(f"/{SERVICE}/ModelStreamInfer")(iter([b""]))
+        with pytest.raises(grpc.RpcError) as info:
+            next(refused)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as info:
+            next(stub.Watch(health_pb2.HealthCheckRequest(service="adder")))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (
+            stub.Check(health_pb2.HealthCheckRequest(service="adder")).status == health_pb2.HealthCheckResponse.SERVING
+        )
+        # Unloading through the engine (any protocol) is seen by Check.
+        server.engine.unload("echo")
+        assert (
+            stub.Check(health_pb2.HealthCheckRequest(service="echo")).status
+            == health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        watch.cancel()
+        deadline = time.monotonic() + 10
+        while True:  # the slot comes back once the server sees the cancellation
+            again = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+            try:
+                assert next(again).status == health_pb2.HealthCheckResponse.SERVING
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                time.sleep(0.05)
+        answers: queue.Queue[int] = queue.Queue()
+
+        def read() -> None:
+            with contextlib.suppress(grpc.RpcError):
+                for response in again:
+                    answers.put(int(response.status))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        # Stopping the server tells watchers first: NOT_SERVING, then the stream ends.
+        server.grpc_server.stop(2)
+        assert answers.get(timeout=10) == health_pb2.HealthCheckResponse.NOT_SERVING
+        reader.join(10)
+        assert not server.engine.listeners  # the stopped server follows the engine no more
+    finally:
+        channel.close()
