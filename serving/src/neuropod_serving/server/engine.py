@@ -203,7 +203,9 @@ class Engine:
     """The serving core: a registry of models and how their requests run.
 
     :param batching: the policy for models whose spec has a batch dimension;
-        None (or max_batch_size 1) turns batching off.
+        None (or max_batch_size 1) turns batching off. With the server's OPE
+        workers it makes :attr:`default_settings`; a model loaded with a config
+        of its own (:meth:`load`) is served with its :attr:`ServedModel.settings` instead.
     :param metrics: where to record; nothing is recorded when None.
     :param limits: runs at once and queue of each model (default: :class:`ModelLimits`'s).
     """
