@@ -477,3 +477,11 @@ def test_health_watch_counts_as_a_stream_and_sees_the_server_stop(server: Server
         assert not server.engine.listeners  # the stopped server follows the engine no more
     finally:
         channel.close()
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_grpc_message_compression(server: Server, algorithm: str) -> None:
+    """tritonclient.grpc's compression_algorithm is gRPC's own message compression, which grpcio reads."""
+    inputs, expected = _adder_inputs(64, 3)
+    result = server.triton.infer("adder", inputs, compression_algorithm=algorithm)
+    np.testing.assert_allclose(result.as_numpy("out"), expected, rtol=1e-6)
