@@ -122,3 +122,22 @@ def test_unparsable_http_gets_a_json_error(server: Served) -> None:
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), answer
     assert "not HTTP/1.1" in json.loads(body)["error"]
+
+
+def test_max_grpc_streams_option(tmp_path: Path) -> None:
+    """``neuropod serve --max-grpc-streams 1``: one Watch open, a second stream is refused at once."""
+    with private_caches(tmp_path):
+        adder_and_echo(tmp_path / "models", echo_as_zip=False)
+        with (
+            served(tmp_path / "models", options=["--max-grpc-streams", "1"]) as s,
+            grpc.insecure_channel(s.grpc) as channel,
+        ):
+            stub = health_pb2_grpc.HealthStub(channel)
+            first = stub.Watch(health_pb2.HealthCheckRequest(service="adder"))
+            assert int(next(first).status) == Status.SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                next(stub.Watch(health_pb2.HealthCheckRequest(service="echo")))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-grpc-streams" in info.value.details()
+            assert _check(stub, "echo") == Status.SERVING  # unary calls are not streams
+            first.cancel()
