@@ -300,3 +300,37 @@ def test_concurrent_requests_during_a_config_reload(server: Server) -> None:
         for t in threads:
             t.join(30)
     assert not failures, failures[:3]
+
+
+def test_kind_gpu_without_a_gpu_fails_to_load_and_keeps_the_model(server: Server) -> None:
+    """KIND_GPU loads onto cuda:<gpus[0]>; on a machine without one the load fails saying so,
+    and the model loaded before keeps serving. (On a GPU machine the GPU test suite covers it.)"""
+    from neuropod.testing import gpu_missing
+
+    if gpu_missing() is None:
+        pytest.skip("this machine has a GPU: the load would succeed")
+    before = server.engine.get("adder")
+    config = {"instance_group": [{"kind": "KIND_GPU", "gpus": [0]}]}
+    with pytest.raises(InferenceServerException) as info:
+        server.triton.load_model("adder", config=json.dumps(config))
+    message = info.value.message()
+    assert info.value.status() == "400" and "failed to load model 'adder'" in message, message
+    assert "cuda:0" in message and "keeps serving" in message, message
+    assert server.engine.get("adder") is before
+    _adder_ok(server)
+
+
+def _no_cuda_provider() -> str | None:
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        return None
+    return "this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)"
+
+
+@pytest.mark.gpu(needs=_no_cuda_provider)
+def test_kind_gpu_loads_onto_the_gpu(server: Server) -> None:
+    config = {"instance_group": [{"kind": "KIND_GPU", "gpus": [0]}]}
+    server.triton_grpc.load_model("adder", config=json.dumps(config))
+    assert server.engine.get("adder").model.device == "cuda:0"
+    _adder_ok(server)
