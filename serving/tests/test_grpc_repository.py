@@ -485,3 +485,24 @@ def test_grpc_message_compression(server: Server, algorithm: str) -> None:
     inputs, expected = _adder_inputs(64, 3)
     result = server.triton.infer("adder", inputs, compression_algorithm=algorithm)
     np.testing.assert_allclose(result.as_numpy("out"), expected, rtol=1e-6)
+
+
+def test_stream_survives_bytes_that_are_no_request(server: Server) -> None:
+    """A message that does not parse is answered with its error, and the next request runs."""
+    good = pb.ModelInferRequest(model_name="echo", id="good")
+    t = good.inputs.add(name="n", datatype="INT64", shape=[2])
+    t.contents.int64_contents.extend([4, 5])
+    t = good.inputs.add(name="s", datatype="BYTES", shape=[2])
+    t.contents.bytes_contents.extend([b"p", b"q"])
+    data = good.SerializeToString()
+    with grpc.insecure_channel(server.address) as channel:
+        stream = channel.stream_stream(f"/{SERVICE}/ModelStreamInfer")
+        answers = [
+            triton_pb.ModelStreamInferResponse.FromString(a) for a in stream(iter([data, b"\xff\xff\xff", data]))
+        ]
+    assert [a.error_message == "" for a in answers] == [True, False, True]
+    assert "ModelInferRequest" in answers[1].error_message or "parse" in answers[1].error_message, answers[1]
+    for a in (answers[0], answers[2]):
+        assert a.infer_response.id == "good"
+        n1 = np.frombuffer(a.infer_response.raw_output_contents[0], np.int64)
+        np.testing.assert_array_equal(n1, [5, 6])
