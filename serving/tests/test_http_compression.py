@@ -222,3 +222,38 @@ def test_index_entries_all_have_a_reason(http: Any) -> None:
     done = subprocess.run([python, "-c", check], input=json.dumps(entries), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [[e["name"], e["state"], e["reason"]] for e in entries]
+
+
+def test_the_real_command(tmp_path: Path) -> None:
+    """``neuropod serve`` (uvicorn with this project's one-write httptools protocol): compression both
+    ways through tritonclient, and JSON for a route that does not exist."""
+    from neuropod.testing import served
+
+    with private_caches(tmp_path):
+        adder_and_echo(tmp_path / "models", echo_as_zip=False)
+        with served(tmp_path / "models") as s:
+            client = httpclient.InferenceServerClient(s.http.removeprefix("http://"))
+            try:
+                inputs, expected = _adder(500, seed=9)
+                result = client.infer(
+                    "adder", inputs, request_compression_algorithm="gzip", response_compression_algorithm="deflate"
+                )
+                np.testing.assert_allclose(result.as_numpy("out"), expected, rtol=1e-6)
+                with pytest.raises(InferenceServerException) as info:
+                    client.get_log_settings()
+                assert info.value.status() == "404" and "no route" in info.value.message()
+            finally:
+                client.close()
+            body, headers, doubled = _binary_body(400)
+            with httpx.Client(base_url=s.http, timeout=60) as http:
+                plain = http.post("/v2/models/adder/infer", content=body, headers={**headers, "Accept-Encoding": "identity"})
+                with http.stream(
+                    "POST", "/v2/models/adder/infer", content=gzip.compress(body),
+                    headers={**headers, "Content-Encoding": "gzip", "Accept-Encoding": "gzip"},
+                ) as r:  # fmt: skip
+                    assert r.status_code == 200 and r.headers["content-encoding"] == "gzip"
+                    raw = b"".join(r.iter_raw())
+            assert gzip.decompress(raw) == plain.content and len(raw) < len(plain.content)
+            start = int(plain.headers["inference-header-content-length"])
+            out = np.frombuffer(plain.content[start : start + doubled.nbytes], np.float32).reshape(doubled.shape)
+            np.testing.assert_array_equal(out, doubled)
