@@ -506,3 +506,14 @@ def test_stream_survives_bytes_that_are_no_request(server: Server) -> None:
         assert a.infer_response.id == "good"
         n1 = np.frombuffer(a.infer_response.raw_output_contents[0], np.int64)
         np.testing.assert_array_equal(n1, [5, 6])
+
+
+def test_pool_grows_for_a_model_loaded_with_more_in_flight(server: Server) -> None:
+    """A config that lets one model hold more requests than the server's options (here 64-row batches)
+    raises the gRPC pool's thread limit, so that model's waiting calls leave threads for the others."""
+    pool = server.grpc_server._pool
+    before = pool._max_workers
+    server.triton.load_model("adder", config=json.dumps({"max_batch_size": 64}))
+    assert server.engine.most_in_flight >= 64
+    assert pool._max_workers >= before + 64 - 4  # the model's batch less the default runs at once
+    _adder_ok(server, rows=3)
