@@ -163,7 +163,12 @@ def test_tritonclient_health_metadata_and_tensors(engine: Engine, tmp_path: Path
     assert all(r["ok"] for r in results.values()), results
     assert [results[k]["value"] for k in ("live", "ready", "model_ready")] == [True, True, True]
     server_md = results["server_md"]["value"]
-    assert server_md["name"] == "neuropod" and server_md.get("extensions", []) == ["model_configuration", "statistics"]
+    # Binary tensors are REST's; the repository RPCs are served (test_grpc_repository.py).
+    assert server_md["name"] == "neuropod" and server_md.get("extensions", []) == [
+        "model_configuration",
+        "model_repository",
+        "statistics",
+    ]
     adder_md = results["adder_md"]["value"]
     assert adder_md["name"] == "adder" and adder_md["platform"] == "onnx" and adder_md["versions"] == ["1"]
     # The same tensors as REST's metadata (which also carries the exact shape in parameters).

@@ -199,15 +199,17 @@ def test_load_unknown_model_is_404_naming_it(server: Server) -> None:
     _adder_ok(server)
 
 
-def test_load_with_config_or_files_is_refused(server: Server) -> None:
-    """Triton's load can carry a model config or files to load instead of the repository's;
-    this server loads packages from its repository only, so it says so rather than ignoring them."""
+def test_load_with_files_or_a_bad_config_is_refused(server: Server) -> None:
+    """Triton's load can carry files to load instead of the repository's; this server loads packages
+    from its repository only, so it says so rather than ignoring them. A config is applied
+    (test_config_override.py) unless it holds a field this server does not take."""
     with pytest.raises(InferenceServerException) as info:
-        server.triton.load_model("adder", config='{"max_batch_size": 8}')
-    assert info.value.status() == "400" and "config" in info.value.message()
+        server.triton.load_model("adder", config='{"max_batch_sizes": 8}')
+    assert info.value.status() == "400" and "'max_batch_sizes'" in info.value.message()
+    assert "failed to load model 'adder'" in info.value.message()
     with pytest.raises(InferenceServerException) as info:
         server.triton.load_model("adder", config="{}", files={"file:1/model.onnx": b"\x00"})
-    assert info.value.status() == "400"
+    assert info.value.status() == "400" and "file:1/model.onnx" in info.value.message()
     r = server.http.post("/v2/repository/models/adder/load", content=b"[1, 2")
     assert r.status_code == 400, r.text
     _adder_ok(server)  # still the original, still served
@@ -237,9 +239,9 @@ def test_package_that_fails_to_load(server: Server, packages: Path) -> None:
         server.triton.load_model("needs_future_ort")
     assert info.value.status() == "400"
     message = info.value.message()
-    assert "'needs_future_ort'" in message and ">=99" in message, message
+    assert "failed to load model 'needs_future_ort'" in message and ">=99" in message, message
     r = server.http.post("/v2/repository/models/needs_future_ort/load", json={})
-    assert r.status_code == 400 and "'needs_future_ort'" in r.json()["error"]
+    assert r.status_code == 400 and "failed to load model 'needs_future_ort'" in r.json()["error"]
     # The others keep serving, and nothing half-loaded is left.
     _adder_ok(server)
     _echo_ok(server)

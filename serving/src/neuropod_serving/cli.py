@@ -28,6 +28,8 @@ DEFAULT_HEAD_TIMEOUT_S = 15.0
 # (test_busy_models checks that they agree).
 DEFAULT_MAX_CONCURRENT = 4
 DEFAULT_MAX_QUEUED = 64
+# neuropod_serving.server.grpc_repository's (test_grpc_streams checks that they agree).
+DEFAULT_MAX_GRPC_STREAMS = 64
 
 
 def _positive(text: str) -> int:
@@ -101,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queued-requests", type=_non_negative, default=DEFAULT_MAX_QUEUED, metavar="N",
         help="requests of one model that may wait for a run or a batch; more are refused at once with "
         f"429 (gRPC: RESOURCE_EXHAUSTED) (default {DEFAULT_MAX_QUEUED})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-grpc-streams", type=_positive, default=DEFAULT_MAX_GRPC_STREAMS, metavar="N",
+        help="gRPC ModelStreamInfer and health Watch streams open at once; one more is refused with "
+        f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_GRPC_STREAMS})",
     )  # fmt: skip
     parser.add_argument(
         "--auth-token-file", type=Path, metavar="FILE",
@@ -234,7 +241,9 @@ def startup_table(registry: object, engine: object | None = None) -> str:
 
 
 #: Modules `neuropod serve` imports, from the [server] extra.
-SERVER_MODULES = ("starlette", "uvicorn", "httptools", "grpc", "google.protobuf", "prometheus_client", "orjson")
+SERVER_MODULES = (
+    "starlette", "uvicorn", "httptools", "grpc", "grpc_health", "google.protobuf", "prometheus_client", "orjson",
+)  # fmt: skip
 
 
 def _check_server_libraries() -> None:
@@ -428,6 +437,7 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
                 grpc_server, _ = start_grpc_server(
                     engine, f"{args.host}:{args.grpc_port}", auth_token=token, tls=tls,
                     max_message_bytes=args.max_request_bytes, access_log=not args.quiet,
+                    max_streams=getattr(args, "max_grpc_streams", DEFAULT_MAX_GRPC_STREAMS),
                 )  # fmt: skip
             try:
                 if not args.quiet:

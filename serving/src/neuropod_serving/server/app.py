@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,7 +31,8 @@ from neuropod_serving.protocol import (
     build_infer_response,
     parse_infer_request,
 )
-from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions, shared_memory_api
+from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions, repository, shared_memory_api
+from neuropod_serving.server.compression import COMPRESS_FROM, chosen, compressed, decoded_body
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -94,7 +96,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
     size = 0
     async for chunk in request.stream():
         size = _add_chunk(chunks, size, chunk, limit)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    encoding = request.headers.get("content-encoding")
+    if encoding is not None:
+        return bytes(await run_in_threadpool(decoded_body, body, encoding.encode("latin-1"), limit))
+    return body
 
 
 def _failure(exc: BaseException, model: str) -> tuple[int, str] | None:
@@ -126,7 +132,7 @@ class _Disconnected(Exception):
     """The client went away before its request body was complete."""
 
 
-async def _send(send: Send, status: int, content: bytes, json_length: int | None) -> None:
+async def _send(send: Send, status: int, content: bytes, json_length: int | None, encoding: bytes | None = None) -> None:
     if json_length is None:
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(content))]
     else:
@@ -135,6 +141,9 @@ async def _send(send: Send, status: int, content: bytes, json_length: int | None
             (b"content-length", b"%d" % len(content)),
             (_HEADER_LENGTH_KEY, b"%d" % json_length),
         ]
+    if encoding is not None:
+        # The binary header's length counts the uncompressed body, as Triton's does.
+        headers.append((b"content-encoding", encoding))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": content})
 
@@ -170,15 +179,28 @@ class _RawInfer:
         started = time.perf_counter()
         failure: str | None = "client"
         held = None  # the shared memory regions the request uses, if any
+        response_encoding: bytes | None = None
         try:
             s = engine.get(name, version)
-            declared = header_length = None
+            declared = header_length = encoding = accept = None
             for key, value in scope["headers"]:
                 if key == b"content-length":
                     declared = value.decode("latin-1")
                 elif key == _HEADER_LENGTH_KEY:
                     header_length = value.decode("latin-1")
+                elif key == b"content-encoding":
+                    encoding = value
+                elif key == b"accept-encoding":
+                    accept = value
             body: bytes | bytearray = await _receive_body(receive, declared, self.limit)
+            if encoding is not None:
+                # Bounded by the same limit once decompressed (compression.py): a zip bomb is a 413.
+                # 1 KiB inflates to about 1 MB at most (deflate stops near 1032:1): fine on the loop.
+                body = (
+                    decoded_body(body, encoding, self.limit)
+                    if len(body) <= INLINE_BODY_BYTES // 64
+                    else await run_in_threadpool(decoded_body, body, encoding, self.limit)
+                )
             if header_length is not None:
                 # Binary tensors are decoded as views of the body: of a bytearray they are
                 # writable, which a model may assume (one copy of the body instead of a copy
@@ -213,6 +235,14 @@ class _RawInfer:
                     if small
                     else await run_in_threadpool(shared_memory_api.rest_body, held, s, decoded, outputs)
                 )
+            if accept is not None and len(content) >= COMPRESS_FROM:
+                response_encoding = chosen(accept)
+                if response_encoding is not None:
+                    content = (
+                        compressed(content, response_encoding)
+                        if len(content) <= INLINE_BODY_BYTES
+                        else await run_in_threadpool(compressed, content, response_encoding)
+                    )
             failure = None
         except _Disconnected:
             return
@@ -228,7 +258,7 @@ class _RawInfer:
                 held.release()
             if name in engine.registry:
                 engine.metrics.request(name, "rest", time.perf_counter() - started, failure)
-        await _send(send, 200, content, json_length)
+        await _send(send, 200, content, json_length, response_encoding)
 
 
 def _check_declared(declared: str | None, limit: int) -> None:
@@ -390,44 +420,44 @@ def create_app(
         ready = _repository_body(await _read_body(request, max_request_bytes)).get("ready", False)
         if not isinstance(ready, bool):
             raise ProtocolError(f"'ready' in a repository index request is true or false, not {ready!r}")
-        entries = await run_in_threadpool(engine.registry.index)
-        return JSONResponse([e.to_json() for e in entries if e.state == "READY" or not ready])
+        entries = await run_in_threadpool(repository.index, engine, ready)
+        return JSONResponse([e.to_json() for e in entries])
 
     async def repository_load(request: Request) -> Response:
         params = _repository_body(await _read_body(request, max_request_bytes)).get("parameters")
-        params = params if isinstance(params, dict) else {}
-        overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
-        if overrides:
-            # Triton loads these instead of the repository's files; ignoring them would serve something else.
-            raise ProtocolError(
-                f"this server loads packages from its repository paths only; {', '.join(overrides)} "
-                "parameter(s) of a load request are not supported"
-            )
-        name = request.path_params["model"]
-        try:
-            await run_in_threadpool(engine.load, name)
-        except UnknownModelError:
-            raise
-        except NeuropodError as e:
-            # The package is at fault, not a running model: 400 like Triton, naming the model.
-            # A reload that fails leaves the model loaded before serving, as Triton does.
-            kept = "; the model loaded before keeps serving" if name in engine.registry else ""
-            log.error("loading model %r failed: %s%s", name, e, kept)
-            return _error(400, f"failed to load model {name!r}: {e}{kept}")
-        log.info("loaded model %r", name)
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise ProtocolError(f"'parameters' of a load request is a JSON object, not {type(params).__name__}")
+        await run_in_threadpool(repository.load, engine, request.path_params["model"], params)
         return JSONResponse({})
 
     async def repository_unload(request: Request) -> Response:
         await _read_body(request, max_request_bytes)
-        name = request.path_params["model"]
-        await run_in_threadpool(engine.unload, name)
-        log.info("unloaded model %r", name)
+        await run_in_threadpool(repository.unload, engine, request.path_params["model"])
         return JSONResponse({})
 
     async def on_failure(request: Request, exc: Exception) -> Response:
         answer = _failure(exc, request.path_params.get("model", "?"))
         assert answer is not None  # registered for NeuropodError and _TooLarge only
         return _error(*answer)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own answers (no such route, a method the route does not take) are plain
+        # text; clients of the protocol parse every error as {"error": ...}.
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path!r} on this server (the Open Inference Protocol's routes are under /v2)"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not a method of {request.url.path!r}" + (f"; it takes {allowed}" if allowed else "")
+        else:
+            message = str(exc.detail)
+        return _error(exc.status_code, message, headers=dict(exc.headers) if exc.headers else None)
+
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, f"internal error while answering {request.method} {request.url.path}: {type(exc).__name__}")
 
     # Starlette tries routes in order, a regex each: infer, the hot path, first.
     routes = [
@@ -452,7 +482,12 @@ def create_app(
         Route("/metrics", prometheus, methods=["GET"]),
         *shared_memory_api.routes(engine, lambda request: _read_body(request, max_request_bytes)),
     ]
-    handlers: dict[Any, Any] = {NeuropodError: on_failure, _TooLarge: on_failure}
+    handlers: dict[Any, Any] = {
+        NeuropodError: on_failure,
+        _TooLarge: on_failure,
+        HTTPException: on_http_error,
+        Exception: on_bug,
+    }
     app: ASGIApp = _RawInfer(Starlette(routes=routes, exception_handlers=handlers), engine, max_request_bytes)
     if auth_token is not None:
         app = _BearerAuth(app, auth_token)

@@ -74,12 +74,18 @@ def batch_symbol(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) ->
 class BatchPolicy:
     max_batch_size: int
     max_queue_delay_s: float = 0.0
+    #: Sizes (rows) at which a batch runs at once instead of waiting out the delay for more
+    #: (Triton's ``dynamic_batching.preferred_batch_size``); ``max_batch_size`` always is one.
+    preferred_batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, not {self.max_batch_size}")
         if self.max_queue_delay_s < 0:
             raise ValueError(f"max_queue_delay_s must be 0 or more, not {self.max_queue_delay_s}")
+        bad = [n for n in self.preferred_batch_sizes if not 1 <= n <= self.max_batch_size]
+        if bad:
+            raise ValueError(f"preferred batch sizes must be 1 to max_batch_size ({self.max_batch_size}), not {bad}")
 
 
 @dataclass
@@ -177,7 +183,8 @@ class Batcher:
                 first = self._queue[0]
                 deadline = first.arrived + policy.max_queue_delay_s
                 while not self._closed and first.rows < policy.max_batch_size:
-                    if self._rows_waiting(first.key) >= policy.max_batch_size:
+                    waiting = self._rows_waiting(first.key)
+                    if waiting >= policy.max_batch_size or waiting in policy.preferred_batch_sizes:
                         break
                     left = deadline - time.perf_counter()
                     if left <= 0:

@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,13 @@ from neuropod.errors import NeuropodError, SpecError
 from neuropod.spec import SpecValidator
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol, writable
 from neuropod_serving.server.metrics import NoMetrics, Recorder
-from neuropod_serving.server.registry import ModelBusyError, ModelRegistry, ServedModel, UnknownModelError
+from neuropod_serving.server.registry import (
+    ModelBusyError,
+    ModelRegistry,
+    ModelSettings,
+    ServedModel,
+    UnknownModelError,
+)
 
 if TYPE_CHECKING:
     from neuropod_serving.server.shared_memory import SharedMemoryRegistry
@@ -204,6 +210,8 @@ class _Runner:
     gate: _Gate
     #: Threads of this model's own for requests from an event loop: a busy model never holds another's.
     executor: concurrent.futures.ThreadPoolExecutor
+    #: Requests of this model that may be running or waiting at once (admitted).
+    most_in_flight: int
     ewma_s: float = 1.0  # until measured: assume slow (a thread)
     #: The largest first input (bytes) of a run that took under INLINE_BELOW_S: a request
     #: whose first input is larger never runs on the loop (a graph's run time grows with
@@ -215,7 +223,9 @@ class Engine:
     """The serving core: a registry of models and how their requests run.
 
     :param batching: the policy for models whose spec has a batch dimension;
-        None (or max_batch_size 1) turns batching off.
+        None (or max_batch_size 1) turns batching off. With the server's OPE
+        workers it makes :attr:`default_settings`; a model loaded with a config
+        of its own (:meth:`load`) is served with its :attr:`ServedModel.settings` instead.
     :param metrics: where to record; nothing is recorded when None.
     :param limits: runs at once and queue of each model (default: :class:`ModelLimits`'s).
     :param shared_memory: the regions clients register for tensors in shared memory (Triton's
@@ -240,6 +250,15 @@ class Engine:
         self.limits = limits if limits is not None else ModelLimits()
         #: Runs of one model at once (unbatched).
         self.max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * self.workers)
+        #: How a model is served unless a repository load's config says otherwise (:attr:`ServedModel.settings`).
+        self.default_settings = ModelSettings(
+            max_batch_size=self.batching.max_batch_size if self.batching is not None else 1,
+            max_queue_delay_us=round(self.batching.max_queue_delay_s * 1e6) if self.batching is not None else 0,
+            workers=self.workers,
+        )
+        #: Called with a model's name and what now serves it (None: unloaded) after every load and
+        #: unload (gRPC health's statuses follow them); called under the engine's lock, so keep them short.
+        self.listeners: list[Callable[[str, ServedModel | None], None]] = []
         self._runners: dict[str, _Runner] = {}
         self._lock = threading.Lock()
         for served in registry:
@@ -264,13 +283,28 @@ class Engine:
         runner = self._runners[name]
         if runner.batcher is not None:
             return True, ""
-        return False, runner.unbatched_reason or "batching off: no --max-batch-size"
+        if runner.unbatched_reason:
+            return False, runner.unbatched_reason
+        settings = runner.served.settings
+        if settings is not None and "max_batch_size" in settings.overridden:
+            return False, f"batching off: its load config sets max_batch_size {settings.max_batch_size}"
+        return False, "batching off: no --max-batch-size"
 
     def _start(self, served: ServedModel) -> None:
         model = served.model
+        if served.settings is None:
+            served.settings = self.default_settings
+        settings = served.settings
+        workers = settings.workers
+        policy = (
+            BatchPolicy(settings.max_batch_size, settings.max_queue_delay_us / 1e6, settings.preferred_batch_sizes)
+            if settings.max_batch_size > 1
+            else None
+        )
+        max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * workers)
         symbol, reason = batch_symbol(model.inputs, model.outputs)
         batcher = None
-        if self.batching is not None and symbol is not None:
+        if policy is not None and symbol is not None:
             name = model.name
             metrics = self.metrics
 
@@ -279,22 +313,24 @@ class Engine:
                     metrics.queued(name, w)
                 metrics.computed(name, seconds, rows, len(waited), prepared, extracted)
 
-            batcher = Batcher(name, model.infer, self.batching, inflight=self.workers, observe=observe)
-        concurrent_runs = self.max_concurrent
+            batcher = Batcher(name, model.infer, policy, inflight=workers, observe=observe)
+        concurrent_runs = max_concurrent
         queued = f"--max-queued-requests {self.limits.max_queued}"
         limits = f"neuropod serve --max-concurrent-runs {concurrent_runs} {queued}"
         if batcher is not None:
-            assert self.batching is not None
+            assert policy is not None
             # Requests a batcher may hold while running: its batches in flight, full.
-            concurrent_runs = self.workers * self.batching.max_batch_size
+            concurrent_runs = workers * policy.max_batch_size
             limits = (
-                f"{self.workers} batch(es) of up to {self.batching.max_batch_size} at once and {queued}: "
+                f"{workers} batch(es) of up to {policy.max_batch_size} at once and {queued}: "
                 "neuropod serve --workers, --max-batch-size, --max-queued-requests"
             )
+        if settings.overridden:
+            limits += f"; this model's load config set {', '.join(settings.overridden)}"
         backend = getattr(model, "backend", None)
         self._runners[served.name] = _Runner(
             served=served,
-            serving=ModelServing(batcher.policy if batcher is not None else None, self.workers),
+            serving=ModelServing(batcher.policy if batcher is not None else None, workers),
             validator=SpecValidator(model.name, model.inputs, model.outputs, shared_symbols=_shared_symbols(model)),
             required=frozenset(s.name for s in model.inputs),
             batcher=batcher,
@@ -304,28 +340,35 @@ class Engine:
             output_names=[s.name for s in model.outputs],
             gate=_Gate(served.name, concurrent_runs, concurrent_runs + self.limits.max_queued, limits),
             executor=concurrent.futures.ThreadPoolExecutor(
-                self.max_concurrent, thread_name_prefix=f"neuropod-infer-{served.name}"
+                max_concurrent, thread_name_prefix=f"neuropod-infer-{served.name}"
             ),
+            most_in_flight=max(max_concurrent, concurrent_runs) + self.limits.max_queued,
         )
 
     @property
     def most_in_flight(self) -> int:
-        """Requests of one model that may be running or waiting at once (admitted)."""
+        """Requests of one model that may be running or waiting at once (admitted): with the
+        server's options, or the most of any model loaded with a config of its own."""
         per_batcher = self.workers * self.batching.max_batch_size if self.batching is not None else 0
-        return max(self.max_concurrent, per_batcher) + self.limits.max_queued
+        default = max(self.max_concurrent, per_batcher) + self.limits.max_queued
+        return max([default, *(r.most_in_flight for r in list(self._runners.values()))])
 
-    def load(self, name: str, *, drain_s: float = 30.0) -> ServedModel:
+    def load(self, name: str, *, settings: ModelSettings | None = None, drain_s: float = 30.0) -> ServedModel:
         """Load (or reload) model ``name`` from the repository; see :meth:`ModelRegistry.load_model`.
+
+        ``settings`` (a load's config override) serve this model instead of the server's
+        options; a load without them serves it with the server's options again.
 
         On a reload, requests already running or queued on the model loaded before finish
         on it (for up to ``drain_s`` seconds) before it is closed; new ones go to the new one.
         When the load fails, the model loaded before keeps serving and the error is raised.
         """
         with self._lock:
-            served, old = self.registry.load_model(name)
+            served, old = self.registry.load_model(name, settings)
             old_runner = self._runners.get(name)
             self._start(served)
             self._update_loaded()
+            self._notify(name, served)
         if old_runner is not None:
             if old_runner.batcher is not None:
                 old_runner.batcher.close()
@@ -343,6 +386,14 @@ class Engine:
             self._stop(name)
             self.registry.unload_model(name)
             self._update_loaded()
+            self._notify(name, None)
+
+    def _notify(self, name: str, served: ServedModel | None) -> None:
+        for listener in self.listeners:
+            try:
+                listener(name, served)
+            except Exception:  # a listener's bug must not fail a load that succeeded
+                log.exception("a listener of model %r's load or unload failed", name)
 
     def _stop(self, name: str) -> None:
         runner = self._runners.pop(name, None)

@@ -19,7 +19,7 @@ EXTENSIONS: tuple[tuple[str, frozenset[str]], ...] = (
     # A REST body format; gRPC carries tensors as raw bytes without it.
     ("binary_tensor_data", frozenset({REST})),
     ("model_configuration", _BOTH),
-    ("model_repository", frozenset({REST})),
+    ("model_repository", _BOTH),
     ("statistics", _BOTH),
     ("system_shared_memory", _BOTH),
     ("cuda_shared_memory", _BOTH),
@@ -28,6 +28,9 @@ EXTENSIONS: tuple[tuple[str, frozenset[str]], ...] = (
 #: Extensions answered only when the engine keeps statistics (its metrics are a ServerMetrics:
 #: not on a Ray Serve replica, whose numbers go to Ray's metrics agents).
 NEEDS_STATISTICS = frozenset({"statistics"})
+#: Extensions whose gRPC methods only ``neuropod serve``'s own gRPC server registers (not a Ray
+#: Serve replica's servicer): the repository RPCs and ModelStreamInfer.
+SERVER_ONLY = frozenset({"model_repository"})
 #: Extensions answered only when the server takes tensors in shared memory (``--allow-client-shm``).
 NEEDS_SHARED_MEMORY = frozenset({"system_shared_memory", "cuda_shared_memory"})
 

@@ -11,8 +11,10 @@ Messages go through :mod:`neuropod_serving.protocol.grpc_codec` and requests
 through the same :class:`~neuropod_serving.server.engine.Engine` as REST, so
 both protocols check, batch, count and refuse alike. The methods are
 registered here with grpcio's generic handlers (no generated ``_pb2_grpc``):
-the Open Inference Protocol's six, and Triton's ModelConfig and ModelStatistics
-(messages of our own wire-compatible ``triton_config.proto``).
+the Open Inference Protocol's six, Triton's ModelConfig and ModelStatistics
+(messages of our own wire-compatible ``triton_config.proto``) and its
+shared-memory RPCs, and with them Triton's repository RPCs and ModelStreamInfer
+(:mod:`.grpc_repository`) and gRPC's health service (:mod:`.health`):
 
 ============================  ==========================================
 what went wrong               status (details: the same text as REST's)
@@ -22,6 +24,8 @@ unknown model or version      NOT_FOUND
 missing or wrong token        UNAUTHENTICATED (not on ServerLive/Ready)
 message over the limit        RESOURCE_EXHAUSTED (refused by grpcio)
 the model's queue is full     RESOURCE_EXHAUSTED, at once (retry later)
+too many streams open         RESOURCE_EXHAUSTED, at once
+a package that fails to load  INVALID_ARGUMENT, naming the model and why
 the model failed              INTERNAL, naming the model; logged
 statistics asked of an        UNIMPLEMENTED, saying why (no ServerMetrics:
 engine that keeps none        embedded, or a Ray Serve replica)
@@ -86,10 +90,16 @@ Handler = Callable[[Any, grpc.ServicerContext], Any]
 class Servicer(shared_memory_api.SharedMemoryRpcs):
     """The RPCs of GRPCInferenceService over one engine."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, served_extensions: list[str] | None = None) -> None:
         self.engine = engine
         self.metrics = engine.metrics
-        self.extensions = extensions.listed(extensions.GRPC, engine)
+        #: What ServerMetadata lists: by default what this servicer's own methods serve (a Ray
+        #: Serve replica's); neuropod serve's gRPC server, which adds the repository RPCs, says.
+        self.extensions = (
+            served_extensions
+            if served_extensions is not None
+            else [e for e in extensions.listed(extensions.GRPC, engine) if e not in extensions.SERVER_ONLY]
+        )
 
     def server_live(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -381,10 +391,14 @@ METHODS: dict[str, Method] = {
 }  # fmt: skip
 
 
-def _handlers(engine: Engine, *, auth_token: str | None, access_log: bool) -> dict[str, grpc.RpcMethodHandler]:
-    servicer = Servicer(engine)
+def _handlers(
+    engine: Engine, *, auth_token: str | None, access_log: bool, streams: Any = None
+) -> dict[str, grpc.RpcMethodHandler]:
+    """Every method's handler; with ``streams`` (a :class:`~.grpc_repository.StreamSlots`), also
+    Triton's repository RPCs and ModelStreamInfer (:mod:`.grpc_repository`)."""
+    servicer = Servicer(engine, extensions.listed(extensions.GRPC, engine) if streams is not None else None)
     expected = None if auth_token is None else f"Bearer {auth_token}".encode()
-    return {
+    handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             _wrap(
                 name,
@@ -399,6 +413,15 @@ def _handlers(engine: Engine, *, auth_token: str | None, access_log: bool) -> di
         )
         for name, m in METHODS.items()
     }
+    if streams is not None:
+        from neuropod_serving.server import grpc_repository
+
+        handlers.update(
+            grpc_repository.handlers(
+                engine, servicer, streams, wrap=_wrap, expected_auth=expected, access_log=access_log
+            )
+        )
+    return handlers
 
 
 def start_grpc_server(
@@ -410,6 +433,7 @@ def start_grpc_server(
     max_message_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     access_log: bool = True,
     threads: int | None = None,
+    max_streams: int | None = None,
 ) -> tuple[GrpcServer, int]:
     """Start serving ``engine``'s models over gRPC on ``address`` (``host:port``; port 0 picks a free one).
 
@@ -423,6 +447,8 @@ def start_grpc_server(
     :param access_log: one INFO line per call on the ``neuropod_serving.access`` logger.
     :param threads: calls answered at once (default: :func:`default_threads`);
         more wait in grpcio's queue.
+    :param max_streams: ModelStreamInfer and Health Watch streams open at once (default
+        :data:`~.grpc_repository.DEFAULT_MAX_STREAMS`); the pool has that many more threads.
     :returns: the started server and the port it is bound to.
     :raises NeuropodError: the address cannot be bound.
     """
@@ -432,11 +458,21 @@ def start_grpc_server(
         raise ValueError("auth_token is empty: pass None to serve without authentication")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be at least 1, not {threads}")
-    handlers = _handlers(engine, auth_token=auth_token, access_log=access_log)
+    from neuropod_serving.server.grpc_repository import DEFAULT_MAX_STREAMS, StreamSlots
+    from neuropod_serving.server.health import add_health
+
+    # Each open stream holds a thread: the pool has one more per stream allowed, so
+    # streams never leave unary calls without one.
+    streams = StreamSlots(max_streams if max_streams is not None else DEFAULT_MAX_STREAMS)
+    handlers = _handlers(engine, auth_token=auth_token, access_log=access_log, streams=streams)
     if threads is not None:
-        pool: futures.ThreadPoolExecutor = futures.ThreadPoolExecutor(threads, thread_name_prefix="neuropod-grpc")
+        pool: futures.ThreadPoolExecutor = futures.ThreadPoolExecutor(
+            threads + streams.limit, thread_name_prefix="neuropod-grpc"
+        )
     else:
-        pool = ElasticPool(base_threads(engine), default_threads(engine), thread_name_prefix="neuropod-grpc")
+        pool = ElasticPool(
+            base_threads(engine), default_threads(engine) + streams.limit, thread_name_prefix="neuropod-grpc"
+        )
     server = grpc.server(
         pool,
         options=[
@@ -451,6 +487,26 @@ def start_grpc_server(
     # Registered methods skip the per-call lookup by name (grpcio >= 1.62).
     if hasattr(server, "add_registered_method_handlers"):
         server.add_registered_method_handlers(SERVICE, handlers)
+    # Open like ServerLive/ServerReady: probes carry no token.
+    health = add_health(server, engine, streams)
+    followers: list[Callable[..., None]] = []
+    if isinstance(pool, ElasticPool):
+        elastic = pool
+
+        def grow(name: str, served: Any) -> None:
+            # A model loaded with a config of its own may hold more requests than the server's
+            # options allow one model: room for them too (threads start only when needed).
+            elastic._max_workers = max(elastic._max_workers, default_threads(engine) + streams.limit)
+
+        engine.listeners.append(grow)
+        followers.append(grow)
+
+    def forget() -> None:
+        health.shut_down()
+        for follower in followers:
+            with contextlib.suppress(ValueError):
+                engine.listeners.remove(follower)
+
     try:
         if tls is None:
             port = server.add_insecure_port(address)
@@ -462,22 +518,31 @@ def start_grpc_server(
     else:
         reason = "is the port in use?"
     if not port:
+        forget()
         server.stop(None).wait()
         pool.shutdown(wait=False)
         raise NeuropodError(f"gRPC: cannot listen on {address} ({reason})")
     server.start()
-    return GrpcServer(server, pool), port
+    return GrpcServer(server, pool, on_stop=forget), port
 
 
 class GrpcServer:
     """A started gRPC server and its thread pool."""
 
-    def __init__(self, server: grpc.Server, pool: futures.ThreadPoolExecutor) -> None:
+    def __init__(
+        self, server: grpc.Server, pool: futures.ThreadPoolExecutor, *, on_stop: Callable[[], None] | None = None
+    ) -> None:
         self.server = server
         self._pool = pool
+        self._on_stop = on_stop
 
     def stop(self, grace: float | None = None) -> None:
-        """Refuse new calls, give those running ``grace`` seconds (None: cancel them now), then stop the threads."""
+        """Refuse new calls, give those running ``grace`` seconds (None: cancel them now), then stop the threads.
+
+        gRPC health says NOT_SERVING first, for every service, so that watchers see the server go.
+        """
+        if self._on_stop is not None:
+            self._on_stop()
         self.server.stop(grace).wait()
         self._pool.shutdown(wait=True)
 

@@ -212,6 +212,15 @@ class OneWriteProtocol(HttpToolsProtocol):
         transport.write_eof()
         self.loop.call_later(_LINGER_S, transport.close)
 
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn answers a request it cannot parse in plain text; here it is JSON like every other error.
+        body = json.dumps({"error": f"{msg} The request is not HTTP/1.1 this server can parse."}).encode()
+        self.transport.write(
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (len(body), body)
+        )
+        self.transport.close()
+
     def on_headers_complete(self) -> None:
         self._check_complete_head()
         self._in_head = False

@@ -34,12 +34,47 @@ class ModelBusyError(NeuropodError):
     rather than left to time out; the client may retry later."""
 
 
+@dataclass(frozen=True)
+class ModelSettings:
+    """How one model is served: its batching and its OPE workers.
+
+    Every model has one, kept on its :class:`ServedModel`: the server's options
+    (``--max-batch-size``, ``--max-queue-delay-us``, ``--workers``) unless the
+    repository load that loaded it carried a ``config`` that set some of them
+    (:mod:`neuropod_serving.server.config_override`). Read by the engine when it
+    starts the model, and by anything that reports how a model is served.
+    """
+
+    #: Rows of one batched run; 1: requests are not batched (Triton's ``max_batch_size`` 0 or 1).
+    max_batch_size: int = 1
+    #: How long the oldest waiting request waits for more to join its batch, in microseconds.
+    max_queue_delay_us: int = 0
+    #: Batch sizes run as soon as that many rows wait, without waiting out the delay.
+    preferred_batch_sizes: tuple[int, ...] = ()
+    #: OPE worker processes running the model; 1: in the server's process.
+    workers: int = 1
+    #: The device it is loaded onto ("cpu", "cuda:N"); None: neuropod's choice (or the server's).
+    device: str | None = None
+    #: The fields of a load's ``config`` that set these, sorted ("()": the server's options).
+    overridden: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, not {self.max_batch_size}")
+        if self.max_queue_delay_us < 0:
+            raise ValueError(f"max_queue_delay_us must be 0 or more, not {self.max_queue_delay_us}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, not {self.workers}")
+
+
 @dataclass
 class ServedModel:
     """One loaded model and what the server answers about it without running it."""
 
     model: NeuropodModel
     path: Path
+    #: How it is served; None until the engine starts it with the server's options.
+    settings: ModelSettings | None = None
     #: The body of ``GET /v2/models/{name}``, built once.
     metadata: dict[str, Any] = field(init=False)
     #: The model's name, and its input spec by name (what every request is decoded against).
@@ -111,10 +146,8 @@ class RepositoryEntry:
     readable: bool = True
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "version": MODEL_VERSION, "state": self.state}
-        if self.reason:
-            out["reason"] = self.reason
-        return out
+        # "reason" on every entry, "" when there is none: MLServer's types (and KServe's) require it.
+        return {"name": self.name, "version": MODEL_VERSION, "state": self.state, "reason": self.reason}
 
 
 class ModelRegistry:
@@ -173,7 +206,7 @@ class ModelRegistry:
         return registry
 
     def _load_path(self, pkg: Path) -> ServedModel:
-        served = self._open(pkg)
+        served = self._open(pkg, self.load_options)
         try:
             self.add(served)
         except BaseException:
@@ -181,14 +214,24 @@ class ModelRegistry:
             raise
         return served
 
-    def _open(self, pkg: Path) -> ServedModel:
-        """Load the package at ``pkg`` without serving it yet."""
+    def options_for(self, settings: ModelSettings) -> dict[str, Any]:
+        """The load options of a model served with ``settings``: their OPE workers (1: in
+        process) and device, the rest as the server's."""
+        options = {k: v for k, v in self.load_options.items() if k not in ("use_ope", "workers")}
+        if settings.workers > 1:
+            options.update(use_ope=True, workers=settings.workers)
+        if settings.device is not None:
+            options["device"] = settings.device
+        return options
+
+    def _open(self, pkg: Path, options: dict[str, Any]) -> ServedModel:
+        """Load the package at ``pkg`` with ``options`` without serving it yet."""
         loader = self._loader
         if loader is None:
             from neuropod import load_neuropod
 
             loader = load_neuropod
-        model = loader(pkg, **self.load_options)
+        model = loader(pkg, **options)
         try:
             return ServedModel(model, pkg)
         except BaseException:
@@ -229,8 +272,11 @@ class ModelRegistry:
         ]
         return sorted(entries, key=lambda e: (e.name, str(e.path)))
 
-    def load_model(self, name: str) -> tuple[ServedModel, ServedModel | None]:
+    def load_model(self, name: str, settings: ModelSettings | None = None) -> tuple[ServedModel, ServedModel | None]:
         """Load model ``name`` from the repository, replacing the loaded one of that name (a reload).
+
+        With ``settings`` (a load's config override), the model is loaded with their OPE
+        workers and keeps them; without, with the server's options.
 
         The new model is loaded before the old one is replaced: when the load fails, the
         model loaded before keeps serving (as Triton does), and the failure is kept as the
@@ -243,7 +289,9 @@ class ModelRegistry:
         """
         try:
             path = self._package_of(name)
-            served = self._open(path)
+            options = self.load_options if settings is None else self.options_for(settings)
+            served = self._open(path, options)
+            served.settings = settings
             if served.name != name:
                 served.model.close()
                 raise PackageError(f"the package at {path} is now named {served.name!r}, not {name!r}")
@@ -257,6 +305,14 @@ class ModelRegistry:
         self._models[name] = served
         self._failures.pop(name, None)
         return served, old
+
+    def package_path(self, name: str) -> Path:
+        """The one package under the repository PATHs named ``name``.
+
+        :raises UnknownModelError: none is.
+        :raises PackageError: several are, or the only ones are unreadable.
+        """
+        return self._package_of(name)
 
     def _package_of(self, name: str) -> Path:
         """The one package under the repository PATHs named ``name``."""

@@ -12,4 +12,8 @@ README.md here for how to regenerate.
 :mod:`.triton_shm_pb2` its shared-memory messages, each from a proto of our own
 (``triton_config.proto``, ``triton_shm.proto``) wire-compatible with Triton's, each in a
 private pool of its own.
+
+:mod:`.triton_repository_pb2` holds the messages of Triton's repository RPCs
+and ModelStreamInfer's answer, from our own ``triton_repository.proto``
+(wire-compatible with Triton's), in a private pool of its own as well.
 """

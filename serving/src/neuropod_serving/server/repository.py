@@ -1,0 +1,84 @@
+"""The model repository extension for both protocols: index, load (with a ``config`` override) and unload.
+
+The REST routes (``POST /v2/repository/...``) and the gRPC RPCs
+(``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload``)
+decode their requests into plain values and call these functions, so the two
+answer alike: the same entries, the same checks, the same messages. They
+block (a load reads and loads a package): call them from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from neuropod.errors import NeuropodError
+from neuropod_serving.protocol import ProtocolError
+from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.registry import ModelSettings, RepositoryEntry, UnknownModelError
+
+log = logging.getLogger("neuropod_serving.server")
+
+#: The load parameter holding Triton's model configuration (JSON in a string).
+CONFIG_PARAMETER = "config"
+
+
+class LoadFailed(ProtocolError):
+    """A package failed to load (400, gRPC INVALID_ARGUMENT): the message says which
+    model, why, and whether the model loaded before keeps serving."""
+
+
+def index(engine: Engine, ready: bool = False) -> list[RepositoryEntry]:
+    """Every package of the repository (rescanned) and every loaded model; with
+    ``ready``, only the models ready for inference."""
+    entries = engine.registry.index()
+    return [e for e in entries if e.state == "READY"] if ready else entries
+
+
+def load(engine: Engine, name: str, parameters: Mapping[str, object]) -> None:
+    """Load (or reload) model ``name``, with the serving settings of a ``config`` parameter
+    (:mod:`~neuropod_serving.server.config_override`) when there is one.
+
+    :raises UnknownModelError: no package of the repository has that name.
+    :raises ProtocolError: a parameter this server does not take, or a config it refuses.
+    :raises LoadFailed: the package failed to load (the model loaded before, if any, keeps serving).
+    """
+    files = sorted(k for k in parameters if k.startswith("file:"))
+    if files:
+        # Triton loads these instead of the repository's files; ignoring them would serve something else.
+        raise ProtocolError(
+            f"this server loads packages from its repository paths only; the {', '.join(files)} "
+            "parameter(s) of a load request are not supported"
+        )
+    settings: ModelSettings | None = None
+    try:
+        if CONFIG_PARAMETER in parameters:
+            from neuropod.package import read_package
+            from neuropod_serving.server.config_override import settings_from_config
+
+            package = read_package(engine.registry.package_path(name)).config
+            try:
+                settings = settings_from_config(parameters[CONFIG_PARAMETER], package, engine.default_settings)
+            except ProtocolError as e:
+                kept = "; the model loaded before keeps serving" if name in engine.registry else ""
+                raise LoadFailed(f"failed to load model {name!r}: {e}{kept}") from None
+        engine.load(name, settings=settings)
+    except (UnknownModelError, ProtocolError):
+        raise
+    except NeuropodError as e:
+        # The package is at fault, not a running model: 400 like Triton, naming the model.
+        # A reload that fails leaves the model loaded before serving, as Triton does.
+        kept = "; the model loaded before keeps serving" if name in engine.registry else ""
+        log.error("loading model %r failed: %s%s", name, e, kept)
+        raise LoadFailed(f"failed to load model {name!r}: {e}{kept}") from e
+    overrides = f" with its load config's {', '.join(settings.overridden)}" if settings and settings.overridden else ""
+    log.info("loaded model %r%s", name, overrides)
+
+
+def unload(engine: Engine, name: str) -> None:
+    """Stop serving model ``name`` and close it. :raises UnknownModelError: it is not loaded."""
+    engine.unload(name)
+    log.info("unloaded model %r", name)
+
+
+__all__ = ["CONFIG_PARAMETER", "LoadFailed", "index", "load", "unload"]
