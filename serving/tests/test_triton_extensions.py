@@ -461,8 +461,8 @@ def test_server_metadata_lists_what_is_served(plain: Any) -> None:
         http.close()
         grpc.close()
     assert rest == ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
-    # binary_tensor_data is a REST body format; the repository is served over REST only.
-    assert over_grpc == ["model_configuration", "statistics"]
+    # binary_tensor_data is a REST body format; gRPC carries tensors as raw bytes.
+    assert over_grpc == ["model_configuration", "model_repository", "statistics"]
     # What is listed answers.
     assert _http_get(plain.http, "/v2/models/adder/config")[0] == 200
     assert _http_get(plain.http, "/v2/models/stats")[0] == 200
