@@ -366,8 +366,25 @@ def infer_caller(impl: Any) -> Callable[[Any, Any, Any], Any]:
         return functools.partial(fn, output_device=None)
 
     def call(model: Any, inputs: Any, requested: Any) -> Any:
-        values = {"model": model, "inputs": inputs, "requested_outputs": requested, "output_device": None}
+        values = {"model": model, "inputs": inputs, "requested_outputs": requested, "output_device": None,
+                  "parameters": None}  # fmt: skip
         return fn(**{k: values[k] for k in args})
+
+    return call
+
+
+def parameters_caller(impl: Any) -> Callable[[Any, Any, Any, Any], Any] | None:
+    """A plugin's ``infer`` implementation as ``call(model, inputs, requested_outputs, parameters)``
+    when it takes ``parameters`` (request parameters for the model), else None."""
+    fn = impl.function
+    if "parameters" not in (*impl.argnames, *getattr(impl, "kwargnames", ())):
+        return None
+    takes_device = "output_device" in (*impl.argnames, *getattr(impl, "kwargnames", ()))
+
+    def call(model: Any, inputs: Any, requested: Any, parameters: Any) -> Any:
+        if takes_device:
+            return fn(model=model, inputs=inputs, requested_outputs=requested, output_device=None, parameters=parameters)
+        return fn(model=model, inputs=inputs, requested_outputs=requested, parameters=parameters)
 
     return call
 
