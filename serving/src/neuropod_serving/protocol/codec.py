@@ -251,6 +251,9 @@ class InferRequest:
     outputs: dict[str, bool | None] | None = None
     id: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: What the request asks besides its tensors (a timeout, classification, parameters for the
+    #: model: :class:`~neuropod_serving.protocol.options.RequestOptions`); None when nothing.
+    options: Any = None
 
     @property
     def binary_data_output(self) -> bool:
@@ -295,6 +298,7 @@ def parse_infer_request(
     specs = specs_by_name(input_spec)
     inputs = _decode_tensors(header, "inputs", binary, specs, required=True, known=known)
     outputs: dict[str, bool | None] | None = None
+    classes: dict[str, int] | None = None
     if header.get("outputs") is not None:
         outputs = {}
         for i, out in enumerate(_list(header["outputs"], "request 'outputs'")):
@@ -304,15 +308,26 @@ def parse_infer_request(
             name = _name(out, where)
             if name in outputs:  # as gRPC: answering once would hide a client's mistake
                 raise ProtocolError(f"output {name!r} is requested twice; ask for each output once")
-            choice = _parameters(out, f"output {name!r}").get("binary_data")
+            params = _parameters(out, f"output {name!r}")
+            choice = params.get("binary_data")
             if choice is not None and not isinstance(choice, bool):
                 raise ProtocolError(f"output {name!r}: parameters.binary_data must be true or false, not {_show(choice)}")
             outputs[name] = choice
+            if len(params) > (choice is not None) and params.get("classification") is not None:
+                from neuropod_serving.protocol.options import classification_count
+
+                classes = classes or {}
+                classes[name] = classification_count(params["classification"], name)
     parameters = _parameters(header, "request")
     choice = parameters.get("binary_data_output")
     if choice is not None and not isinstance(choice, bool):
         raise ProtocolError(f"request parameters.binary_data_output must be true or false, not {_show(choice)}")
     decoded = InferRequest(inputs=inputs, outputs=outputs, id=_optional_str(header, "id"), parameters=dict(parameters))
+    if len(parameters) > (choice is not None) or classes is not None:
+        # Only a request that says more than binary_data_output: plain requests skip this.
+        from neuropod_serving.protocol.options import request_options
+
+        decoded.options = request_options(parameters, classes)
     _remember(known)
     return decoded
 

@@ -121,12 +121,36 @@ def parse_model_infer_request(
             if out.name in outputs:
                 raise ProtocolError(f"output {out.name!r} is requested twice; ask for each output once")
             outputs[out.name] = None
+    parameters = parameters_from_proto(request.parameters)
     return InferRequest(
         inputs=inputs,
         outputs=outputs,
         id=request.id or None,
-        parameters=parameters_from_proto(request.parameters),
+        parameters=parameters,
+        options=request_options_of(request, parameters),
     )
+
+
+def request_options_of(request: pb.ModelInferRequest, parameters: Mapping[str, Any]) -> Any:
+    """The :class:`~neuropod_serving.protocol.options.RequestOptions` of a ModelInferRequest
+    (its parameters, already read, and its requested outputs' classification counts), or None
+    when it asks nothing of them.
+
+    :raises ProtocolError: a bad ``timeout``, ``classification`` or model parameter.
+    """
+    classes: dict[str, int] | None = None
+    for out in request.outputs:
+        if "classification" in out.parameters:
+            from neuropod_serving.protocol.options import classification_count
+
+            value = parameters_from_proto(out.parameters)["classification"]
+            classes = classes or {}
+            classes[out.name] = classification_count(value, out.name)
+    if not parameters and classes is None:
+        return None
+    from neuropod_serving.protocol.options import request_options
+
+    return request_options(parameters, classes)
 
 
 def build_model_infer_request(
@@ -223,6 +247,7 @@ class ReceivedRequest:
             outputs=None if outputs is None else dict.fromkeys(outputs),
             id=message.id or None,
             parameters=dict(plan.parameters),
+            options=plan.options,
         )
 
 
@@ -379,7 +404,7 @@ class _Plan:
     """One form of received message: the message without its raw contents, parsed, and
     once it has decoded cleanly, each tensor's name, datatype, wire dtype, shape and size."""
 
-    __slots__ = ("_cache", "_key", "message", "parameters", "requested", "tensors")
+    __slots__ = ("_cache", "_key", "message", "options", "parameters", "requested", "tensors")
 
     def __init__(self, message: Any, key: bytes | None = None, cache: FormCache[bytes, _Plan] | None = None) -> None:
         self.message = message
@@ -387,8 +412,11 @@ class _Plan:
         self._key = key
         self._cache = cache
         self.parameters = parameters_from_proto(message.parameters)
-        requested = getattr(message, "outputs", None) if hasattr(message, "raw_input_contents") else None
+        request = hasattr(message, "raw_input_contents")
+        requested = getattr(message, "outputs", None) if request else None
         self.requested = tuple(o.name for o in requested) if requested else None
+        # A request's timeout, classification and parameters for the model, read once per form.
+        self.options = request_options_of(message, self.parameters) if request else None
         self.tensors: tuple[tuple[str, str, np.dtype[Any] | None, tuple[int, ...], int, dict[str, Any]], ...] | None = None
 
     def learn(self, kind: str) -> None:

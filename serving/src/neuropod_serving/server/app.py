@@ -31,7 +31,7 @@ from neuropod_serving.protocol import (
     parse_infer_request,
 )
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
-from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
+from neuropod_serving.server.engine import CLIENT_ERRORS, Engine, RequestTimeoutError
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from neuropod_serving.server.registry import MODEL_VERSION, ModelBusyError, ServedModel, UnknownModelError
@@ -109,6 +109,8 @@ def _failure(exc: BaseException, model: str) -> tuple[int, str] | None:
         return 404, str(exc)
     if isinstance(exc, ModelBusyError):
         return 429, str(exc)
+    if isinstance(exc, RequestTimeoutError):
+        return 503, str(exc)  # as Triton answers a request whose timeout expired in its queue
     if isinstance(exc, SpecError):
         return 400, str(exc)
     if isinstance(exc, NeuropodError):
@@ -191,7 +193,7 @@ class _RawInfer:
             requested = list(decoded.outputs) if decoded.outputs is not None else None
             failure = "model"
             try:
-                outputs = await engine.infer(s, decoded.inputs, requested)
+                outputs = await engine.infer(s, decoded.inputs, requested, decoded.options)
             except CLIENT_ERRORS:
                 failure = "client"
                 raise

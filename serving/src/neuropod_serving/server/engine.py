@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,9 @@ import numpy as np
 
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.spec import SpecValidator
+from neuropod_serving.protocol.options import RequestOptions
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol, writable
+from neuropod_serving.server.classification import Classifier
 from neuropod_serving.server.metrics import NoMetrics, Recorder
 from neuropod_serving.server.registry import ModelBusyError, ModelRegistry, ServedModel, UnknownModelError
 
@@ -66,9 +68,16 @@ DEFAULT_MAX_CONCURRENT = 4
 #: Requests of one model that may wait for a run (or a batch) when not configured;
 #: one more is refused at once (HTTP 429, gRPC RESOURCE_EXHAUSTED).
 DEFAULT_MAX_QUEUED = 64
+
+
+class RequestTimeoutError(NeuropodError):
+    """A request's ``timeout`` (or its gRPC deadline) passed while it waited for a run slot or
+    its batch: it was not run. Answered as Triton does: HTTP 503, gRPC UNAVAILABLE."""
+
+
 #: What :meth:`Engine.infer` raises when the request is at fault, not the model:
 #: front ends count these as client failures (4xx, INVALID_ARGUMENT/NOT_FOUND/RESOURCE_EXHAUSTED).
-CLIENT_ERRORS = (SpecError, UnknownModelError, ModelBusyError)
+CLIENT_ERRORS = (SpecError, UnknownModelError, ModelBusyError, RequestTimeoutError)
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,17 @@ class _Gate:
     def wait_slot(self) -> None:
         """Wait for a run slot (the request was admitted)."""
         self._slots.get()
+
+    def wait_slot_until(self, seconds: float) -> bool:
+        """Wait for a run slot for at most ``seconds`` (True when taken; False, and no slot, when
+        the time passed first: at once when ``seconds`` <= 0)."""
+        if seconds <= 0:
+            return False
+        try:
+            self._slots.get(timeout=min(seconds, threading.TIMEOUT_MAX))
+        except queue.Empty:
+            return False
+        return True
 
     def leave(self, ran: bool) -> None:
         """The request finished (``ran``: it held a run slot)."""
@@ -359,8 +379,9 @@ class Engine:
             )
 
     async def infer(
-        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
-    ) -> dict[str, np.ndarray]:
+        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None,
+        options: RequestOptions | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
         """Run one request (checked here first) and return the outputs it asked for, in the
         order asked for (else in spec order), as both protocols answer.
 
@@ -373,12 +394,17 @@ class Engine:
 
         The model gets writable input arrays (read-only ones are copied).
 
+        :param options: what the request asks besides its tensors (a timeout, classification,
+            parameters for the model); see :meth:`_infer_with`.
         :raises SpecError: the request does not fit the spec.
         :raises UnknownModelError: the model was unloaded before or while it ran.
         :raises ModelBusyError: the model's queue is full (:class:`ModelLimits`).
+        :raises RequestTimeoutError: its timeout passed while it waited; it was not run.
         :raises NeuropodError: the model failed (BackendError, WorkerError...).
         """
         runner = self._runner(served)
+        if options is not None:
+            return await self._infer_with(runner, served, inputs, requested, options)
         try:
             if runner.batcher is not None:
                 self.check(served, inputs, requested)
@@ -424,12 +450,20 @@ class Engine:
             raise
 
     def infer_blocking(
-        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
-    ) -> dict[str, np.ndarray]:
+        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None,
+        options: RequestOptions | None = None, time_left: Callable[[], float | None] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
         """:meth:`infer` for a caller on a thread of its own (the gRPC server's workers): the
         model runs on the calling thread once a run slot is free, or the request joins its
-        model's batch and waits. Same checks, limits, errors and metrics."""
+        model's batch and waits. Same checks, limits, errors and metrics.
+
+        :param time_left: the call's own deadline (gRPC's ``context.time_remaining``): asked
+            only when the request has to wait, and a request still waiting when it passes
+            is not run, as with a ``timeout`` in ``options``.
+        """
         runner = self._runner(served)
+        if options is not None:
+            return self._infer_blocking_with(runner, served, inputs, requested, options, time_left)
         try:
             gate = runner.gate
             if runner.batcher is not None:
@@ -447,7 +481,9 @@ class Engine:
                     finally:
                         gate.leave(True)
                 else:
-                    outputs = self._run_queued(runner, inputs, requested, time.perf_counter())
+                    queued = time.perf_counter()
+                    deadline = _deadline(queued, None, time_left)
+                    outputs = self._run_queued(runner, inputs, requested, queued, deadline)
             return _ordered(runner, outputs, requested)
         except (SpecError, ModelBusyError):
             raise
@@ -455,6 +491,90 @@ class Engine:
             if self._runners.get(served.name) is not runner:
                 raise self._closed_under(runner) from e
             raise
+
+    # -- requests with options (a timeout, classification, parameters) ---------------------
+    # Apart from the plain path above, so that a plain request pays nothing for them.
+
+    async def _infer_with(
+        self, runner: _Runner, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None,
+        options: RequestOptions,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """:meth:`infer` of a request with options: never on the event loop; a request still
+        waiting (for a thread, a run slot or its batch) when its timeout passes is not run."""
+        classes = _classification(runner, served, requested, options)
+        queued = time.perf_counter()
+        deadline = _deadline(queued, options, None)
+        gate = runner.gate
+        try:
+            if runner.batcher is not None:
+                self.check(served, inputs, requested)
+                gate.admit(False)
+                try:
+                    future = runner.batcher.submit(inputs, requested, options.parameters)
+                    outputs = await _until(future, deadline, served.name, queued, "its batch")
+                finally:
+                    gate.leave(False)
+            else:
+                self._check_missing(runner, inputs)
+                gate.admit(False)
+                try:
+                    future = runner.executor.submit(
+                        self._run_queued, runner, inputs, requested, queued, deadline, options.parameters
+                    )
+                except RuntimeError:  # the model's threads stopped: it is being unloaded
+                    gate.leave(False)
+                    raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited") from None
+                try:
+                    outputs = await _until(future, deadline, served.name, queued, "a thread")
+                except _NotStarted as e:
+                    gate.leave(False)  # it never reached _run_queued, which would have
+                    raise e.error from None
+        except (SpecError, ModelBusyError, RequestTimeoutError):
+            raise
+        except NeuropodError as e:
+            if self._runners.get(served.name) is not runner:
+                raise self._closed_under(runner) from e
+            raise
+        return classes.apply(_ordered(runner, outputs, requested)) if classes is not None else _ordered(
+            runner, outputs, requested
+        )
+
+    def _infer_blocking_with(
+        self, runner: _Runner, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None,
+        options: RequestOptions, time_left: Callable[[], float | None] | None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """:meth:`infer_blocking` of a request with options (see :meth:`_infer_with`)."""
+        classes = _classification(runner, served, requested, options)
+        queued = time.perf_counter()
+        gate = runner.gate
+        try:
+            if runner.batcher is not None:
+                self.check(served, inputs, requested)
+                deadline = _deadline(queued, options, time_left)
+                gate.admit(False)
+                try:
+                    future = runner.batcher.submit(inputs, requested, options.parameters)
+                    outputs = _wait(future, deadline, served.name, queued, "its batch")
+                finally:
+                    gate.leave(False)
+            else:
+                self._check_missing(runner, inputs)
+                if gate.admit(True):
+                    try:
+                        outputs = self._run(runner, inputs, requested, None, options.parameters)
+                    finally:
+                        gate.leave(True)
+                else:
+                    deadline = _deadline(queued, options, time_left)
+                    outputs = self._run_queued(runner, inputs, requested, queued, deadline, options.parameters)
+        except (SpecError, ModelBusyError, RequestTimeoutError):
+            raise
+        except NeuropodError as e:
+            if self._runners.get(served.name) is not runner:
+                raise self._closed_under(runner) from e
+            raise
+        ordered = _ordered(runner, outputs, requested)
+        return classes.apply(ordered) if classes is not None else ordered
 
     def _runner(self, served: ServedModel) -> _Runner:
         """The runner of ``served``, or of the model that replaced it in a reload since the
@@ -474,30 +594,43 @@ class Engine:
         return UnknownModelError(f"model {runner.served.name!r} was unloaded while the request ran")
 
     def _run_queued(
-        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float
-    ) -> dict[str, np.ndarray]:
-        """:meth:`_run` once a run slot is free, for an admitted request (leaves the gate after)."""
+        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float,
+        deadline: _Deadline | None = None, parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """:meth:`_run` once a run slot is free, for an admitted request (leaves the gate after).
+
+        :param deadline: when the request stops waiting for a slot (RequestTimeoutError, not run).
+        """
         gate = runner.gate
         try:
-            gate.wait_slot()
+            if deadline is None:
+                gate.wait_slot()
+            elif not gate.wait_slot_until(deadline.at - time.perf_counter()):
+                gate.leave(False)
+                raise deadline.expired(runner.served.name, queued, "a run slot")
+        except RequestTimeoutError:
+            raise
         except BaseException:
             gate.leave(False)
             raise
         try:
-            return self._run(runner, inputs, requested, queued)
+            return self._run(runner, inputs, requested, queued, parameters)
         finally:
             gate.leave(True)
 
     def _run(
-        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float | None
-    ) -> dict[str, np.ndarray]:
+        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
         """One unbatched run, timed from ``queued`` (when the request was handed to a thread;
         None when it runs where it arrived, without waiting)."""
         inputs = writable(inputs)
         started = time.perf_counter()
         cpu = time.thread_time()
         try:
-            return runner.served.model.infer(inputs, requested)
+            if parameters is None:
+                return runner.served.model.infer(inputs, requested)
+            return runner.served.model.infer(inputs, requested, parameters=parameters)
         finally:
             seconds = time.perf_counter() - started
             # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
@@ -510,6 +643,87 @@ class Engine:
                     runner.inline_bytes = size
             runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
             self.metrics.ran(runner.served.name, 0.0 if queued is None else started - queued, seconds)
+
+
+@dataclass(frozen=True)
+class _Deadline:
+    """When a waiting request gives up (``time.perf_counter()`` time), and why."""
+
+    at: float
+    #: What set it, for the message: "its timeout of N µs" or "the call's deadline".
+    what: str
+
+    def expired(self, model: str, queued: float, waiting_for: str) -> RequestTimeoutError:
+        waited = (time.perf_counter() - queued) * 1000
+        return RequestTimeoutError(
+            f"request timeout expired: the request to model {model!r} waited {waited:.0f} ms for {waiting_for}, "
+            f"past {self.what}, and was not run"
+        )
+
+
+def _deadline(
+    now: float, options: RequestOptions | None, time_left: Callable[[], float | None] | None
+) -> _Deadline | None:
+    """The earlier of the request's ``timeout`` and the call's own deadline (None: neither)."""
+    best = None
+    if options is not None and options.timeout_s is not None:
+        best = _Deadline(now + options.timeout_s, f"its timeout of {options.timeout_us} µs")
+    left = time_left() if time_left is not None else None
+    if left is not None and (best is None or now + left < best.at):
+        best = _Deadline(now + left, "the call's deadline")
+    return best
+
+
+class _NotStarted(Exception):
+    """A request's work was cancelled before it started (its deadline passed first)."""
+
+    def __init__(self, error: RequestTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _until(
+    future: concurrent.futures.Future[Any], deadline: _Deadline | None, model: str, queued: float, waiting_for: str
+) -> Any:
+    """The result of ``future`` (a batch's, or a run handed to a thread); when ``deadline``
+    passes before it starts, it is cancelled (never run) and a RequestTimeoutError raised
+    (as :class:`_NotStarted` for a thread's run, whose gate the caller leaves). Work already
+    running is awaited to its end: a request that runs finishes."""
+    wrapped = asyncio.wrap_future(future)
+    if deadline is None:
+        return await wrapped
+    try:
+        return await asyncio.wait_for(asyncio.shield(wrapped), max(0.0, deadline.at - time.perf_counter()))
+    except (TimeoutError, asyncio.TimeoutError):
+        if future.cancel():
+            error = deadline.expired(model, queued, waiting_for)
+            if waiting_for == "a thread":
+                raise _NotStarted(error) from None
+            raise error from None
+        return await wrapped
+
+
+def _wait(
+    future: concurrent.futures.Future[Any], deadline: _Deadline | None, model: str, queued: float, waiting_for: str
+) -> Any:
+    """:func:`_until` for a caller on a thread of its own."""
+    if deadline is None:
+        return future.result()
+    try:
+        return future.result(timeout=max(0.0, deadline.at - time.perf_counter()))
+    except concurrent.futures.TimeoutError:
+        if future.cancel():
+            raise deadline.expired(model, queued, waiting_for) from None
+        return future.result()
+
+
+def _classification(
+    runner: _Runner, served: ServedModel, requested: list[str] | None, options: RequestOptions
+) -> Classifier | None:
+    """The classification a request asks (checked before it runs), or None."""
+    if options.classification is None:
+        return None
+    return Classifier.of(served, options.classification, requested)
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:

@@ -17,6 +17,7 @@ what went wrong               status (details: the same text as REST's)
 ============================  ==========================================
 bad tensor, spec mismatch     INVALID_ARGUMENT, naming the tensor
 unknown model or version      NOT_FOUND
+request timeout expired       UNAVAILABLE (waited past its timeout; not run)
 missing or wrong token        UNAUTHENTICATED (not on ServerLive/Ready)
 message over the limit        RESOURCE_EXHAUSTED (refused by grpcio)
 the model's queue is full     RESOURCE_EXHAUSTED, at once (retry later)
@@ -43,7 +44,7 @@ from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES
-from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
+from neuropod_serving.server.engine import CLIENT_ERRORS, Engine, RequestTimeoutError
 from neuropod_serving.server.limits import bearer_refusal, escape_log
 from neuropod_serving.server.registry import MODEL_VERSION, ModelBusyError, UnknownModelError
 
@@ -108,7 +109,7 @@ class Servicer:
     def model_infer(self, call: InferCall, context: Any) -> bytes:
         with self._counted(call) as state:
             served, decoded, requested = self._begin(call, state)
-            outputs = self.engine.infer_blocking(served, decoded.inputs, requested)
+            outputs = self.engine.infer_blocking(served, decoded.inputs, requested, decoded.options, context.time_remaining)
             return self._finish(state, served, decoded, outputs)
 
     async def model_infer_async(self, call: InferCall, context: Any) -> bytes:
@@ -116,7 +117,7 @@ class Servicer:
         the model runs through :meth:`Engine.infer`, never blocking the loop on a batch."""
         with self._counted(call) as state:
             served, decoded, requested = self._begin(call, state)
-            outputs = await self.engine.infer(served, decoded.inputs, requested)
+            outputs = await self.engine.infer(served, decoded.inputs, requested, decoded.options)
             return self._finish(state, served, decoded, outputs)
 
     @contextlib.contextmanager
@@ -248,6 +249,8 @@ def status_of(exc: Exception, method: str, model: str) -> tuple[grpc.StatusCode,
         return exc.code, exc.details
     if isinstance(exc, ModelBusyError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, RequestTimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)  # as Triton answers an expired request timeout
     if isinstance(exc, (ProtocolError, SpecError, UnknownModelError)):
         code = (
             grpc.StatusCode.NOT_FOUND
