@@ -163,7 +163,7 @@ def test_tritonclient_health_metadata_and_tensors(engine: Engine, tmp_path: Path
     assert all(r["ok"] for r in results.values()), results
     assert [results[k]["value"] for k in ("live", "ready", "model_ready")] == [True, True, True]
     server_md = results["server_md"]["value"]
-    assert server_md["name"] == "neuropod" and server_md.get("extensions", []) == []
+    assert server_md["name"] == "neuropod" and server_md.get("extensions", []) == ["classification"]
     adder_md = results["adder_md"]["value"]
     assert adder_md["name"] == "adder" and adder_md["platform"] == "onnx" and adder_md["versions"] == ["1"]
     # The same tensors as REST's metadata (which also carries the exact shape in parameters).

@@ -39,7 +39,7 @@ from neuropod_serving.server.registry import MODEL_VERSION, ModelBusyError, Serv
 log = logging.getLogger("neuropod_serving.server")
 
 #: Only what is really implemented: clients probe this list before using an extension.
-EXTENSIONS = ["binary_tensor_data", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
 # Load balancers and orchestrators probe these without credentials.
 _OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 

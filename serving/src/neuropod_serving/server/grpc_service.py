@@ -52,9 +52,9 @@ log = logging.getLogger("neuropod_serving.server")
 access = logging.getLogger("neuropod_serving.access")
 
 SERVICE = "inference.GRPCInferenceService"
-#: Extensions this gRPC service implements: the OIP proto defines none of
-#: Triton's (binary tensors are REST's; its proto has no repository RPCs).
-EXTENSIONS: list[str] = []
+#: Extensions this gRPC service implements (binary tensors are REST's; the OIP proto
+#: has no repository RPCs): classification rides in a requested output's parameters.
+EXTENSIONS: list[str] = ["classification"]
 #: Threads answering calls when the caller does not say: enough for every
 #: OPE worker to be busy while others decode, and for batches to fill.
 MIN_THREADS = 16
