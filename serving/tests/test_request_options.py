@@ -455,3 +455,73 @@ def test_tensor_names_with_slashes_colons_and_dots(repo: Path, server: Served, m
         g.infer(model, [bad, b])
     assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "'input/x:1'" in info.value.message()
     g.close()
+
+
+# --- parsing, without a server -------------------------------------------------------
+
+
+def test_plain_requests_have_no_options() -> None:
+    from neuropod_serving.protocol import build_infer_request, parse_infer_request
+
+    x = {"x": np.ones((1, 2), np.float32)}
+    for body in (build_infer_request(x), build_infer_request(x, binary=False), build_infer_request(x, outputs=["y"])):
+        assert parse_infer_request(body.content, body.json_length).options is None
+
+
+def test_rest_options_are_parsed() -> None:
+    from neuropod_serving.protocol import build_infer_request, parse_infer_request
+
+    body = build_infer_request({"x": np.ones((1, 2), np.float32)},
+                               parameters={"timeout": 2500, "priority": 1, "triton_x": 1, "mine": "v", "n": 2.5})  # fmt: skip
+    options = parse_infer_request(body.content, body.json_length).options
+    assert options.timeout_s == pytest.approx(0.0025) and options.timeout_us == 2500
+    assert dict(options.parameters) == {"mine": "v", "n": 2.5} and options.classification is None
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
+           "outputs": [{"name": "y", "parameters": {"classification": 3, "binary_data": False}}, {"name": "z"}]}  # fmt: skip
+    options = parse_infer_request(json.dumps(doc).encode()).options
+    assert dict(options.classification) == {"y": 3} and options.timeout_s is None and options.parameters is None
+
+
+def test_grpc_options_from_tritonclients_own_messages() -> None:
+    """Wire compatibility: a request built with tritonclient's own classes, read by our codec."""
+    from tritonclient.grpc import service_pb2
+
+    from neuropod_serving.protocol import ProtocolError, grpc_codec
+
+    request = service_pb2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+    request.raw_input_contents.append(np.ones((1, 2), np.float32).tobytes())
+    request.parameters["timeout"].int64_param = 5000
+    request.parameters["scale"].double_param = 1.5
+    request.parameters["sequence_id"].int64_param = 9
+    out = request.outputs.add(name="y")
+    out.parameters["classification"].int64_param = 4
+    request.outputs.add(name="z")
+    decoded = grpc_codec.deserialize_model_infer_request(request.SerializeToString()).decode()
+    options = decoded.options
+    assert options.timeout_us == 5000 and dict(options.parameters) == {"scale": 1.5}
+    assert dict(options.classification) == {"y": 4} and list(decoded.outputs) == ["y", "z"]
+    # A second message of the same form is read from the remembered plan, options included.
+    again = grpc_codec.deserialize_model_infer_request(request.SerializeToString()).decode()
+    assert again.options == options
+    bad = service_pb2.ModelInferRequest(model_name="m")
+    bad.outputs.add(name="y").parameters["classification"].string_param = "3"
+    with pytest.raises(ProtocolError, match=r"output 'y': parameters.classification is the number of classes"):
+        grpc_codec.deserialize_model_infer_request(bad.SerializeToString()).decode()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint8", "bool"])
+def test_classify_ranks_as_numpy_does(dtype: str) -> None:
+    from neuropod_serving.protocol.options import classify
+
+    rng = np.random.default_rng(7)
+    values = (rng.permutation(12).reshape(3, 4) % (2 if dtype == "bool" else 12)).astype(dtype)
+    got = classify(values, 3, ["a", "b", "c", "d"], batched=True)
+    assert got.shape == (3, 3)
+    for r in range(3):
+        # Ties go to the lower index (a stable sort of the negated scores).
+        order = np.argsort(-values[r].astype(np.float64), kind="stable")[:3]
+        score = (lambda v: f"{float(v):f}") if values.dtype.kind == "f" else (lambda v: str(int(v)))
+        assert got[r].tolist() == [f"{score(values[r][i])}:{i}:{'abcd'[i]}" for i in order]
+    whole = classify(values, 100, None, batched=False)
+    assert whole.shape == (12,) and len(set(whole.tolist())) == 12
