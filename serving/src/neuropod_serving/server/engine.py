@@ -470,7 +470,12 @@ class Engine:
                 self.check(served, inputs, requested)
                 gate.admit(False)
                 try:
-                    outputs = runner.batcher.submit(inputs, requested).result()
+                    future = runner.batcher.submit(inputs, requested)
+                    if time_left is None:
+                        outputs = future.result()
+                    else:  # the call's own deadline: a request whose caller gave up is not run
+                        queued = time.perf_counter()
+                        outputs = _wait(future, _deadline(queued, None, time_left), served.name, queued, "its batch")
                 finally:
                     gate.leave(False)
             else:
@@ -485,7 +490,7 @@ class Engine:
                     deadline = _deadline(queued, None, time_left)
                     outputs = self._run_queued(runner, inputs, requested, queued, deadline)
             return _ordered(runner, outputs, requested)
-        except (SpecError, ModelBusyError):
+        except (SpecError, ModelBusyError, RequestTimeoutError):
             raise
         except NeuropodError as e:
             if self._runners.get(served.name) is not runner:
