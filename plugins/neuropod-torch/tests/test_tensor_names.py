@@ -23,7 +23,7 @@ class Named(torch.nn.Module):
         return {OUT: torch.softmax(x, dim=-1), "out.1": x * 2}
 
 
-class Any_(torch.nn.Module):
+class Plain(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"y": x}
 
@@ -48,7 +48,7 @@ def test_an_input_name_forward_cannot_take_is_refused_naming_it_and_the_backend(
     with pytest.raises(NeuropodError) as info:
         create_torch_export_neuropod(
             tmp_path / "bad", "bad", spec(("input/x:0", "float32", ["batch", 5])), spec(("y", "float32", ["batch", 5])),
-            module=Any_(), test_input_data={"input/x:0": x},
+            module=Plain(), test_input_data={"input/x:0": x},
         )  # fmt: skip
     message = str(info.value)
     assert "'input/x:0'" in message and "create_torch_export_neuropod" in message and "identifiers" in message
