@@ -29,7 +29,9 @@ def test_labels_round_trip_through_config_json(tmp_path: Path) -> None:
 
 
 def test_labels_are_a_common_packager_option() -> None:
-    assert package_options("create_toy_neuropod", {"output_labels": {"probs": ["a"]}})["output_labels"] == {"probs": ["a"]}
+    assert package_options("create_toy_neuropod", {"output_labels": {"probs": ["a"]}})["output_labels"] == {
+        "probs": ["a"]
+    }
     assert package_options("create_toy_neuropod", {})["output_labels"] is None
 
 

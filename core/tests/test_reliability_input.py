@@ -161,7 +161,7 @@ def test_item4_unsafe_tensor_names_are_refused(name: str, problem: str) -> None:
 @pytest.mark.parametrize(
     "name",
     ["x", "x:0", "input.1", "...", "a b", "naïve", "a" * 255, "é" * 127, "日本", "a/b", "../x", "a\\b",
-     "InceptionV3/Predictions/Softmax:0"],
+     "InceptionV3/Predictions/Softmax:0"],  # fmt: skip
 )
 def test_item4_ordinary_tensor_names_are_kept(name: str) -> None:
     (spec,) = parse_spec([{"name": name, "dtype": "float32", "shape": [1]}], "spec")

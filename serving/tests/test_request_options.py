@@ -241,10 +241,14 @@ def test_classification_grpc_and_unbatched_output(server: Served) -> None:
 def test_classification_refusals(server: Served) -> None:
     x = {"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}
     # A string output cannot be ranked: 400 naming it, on REST and gRPC.
-    status, body = _post(server, "params", {"inputs": [x], "outputs": [{"name": "seen", "parameters": {"classification": 2}}]})
+    status, body = _post(
+        server, "params", {"inputs": [x], "outputs": [{"name": "seen", "parameters": {"classification": 2}}]}
+    )
     assert status == 400 and "'seen'" in body["error"] and "string tensor" in body["error"]
     for bad in (0, -1, "three", 1.5, True):
-        status, body = _post(server, "params", {"inputs": [x], "outputs": [{"name": "y", "parameters": {"classification": bad}}]})
+        status, body = _post(
+            server, "params", {"inputs": [x], "outputs": [{"name": "y", "parameters": {"classification": bad}}]}
+        )
         assert status == 400 and "output 'y'" in body["error"] and "integer >= 1" in body["error"], (bad, body)
     client = _grpc(server)
     inp = grpcclient.InferInput("x", [1, 2], "FP32")

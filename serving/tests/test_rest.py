@@ -137,7 +137,8 @@ def test_triton_health_and_metadata(triton: Any) -> None:
     assert triton.is_model_ready("adder") and triton.is_model_ready("adder", "1")
     assert not triton.is_model_ready("nope")
     meta = triton.get_server_metadata()
-    assert meta["name"] == "neuropod" and meta["extensions"] == ["binary_tensor_data", "classification", "model_repository"]
+    assert meta["name"] == "neuropod"
+    assert meta["extensions"] == ["binary_tensor_data", "classification", "model_repository"]
     model = triton.get_model_metadata("adder")
     assert model["platform"] == "onnx" and model["versions"] == ["1"]
     assert model["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": [-1, 2],

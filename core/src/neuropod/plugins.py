@@ -383,7 +383,9 @@ def parameters_caller(impl: Any) -> Callable[[Any, Any, Any, Any], Any] | None:
 
     def call(model: Any, inputs: Any, requested: Any, parameters: Any) -> Any:
         if takes_device:
-            return fn(model=model, inputs=inputs, requested_outputs=requested, output_device=None, parameters=parameters)
+            return fn(
+                model=model, inputs=inputs, requested_outputs=requested, output_device=None, parameters=parameters
+            )
         return fn(model=model, inputs=inputs, requested_outputs=requested, parameters=parameters)
 
     return call

@@ -19,7 +19,10 @@ SPEC_OUT = [{"name": "y", "dtype": "float32", "shape": [None]}, {"name": "seen",
 
 
 def _package(tmp_path: Path, signature: str, spec_in: list[dict] = SPEC_IN) -> Path:
-    code = write_code(tmp_path / "src", {"m.py": f"""
+    code = write_code(
+        tmp_path / "src",
+        {
+            "m.py": f"""
 import json
 import numpy as np
 
@@ -34,7 +37,9 @@ def get_model(data_root):
                  "seen": np.array([json.dumps(p if isinstance(p, dict) else "array", sort_keys=True)], dtype=object)}}
 
     return run
-"""})
+"""
+        },
+    )
     return create_python_neuropod(tmp_path / "pkg", "params", [], [{"python_root": code, "dirs_to_package": [""]}],
                                   "m", "get_model", spec_in, SPEC_OUT)  # fmt: skip
 
@@ -68,10 +73,10 @@ def test_an_input_named_parameters_stays_an_input(tmp_path: Path) -> None:
 
 
 def test_takes_parameters() -> None:
-    def kw(x, *, parameters=None): ...  # noqa: ANN001, ANN202
-    def pos(x, parameters=None): ...  # noqa: ANN001, ANN202
-    def anything(**inputs): ...  # noqa: ANN003, ANN202
-    def other(x): ...  # noqa: ANN001, ANN202
+    def kw(x, *, parameters=None): ...
+    def pos(x, parameters=None): ...
+    def anything(**inputs): ...
+    def other(x): ...
 
     assert takes_parameters(kw, ["x"]) and takes_parameters(pos, ["x"])
     assert not takes_parameters(anything, ["x"]) and not takes_parameters(other, ["x"])
@@ -80,13 +85,18 @@ def test_takes_parameters() -> None:
 
 
 def test_tensor_names_with_slashes_colons_and_dots(tmp_path: Path) -> None:
-    code = write_code(tmp_path / "src", {"n.py": """
+    code = write_code(
+        tmp_path / "src",
+        {
+            "n.py": """
 def get_model(data_root):
     def run(**inputs):
         return {"InceptionV3/Predictions/Softmax:0": inputs["input/x:0"] * 2}
 
     return run
-"""})
+"""
+        },
+    )
     x = np.array([[1.0, 2.0]], np.float32)
     path = create_python_neuropod(
         tmp_path / "names", "names", [], [{"python_root": code, "dirs_to_package": [""]}], "n", "get_model",

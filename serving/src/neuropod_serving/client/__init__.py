@@ -438,7 +438,9 @@ def _spec(target: Target, metadata: Mapping[str, Any]) -> tuple[tuple[TensorSpec
 def _check_parameters(parameters: Mapping[str, Any]) -> None:
     """:raises TypeError: not a mapping of str to the protocol's parameter types."""
     if not isinstance(parameters, Mapping):
-        raise TypeError(f"parameters must be a mapping of str to bool, int, float or str, not {type(parameters).__name__}")
+        raise TypeError(
+            f"parameters must be a mapping of str to bool, int, float or str, not {type(parameters).__name__}"
+        )
     for key, value in parameters.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"parameters: a key must be a non-empty str, not {key!r:.80}")

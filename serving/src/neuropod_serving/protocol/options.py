@@ -112,7 +112,9 @@ def request_options(
     )
 
 
-def classify(array: np.ndarray[Any, Any], count: int, labels: Sequence[str] | None, batched: bool) -> np.ndarray[Any, Any]:
+def classify(
+    array: np.ndarray[Any, Any], count: int, labels: Sequence[str] | None, batched: bool
+) -> np.ndarray[Any, Any]:
     """The classification extension's answer for one output: the ``count`` highest entries
     (fewer when a row has fewer) as ``"score:index"`` / ``"score:index:label"`` strings,
     highest first (equal scores: lower index first).
@@ -131,7 +133,11 @@ def classify(array: np.ndarray[Any, Any], count: int, labels: Sequence[str] | No
     n = rows.shape[1]
     k = min(count, n)
     # Descending by score, ties by index: a stable ascending sort of each reversed row, read backwards.
-    order = (n - 1 - np.argsort(rows[:, ::-1], axis=1, kind="stable")[:, ::-1][:, :k]) if n else np.zeros((len(rows), 0), int)
+    order = (
+        (n - 1 - np.argsort(rows[:, ::-1], axis=1, kind="stable")[:, ::-1][:, :k])
+        if n
+        else np.zeros((len(rows), 0), int)
+    )
     floating = array.dtype.kind == "f"
     out = np.empty((len(rows), k), dtype=object)
     for r in range(len(rows)):

@@ -540,9 +540,8 @@ class Engine:
             if self._runners.get(served.name) is not runner:
                 raise self._closed_under(runner) from e
             raise
-        return classes.apply(_ordered(runner, outputs, requested)) if classes is not None else _ordered(
-            runner, outputs, requested
-        )
+        ordered = _ordered(runner, outputs, requested)
+        return classes.apply(ordered) if classes is not None else ordered
 
     def _infer_blocking_with(
         self, runner: _Runner, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None,

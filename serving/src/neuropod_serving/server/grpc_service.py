@@ -109,7 +109,9 @@ class Servicer:
     def model_infer(self, call: InferCall, context: Any) -> bytes:
         with self._counted(call) as state:
             served, decoded, requested = self._begin(call, state)
-            outputs = self.engine.infer_blocking(served, decoded.inputs, requested, decoded.options, context.time_remaining)
+            outputs = self.engine.infer_blocking(
+                served, decoded.inputs, requested, decoded.options, context.time_remaining
+            )
             return self._finish(state, served, decoded, outputs)
 
     async def model_infer_async(self, call: InferCall, context: Any) -> bytes:
