@@ -158,11 +158,12 @@ def test_item4_unsafe_tensor_names_are_refused(name: str, problem: str) -> None:
             parse_spec([TensorSpec(name, "float32", (1,))], "output_spec")
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["x", "x:0", "input.1", "...", "a b", "naïve", "a" * 255, "é" * 127, "日本", "a/b", "../x", "a\\b",
-     "InceptionV3/Predictions/Softmax:0"],  # fmt: skip
-)
+ORDINARY_NAMES = ["x", "x:0", "input.1", "...", "a b", "naïve", "a" * 255, "é" * 127, "日本", "a/b", "../x"]
+# Triton's (and TensorFlow's) tensor names.
+ORDINARY_NAMES += ["a\\b", "InceptionV3/Predictions/Softmax:0"]
+
+
+@pytest.mark.parametrize("name", ORDINARY_NAMES)
 def test_item4_ordinary_tensor_names_are_kept(name: str) -> None:
     (spec,) = parse_spec([{"name": name, "dtype": "float32", "shape": [1]}], "spec")
     assert spec.name == name
