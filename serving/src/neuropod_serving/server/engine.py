@@ -72,7 +72,12 @@ DEFAULT_MAX_QUEUED = 64
 
 class RequestTimeoutError(NeuropodError):
     """A request's ``timeout`` (or its gRPC deadline) passed while it waited for a run slot or
-    its batch: it was not run. Answered as Triton does: HTTP 503, gRPC UNAVAILABLE."""
+    its batch: it was not run. Answered as Triton does: HTTP 503, gRPC UNAVAILABLE; gRPC
+    DEADLINE_EXCEEDED when it was the call's own deadline (``call_deadline``)."""
+
+    def __init__(self, message: str, *, call_deadline: bool = False) -> None:
+        super().__init__(message)
+        self.call_deadline = call_deadline
 
 
 #: What :meth:`Engine.infer` raises when the request is at fault, not the model:
@@ -649,6 +654,9 @@ class Engine:
             self.metrics.ran(runner.served.name, 0.0 if queued is None else started - queued, seconds)
 
 
+_CALL_DEADLINE = "the call's deadline"
+
+
 @dataclass(frozen=True)
 class _Deadline:
     """When a waiting request gives up (``time.perf_counter()`` time), and why."""
@@ -661,7 +669,8 @@ class _Deadline:
         waited = (time.perf_counter() - queued) * 1000
         return RequestTimeoutError(
             f"request timeout expired: the request to model {model!r} waited {waited:.0f} ms for {waiting_for}, "
-            f"past {self.what}, and was not run"
+            f"past {self.what}, and was not run",
+            call_deadline=self.what == _CALL_DEADLINE,
         )
 
 
@@ -674,7 +683,7 @@ def _deadline(
         best = _Deadline(now + options.timeout_s, f"its timeout of {options.timeout_us} µs")
     left = time_left() if time_left is not None else None
     if left is not None and (best is None or now + left < best.at):
-        best = _Deadline(now + left, "the call's deadline")
+        best = _Deadline(now + left, _CALL_DEADLINE)
     return best
 
 

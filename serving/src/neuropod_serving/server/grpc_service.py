@@ -17,7 +17,8 @@ what went wrong               status (details: the same text as REST's)
 ============================  ==========================================
 bad tensor, spec mismatch     INVALID_ARGUMENT, naming the tensor
 unknown model or version      NOT_FOUND
-request timeout expired       UNAVAILABLE (waited past its timeout; not run)
+request timeout expired       UNAVAILABLE (waited past its timeout; not run), or
+                              DEADLINE_EXCEEDED past the call's own deadline
 missing or wrong token        UNAUTHENTICATED (not on ServerLive/Ready)
 message over the limit        RESOURCE_EXHAUSTED (refused by grpcio)
 the model's queue is full     RESOURCE_EXHAUSTED, at once (retry later)
@@ -252,7 +253,9 @@ def status_of(exc: Exception, method: str, model: str) -> tuple[grpc.StatusCode,
     if isinstance(exc, ModelBusyError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, RequestTimeoutError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)  # as Triton answers an expired request timeout
+        # UNAVAILABLE as Triton answers an expired request timeout; the call's own deadline is DEADLINE_EXCEEDED.
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.call_deadline else grpc.StatusCode.UNAVAILABLE
+        return code, str(exc)
     if isinstance(exc, (ProtocolError, SpecError, UnknownModelError)):
         code = (
             grpc.StatusCode.NOT_FOUND
