@@ -218,7 +218,9 @@ def test_loading_on_this_machine_says_what_is_missing(tmp_path: Path) -> None:
 
 def test_tensor_names_with_slashes_colons_and_dots_up_to_the_engine(tmp_path: Path) -> None:
     names_in = spec(("input/x:0", "float32", ["batch_size", 4]))
-    names_out = spec(("InceptionV3/Predictions/Softmax:0", "float32", ["batch_size", 4]), ("out.1", "float32", ["batch_size"]))
+    names_out = spec(
+        ("InceptionV3/Predictions/Softmax:0", "float32", ["batch_size", 4]), ("out.1", "float32", ["batch_size"])
+    )
     engine = tmp_path / "named.engine"
     engine.write_bytes(b"stand-in engine bytes: resolution reads only the package's metadata")
     with pytest.warns(UserWarning, match="not checked by loading it"):
