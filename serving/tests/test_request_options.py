@@ -60,12 +60,14 @@ RUNS = [0]
 
 
 def get_model(data_root):
-    def run(x):
-        # Sleeps x[0, 0] seconds; y[:, 1] says how many runs the model has made, this one included.
+    def run(x, *, parameters=None):
+        # Sleeps x[0, 0] seconds; y[:, 1] says how many runs the model has made, this one included,
+        # and y[:, 0] the rows of this run times the parameter "scale" (1 without it).
         RUNS[0] += 1
         time.sleep(float(x[0, 0]))
         y = x.copy()
         y[:, 1] = RUNS[0]
+        y[:, 0] = len(x) * (parameters or {}).get("scale", 1)
         return {"y": y}
 
     return run
@@ -417,6 +419,20 @@ def test_timeout_expires_in_the_batchers_queue(batching_server: Served) -> None:
     took, error, runs = _behind_a_slow_run(s, lambda: _grpc_slow(s, 0.0, timeout=TIMEOUT_US))
     assert isinstance(error, InferenceServerException) and error.status() == "StatusCode.UNAVAILABLE", error
     assert runs == 1
+
+
+def test_batched_requests_share_a_batch_only_with_equal_parameters(batching_server: Served) -> None:
+    s = batching_server
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        slow = pool.submit(_http_slow, s, SLOW_S)
+        time.sleep(0.4)  # the slow run holds the batcher's one run; these three queue behind it
+        scales = (2, 3, 2)
+        queued = [pool.submit(_http_slow, s, 0.0, parameters={"scale": k}) for k in scales]
+        slow.result(timeout=60)
+        got = [f.result(timeout=60) for f in queued]
+    # y[0, 0] = rows in the run x its scale: the two requests of scale 2 ran together (2 rows), scale 3 alone.
+    assert [float(y[0, 0]) for y in got] == [2 * 2, 1 * 3, 2 * 2]
+    assert got[0][0, 1] == got[2][0, 1] != got[1][0, 1]  # the same run, and another one
 
 
 # --- tensor names with '/', ':' and '.' ---------------------------------------------
