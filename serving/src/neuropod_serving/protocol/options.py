@@ -64,12 +64,12 @@ def classification_count(value: object, output: str) -> int:
 
     :raises ProtocolError: anything else, naming the output.
     """
-    if not _is_int(value) or value < 1:  # type: ignore[operator]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ProtocolError(
             f"output {output!r}: parameters.classification is the number of classes to answer, "
             f"an integer >= 1, not {value!r:.80}"
         )
-    return int(value)  # type: ignore[call-overload]
+    return value
 
 
 def request_options(
