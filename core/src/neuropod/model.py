@@ -224,8 +224,9 @@ class NeuropodModel:
         parameters: Mapping[str, Any],
     ) -> Any:  # fmt: skip
         """:meth:`_run` for a call with request parameters: the backend's hook gets them when it
-        takes them (in this process); otherwise the model runs as without them, as Triton's
-        backends ignore parameters they do not read."""
+        takes them (in this process, or in a worker: see :class:`~neuropod.ope.WorkerModel`);
+        otherwise the model runs as without them, as Triton's backends ignore parameters they
+        do not read."""
         if self._run_is_the_hook and self._infer_with_parameters is not None:
             return self._infer_with_parameters(self._handle, inputs, requested_outputs, parameters)
         return self._run(inputs, requested_outputs, call_options)

@@ -44,10 +44,11 @@ def get_model(data_root):
                                   "m", "get_model", spec_in, SPEC_OUT)  # fmt: skip
 
 
+@pytest.mark.parametrize("use_ope", [False, True])
 @pytest.mark.parametrize("signature", ["x, *, parameters=None", "x, parameters=None", "x, parameters"])
-def test_a_function_with_a_parameters_keyword_gets_them(tmp_path: Path, signature: str) -> None:
+def test_a_function_with_a_parameters_keyword_gets_them(tmp_path: Path, signature: str, use_ope: bool) -> None:
     x = np.array([1.0, -2.5], np.float32)
-    with neuropod.load_neuropod(_package(tmp_path, signature)) as model:
+    with neuropod.load_neuropod(_package(tmp_path, signature), use_ope=use_ope) as model:
         out = model.infer({"x": x}, parameters={"scale": 3, "tag": "t", "on": True})
         np.testing.assert_array_equal(out["y"], x * 3)
         assert json.loads(out["seen"][0]) == {"on": True, "scale": 3, "tag": "t"}
@@ -56,9 +57,10 @@ def test_a_function_with_a_parameters_keyword_gets_them(tmp_path: Path, signatur
             np.testing.assert_array_equal(model.infer({"x": x}, parameters={})["y"], x)
 
 
-def test_other_functions_never_get_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("use_ope", [False, True])
+def test_other_functions_never_get_them(tmp_path: Path, use_ope: bool) -> None:
     x = np.array([2.0], np.float32)
-    with neuropod.load_neuropod(_package(tmp_path, "**inputs")) as model:
+    with neuropod.load_neuropod(_package(tmp_path, "**inputs"), use_ope=use_ope) as model:
         out = model.infer({"x": x}, parameters={"scale": 5})
         np.testing.assert_array_equal(out["y"], x)  # run as without them
         assert json.loads(out["seen"][0]) == {}
