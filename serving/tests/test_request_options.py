@@ -295,6 +295,18 @@ def test_parameters_reach_a_python_model_on_both_protocols(server: Served) -> No
     g.close()
 
 
+def test_parameters_reach_a_model_in_ope_workers(repo: Path) -> None:
+    x = np.array([[1.0, 2.0]], np.float32)
+    with private_caches(repo), served(repo / "models" / "params", options=["--workers", "2"]) as s:
+        g = _grpc(s)
+        inp = grpcclient.InferInput("x", [1, 2], "FP32")
+        inp.set_data_from_numpy(x)
+        result = g.infer("params", [inp], parameters={"scale": 5, "tag": "w"})
+        np.testing.assert_array_equal(result.as_numpy("y"), x * 5)
+        assert json.loads(_texts(result.as_numpy("seen"))[0]) == {"scale": 5, "tag": "w"}
+        g.close()
+
+
 def test_parameters_are_ignored_by_models_that_do_not_take_them(server: Served) -> None:
     client = _http(server)
     inp = httpclient.InferInput("x", list(X.shape), "FP32")
