@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from neuropod import plugins
-from neuropod._args import check_flag, check_seconds, check_workers
+from neuropod._args import check_flag, check_parameters, check_seconds, check_workers
 from neuropod.backend import Backend
 from neuropod.devices import Host, load_host, local_host, parse_device
 from neuropod.errors import BackendError, InProcessConflictError, NeuropodError, PackageError
@@ -178,6 +178,8 @@ class NeuropodModel:
             requested_outputs = validator.check_requested(requested_outputs)
         if output_device is not None:
             output_device = self._output_device(output_device)  # None for "cpu"
+        if parameters:
+            check_parameters(parameters)
         # The spec checks compiled for this model, called here for the common call (a frame less
         # each way); anything they do not pass takes the validator's general checks.
         fast_in = validator._fast_inputs

@@ -110,3 +110,14 @@ def get_model(data_root):
         with neuropod.load_neuropod(path, use_ope=use_ope) as model:
             out = model.infer({"input/x:0": x})
             np.testing.assert_array_equal(out["InceptionV3/Predictions/Softmax:0"], x * 2)
+
+
+def test_bad_parameters_are_a_type_error_naming_them(tmp_path: Path) -> None:
+    x = np.array([1.0], np.float32)
+    with neuropod.load_neuropod(_package(tmp_path, "x, *, parameters=None")) as model:
+        with pytest.raises(TypeError, match=r"parameters\['scale'\] must be a bool, int, float or str .* not list"):
+            model.infer({"x": x}, parameters={"scale": [1, 2]})
+        with pytest.raises(TypeError, match="parameters must be a mapping of str to bool, int, float or str, not list"):
+            model.infer({"x": x}, parameters=[("scale", 2)])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="a key must be a non-empty str"):
+            model.infer({"x": x}, parameters={1: 2})  # type: ignore[dict-item]

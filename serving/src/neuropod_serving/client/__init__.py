@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from neuropod._args import check_flag, check_seconds
+from neuropod._args import check_flag, check_parameters, check_seconds
 from neuropod.backend import Backend
 from neuropod.errors import NeuropodError, PluginNotInstalledError, RemoteError, SpecError
 from neuropod.model import NeuropodModel
@@ -152,7 +152,7 @@ class RemoteModel(NeuropodModel):
             self._output_device(output_device)  # "cpu" or an error: outputs arrive in host memory
         checked, bindings = validator.check_inputs(inputs)
         if parameters:
-            _check_parameters(parameters)
+            check_parameters(parameters)
         else:
             parameters = None
         timeout = self._timeout if call_options is None else call_options
@@ -433,22 +433,6 @@ def _spec(target: Target, metadata: Mapping[str, Any]) -> tuple[tuple[TensorSpec
             f"Remote model {target.url}: the server's model metadata cannot be read as a spec: {e}",
             url=target.url, code="protocol", server_message=None,
         ) from None  # fmt: skip
-
-
-def _check_parameters(parameters: Mapping[str, Any]) -> None:
-    """:raises TypeError: not a mapping of str to the protocol's parameter types."""
-    if not isinstance(parameters, Mapping):
-        raise TypeError(
-            f"parameters must be a mapping of str to bool, int, float or str, not {type(parameters).__name__}"
-        )
-    for key, value in parameters.items():
-        if not isinstance(key, str) or not key:
-            raise TypeError(f"parameters: a key must be a non-empty str, not {key!r:.80}")
-        if not isinstance(value, (bool, int, float, str)):
-            raise TypeError(
-                f"parameters[{key!r}] must be a bool, int, float or str (the protocol's parameter types), "
-                f"not {type(value).__name__}"
-            )
 
 
 def schemes() -> list[str]:
