@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from neuropod_serving.server.batching import BatchPolicy, batch_symbol
-from neuropod_serving.server.engine import Engine, ModelLimits
+from neuropod_serving.server.engine import Engine, ModelLimits, RequestTimeoutError
 from neuropod_serving.server.registry import (
     MODEL_VERSION,
     ModelBusyError,
@@ -51,6 +51,7 @@ __all__ = [
     "ModelBusyError",
     "ModelLimits",
     "ModelRegistry",
+    "RequestTimeoutError",
     "ServedModel",
     "UnknownModelError",
     "create_app",

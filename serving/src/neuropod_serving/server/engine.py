@@ -11,6 +11,12 @@ fast, see :meth:`Engine.infer`), through the model's
 :class:`~neuropod_serving.server.batching.Batcher` when batching is on and the
 spec allows it, and records metrics.
 
+A request that asks more than its outputs (a ``timeout``, classification, parameters for the
+model: :class:`~neuropod_serving.protocol.options.RequestOptions`) takes a path of its own
+(:meth:`Engine._infer_with`), so a plain request pays one ``None`` check for them: a request
+still waiting for a thread, a run slot or its batch when its timeout (or its gRPC call's
+deadline) passes is answered with :class:`RequestTimeoutError` and never run.
+
 Every model gets writable input arrays on every server path: inputs decoded
 as views of read-only request bytes (gRPC, binary REST) are copied before the
 model runs, which costs one allocation and copy of those inputs (about
