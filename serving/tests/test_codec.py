@@ -246,6 +246,9 @@ def test_metadata_round_trips_to_the_exact_spec() -> None:
 def test_metadata_from_another_server_reads_minus_one_as_any_size() -> None:
     spec = spec_from_metadata({"name": "x", "datatype": "INT64", "shape": [-1, 3]})
     assert spec == TensorSpec("x", "int64", (None, 3))
+    # Triton's models name tensors with '/', ':' and '.'.
+    named = spec_from_metadata({"name": "InceptionV3/Predictions/Softmax:0", "datatype": "FP32", "shape": [-1, 3]})
+    assert named == TensorSpec("InceptionV3/Predictions/Softmax:0", "float32", (None, 3))
 
 
 @pytest.mark.parametrize(
@@ -258,7 +261,7 @@ def test_metadata_from_another_server_reads_minus_one_as_any_size() -> None:
         ({"name": "x", "datatype": "FP32", "shape": [3], "parameters": {"neuropod_shape": '["n"]'}}, "entry 0 is 'n' where shape says 3"),
         ({"name": "x", "datatype": "FP32", "shape": [-1], "parameters": {"neuropod_shape": "[[]"}}, "is not JSON"),
         ({"name": "x", "datatype": "FP32", "shape": [-1], "parameters": {"neuropod_shape": '["not a symbol"]'}}, "'x'"),
-        ({"name": "a/b", "datatype": "FP32", "shape": [1]}, "'a/b'"),
+        ({"name": "a\nb", "datatype": "FP32", "shape": [1]}, "'a\\nb'"),  # '/' is fine (Triton's names have it)
     ],
 )
 def test_bad_metadata_names_the_tensor(meta: dict[str, Any], message: str) -> None:

@@ -165,6 +165,7 @@ def test_tritonclient_health_metadata_and_tensors(engine: Engine, tmp_path: Path
     server_md = results["server_md"]["value"]
     # Binary tensors are REST's; the repository RPCs are served (test_grpc_repository.py).
     assert server_md["name"] == "neuropod" and server_md.get("extensions", []) == [
+        "classification",
         "model_configuration",
         "model_repository",
         "statistics",

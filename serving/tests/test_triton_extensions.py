@@ -460,9 +460,9 @@ def test_server_metadata_lists_what_is_served(plain: Any) -> None:
     finally:
         http.close()
         grpc.close()
-    assert rest == ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
+    assert rest == ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
     # binary_tensor_data is a REST body format; gRPC carries tensors as raw bytes.
-    assert over_grpc == ["model_configuration", "model_repository", "statistics"]
+    assert over_grpc == ["classification", "model_configuration", "model_repository", "statistics"]
     # What is listed answers.
     assert _http_get(plain.http, "/v2/models/adder/config")[0] == 200
     assert _http_get(plain.http, "/v2/models/stats")[0] == 200

@@ -39,3 +39,20 @@ def check_workers(value: object) -> None:
         raise TypeError(f"workers must be an int >= 1, not {type(value).__name__} {value!r:.60}")
     if int(value) < 1:
         raise ValueError(f"workers must be at least 1, not {value}")
+
+
+def check_parameters(value: object) -> None:
+    """``value`` is a mapping of non-empty str to bool, int, float, str or None: request
+    parameters, as the Open Inference Protocol's ``parameters`` can carry them."""
+    from collections.abc import Mapping
+
+    if not isinstance(value, Mapping):
+        raise TypeError(f"parameters must be a mapping of str to bool, int, float or str, not {type(value).__name__}")
+    for key, item in value.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"parameters: a key must be a non-empty str, not {key!r:.60}")
+        if item is not None and not isinstance(item, (bool, int, float, str)):
+            raise TypeError(
+                f"parameters[{key!r}] must be a bool, int, float or str (the protocol's parameter types), "
+                f"not {type(item).__name__}"
+            )

@@ -417,12 +417,21 @@ def _output_dir(path: str) -> Path:
     return out_dir.resolve()
 
 
+def output_file_name(name: str) -> str:
+    """The file ``neuropod infer --output-dir`` writes output ``name`` to: ``NAME.npy``, with
+    ``%``, ``/`` and ``\\`` written as ``%25``, ``%2F`` and ``%5C`` (tensor names may hold
+    them: ``InceptionV3/Predictions/Softmax:0`` is ``InceptionV3%2FPredictions%2FSoftmax:0.npy``)."""
+    return name.replace("%", "%25").replace("/", "%2F").replace("\\", "%5C") + ".npy"
+
+
 def _output_file(out_dir: Path, name: str, model: str) -> Path:
     """Where output ``name`` is written: a file directly in ``out_dir``, whatever the name."""
     from neuropod.spec import NAME_RULE, tensor_name_problem
 
     problem = tensor_name_problem(name)
-    target = out_dir / f"{name}.npy"
+    target = out_dir / output_file_name(name)
+    if problem is None and len(target.name.encode("utf-8")) > 255:
+        problem = f"its file name {_short(target.name)} is longer than the 255 bytes a file name may be"
     if problem is None and target.resolve().parent != out_dir:  # e.g. an existing link out of the directory
         problem = f"{_short(target)} leads out of the directory"
     if problem is not None:
@@ -760,7 +769,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     s.add_argument("package")
     s.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", required=True)
     s.add_argument("--output", "-o", action="append", default=[], metavar="NAME", help="only these outputs")
-    s.add_argument("--output-dir", help="write each output to DIR/NAME.npy")
+    s.add_argument("--output-dir", help="write each output to DIR/NAME.npy ('/' in a name as %%2F)")
     resolution_args(s)
     s.set_defaults(func=cmd_infer)
 

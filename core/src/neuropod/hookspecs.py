@@ -87,7 +87,11 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
 
 @hookspec(firstresult=True)
 def infer(
-    model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None, output_device: str | None
+    model: Any,
+    inputs: Mapping[str, np.ndarray],
+    requested_outputs: Sequence[str] | None,
+    output_device: str | None,
+    parameters: Mapping[str, Any] | None,
 ) -> Any:
     """Run a model this plugin loaded on one set of inputs.
 
@@ -112,6 +116,14 @@ def infer(
     :param output_device: None: return numpy arrays. ``"cuda:N"`` (the
         model's own GPU): leave numeric outputs there as the framework's
         tensors, which must support ``__dlpack__``; strings stay numpy.
+    :param parameters: request parameters for the model (str to bool, int, float or
+        str), from :meth:`NeuropodModel.infer(parameters=...) <neuropod.model.NeuropodModel.infer>`
+        or a served request's ``parameters``. Declare it with a default
+        (``parameters=None``): calls without parameters then leave it out, so
+        the per-call path stays as it was. A backend that does not declare it
+        never gets them (the model runs as without them).
+
+        .. versionadded:: 0.4 (request parameters)
     :returns: ``dict`` of output name to numpy array (or device tensor).
         Stops at first non-None result.
     """

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from neuropod import plugins
-from neuropod._args import check_flag, check_seconds, check_workers
+from neuropod._args import check_flag, check_parameters, check_seconds, check_workers
 from neuropod.backend import Backend
 from neuropod.devices import Host, load_host, local_host, parse_device
 from neuropod.errors import BackendError, InProcessConflictError, NeuropodError, PackageError
@@ -60,11 +60,15 @@ class NeuropodModel:
     _device_tensors = False
     #: Whether :meth:`_run` is this class's: then ``infer`` calls the bound hook itself.
     _run_is_the_hook = False
+    #: The backend's ``infer`` as ``call(model, inputs, requested_outputs, parameters)`` when it
+    #: takes request parameters (see :meth:`infer`); None when it does not.
+    _infer_with_parameters: Callable[[Any, Any, Any, Any], Any] | None = None
 
     def _bind_infer(self) -> None:
         # Bound once: the per-call path does not loop over plugins.
         infer_impl = plugins.bound_hook("infer", self.backend)
         self._infer = plugins.infer_caller(infer_impl)
+        self._infer_with_parameters = plugins.parameters_caller(infer_impl)
         chosen = self.resolution.chosen
         if chosen and chosen.caps.device_tensors and "output_device" in infer_impl.argnames:  # type: ignore[attr-defined]
             self._infer_on_device = infer_impl.function  # type: ignore[attr-defined]
@@ -123,7 +127,7 @@ class NeuropodModel:
 
     def infer(
         self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None, *,
-        output_device: str | None = None,
+        output_device: str | None = None, parameters: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """Run the model on one set of inputs.
 
@@ -150,16 +154,21 @@ class NeuropodModel:
             ``cupy.from_dlpack``... take without a copy. String outputs are
             numpy arrays either way. A model on the CPU, in a worker process,
             or whose backend cannot, raises a :class:`NeuropodError` saying so.
+        :param parameters: request parameters for the model (a mapping of str to bool, int,
+            float or str, as the Open Inference Protocol's request ``parameters``): given to a
+            backend whose ``infer`` hook takes ``parameters`` (the python backend passes them on
+            to a model function that takes a ``parameters`` keyword); other backends run as
+            without them. None or empty: none.
         :returns: output name to numpy array (or device tensor, see ``output_device``).
         :raises TypeError: ``requested_outputs`` is not a list of str.
         :raises SpecError: an input or output does not fit the spec.
         :raises BackendError: the framework failed; its exception is chained.
         """
-        return self._checked_infer(inputs, requested_outputs, None, output_device)
+        return self._checked_infer(inputs, requested_outputs, None, output_device, parameters)
 
     def _checked_infer(
         self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None, call_options: Any,
-        output_device: str | None = None,
+        output_device: str | None = None, parameters: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """:meth:`infer`, with ``call_options`` for subclasses whose ``infer`` takes more (see :meth:`_run`)."""
         if self._closed:
@@ -169,6 +178,8 @@ class NeuropodModel:
             requested_outputs = validator.check_requested(requested_outputs)
         if output_device is not None:
             output_device = self._output_device(output_device)  # None for "cpu"
+        if parameters:
+            check_parameters(parameters)
         # The spec checks compiled for this model, called here for the common call (a frame less
         # each way); anything they do not pass takes the validator's general checks.
         fast_in = validator._fast_inputs
@@ -178,7 +189,9 @@ class NeuropodModel:
             checked, bindings = validator.check_inputs(inputs)
         try:
             if output_device is None:
-                if self._run_is_the_hook:  # the backend's hook, called here: a frame less per call
+                if parameters:
+                    outputs = self._run_with_parameters(checked, requested_outputs, call_options, parameters)
+                elif self._run_is_the_hook:  # the backend's hook, called here: a frame less per call
                     outputs = self._infer(self._handle, checked, requested_outputs)
                 else:
                     outputs = self._run(checked, requested_outputs, call_options)
@@ -207,6 +220,18 @@ class NeuropodModel:
     def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:
         """Run the checked inputs: the backend's ``infer`` hook (bound once, see :meth:`_bind_infer`)."""
         return self._infer(self._handle, inputs, requested_outputs)
+
+    def _run_with_parameters(
+        self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any,
+        parameters: Mapping[str, Any],
+    ) -> Any:  # fmt: skip
+        """:meth:`_run` for a call with request parameters: the backend's hook gets them when it
+        takes them (in this process, or in a worker: see :class:`~neuropod.ope.WorkerModel`);
+        otherwise the model runs as without them, as Triton's backends ignore parameters they
+        do not read."""
+        if self._run_is_the_hook and self._infer_with_parameters is not None:
+            return self._infer_with_parameters(self._handle, inputs, requested_outputs, parameters)
+        return self._run(inputs, requested_outputs, call_options)
 
     def close(self) -> None:
         """Free the backend's resources; later calls to infer fail."""

@@ -94,6 +94,7 @@ _KNOWN_KEYS = {
     "input_tensor_device",
     "exported_with",
     "device_requirements",
+    "output_labels",
 }
 
 FileSource = str | os.PathLike[str] | bytes
@@ -116,6 +117,9 @@ class ModelConfig:
     input_tensor_device: Mapping[str, str] = field(default_factory=dict)
     exported_with: Mapping[str, Any] | None = None
     device_requirements: Mapping[str, Any] | None = None
+    #: Class labels of outputs, by output name: label ``i`` names index ``i`` of a row of the
+    #: output (what a server's classification answers, ``score:index:label``).
+    output_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,6 +137,8 @@ class ModelConfig:
             out["exported_with"] = dict(self.exported_with)
         if self.device_requirements is not None:
             out["device_requirements"] = dict(self.device_requirements)
+        if self.output_labels:
+            out["output_labels"] = {k: list(v) for k, v in self.output_labels.items()}
         out.update(self.extra)
         return out
 
@@ -182,18 +188,52 @@ def parse_config(data: Any, where: str) -> ModelConfig:
     for key in ("exported_with", "device_requirements"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise PackageError(f"{where}: {key!r} must be an object, not {type(data[key]).__name__}")
+    output_spec = parse_spec(data["output_spec"], f"{where}: output_spec")
     return ModelConfig(
         name=name,
         platform=platform,
         platform_version_semver=semver,
         input_spec=parse_spec(data["input_spec"], f"{where}: input_spec"),
-        output_spec=parse_spec(data["output_spec"], f"{where}: output_spec"),
+        output_spec=output_spec,
         custom_ops=tuple(custom_ops),
         input_tensor_device=dict(devices),
         exported_with=data.get("exported_with"),
         device_requirements=data.get("device_requirements"),
+        output_labels=parse_output_labels(data.get("output_labels"), output_spec, f"{where}: output_labels"),
         extra={k: v for k, v in data.items() if k not in _KNOWN_KEYS},
     )
+
+
+def parse_output_labels(value: Any, output_spec: Iterable[TensorSpec], where: str) -> dict[str, tuple[str, ...]]:
+    """Check ``output_labels`` (``config.json``, or the packager option of that name): an object of
+    output name to a list of label strings, one per class index. Absent or null: no labels.
+
+    :raises PackageError: not such an object, an unknown output, a label that is not a string
+        (or holds a line break), or a string output (classification needs numbers).
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise PackageError(f"{where} must map output names to lists of class labels, not {type(value).__name__}")
+    outputs = {s.name: s for s in output_spec}
+    labels: dict[str, tuple[str, ...]] = {}
+    for name, entries in value.items():
+        spec = outputs.get(name)
+        if spec is None:
+            raise PackageError(
+                f"{where}: {name!r} is not an output of the model; its outputs are: {', '.join(outputs) or '(none)'}"
+            )
+        if spec.dtype == "string":
+            raise PackageError(f"{where}: output {name!r} is a string tensor; class labels name the indices of numbers")
+        if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence) or not entries:
+            raise PackageError(f"{where}: the labels of output {name!r} must be a non-empty list of strings")
+        for i, label in enumerate(entries):
+            if not isinstance(label, str) or "\n" in label or "\r" in label:
+                raise PackageError(
+                    f"{where}: label {i} of output {name!r} must be a string without line breaks, not {label!r:.80}"
+                )
+        labels[name] = tuple(entries)
+    return labels
 
 
 def _is_plain_name(name: str) -> bool:
@@ -564,6 +604,7 @@ def packager_config(
     default_input_tensor_device: str = "GPU",
     device_requirements: Mapping[str, Any] | None = None,
     exported_with: Mapping[str, Any] | None = None,
+    output_labels: Mapping[str, Sequence[str]] | None = None,
 ) -> ModelConfig:
     """The ``config.json`` every ``create_*_neuropod`` writes, from its usual arguments.
 
@@ -583,15 +624,17 @@ def packager_config(
     if found:
         made.update(framework=found[0], platform_version=found[1])
     made.update(exported_with or {})
+    outputs = parse_spec(output_spec, "output_spec")
     return ModelConfig(
         name=model_name,
         platform=platform,
         platform_version_semver=platform_version_semver,
         input_spec=inputs,
-        output_spec=parse_spec(output_spec, "output_spec"),
+        output_spec=outputs,
         input_tensor_device=devices,
         exported_with=made,
         device_requirements=device_requirements,
+        output_labels=parse_output_labels(output_labels, outputs, "output_labels"),
     )
 
 
@@ -717,6 +760,10 @@ class PackageOptions(TypedDict, total=False):
       ``zipfile.ZIP_STORED``.
     * ``neuropod_load_args``: keywords for the ``load_neuropod`` that checks
       the new package, e.g. ``{"use_ope": True}``.
+    * ``output_labels``: output name to its class labels, label ``i`` for
+      index ``i`` of a row of that output; kept in ``config.json`` and used by
+      ``neuropod serve`` to answer classification requests
+      (``score:index:label``).
     """
 
     platform_version_semver: str
@@ -729,6 +776,7 @@ class PackageOptions(TypedDict, total=False):
     persist_test_data: bool
     zip_compression: int
     neuropod_load_args: Mapping[str, Any] | None
+    output_labels: Mapping[str, Sequence[str]] | None
     test_rtol: float
     test_atol: float
 
@@ -743,6 +791,7 @@ _OPTION_DEFAULTS: dict[str, Any] = {
     "persist_test_data": True,
     "zip_compression": zipfile.ZIP_DEFLATED,
     "neuropod_load_args": None,
+    "output_labels": None,
     "test_rtol": 1e-5,
     "test_atol": 1e-6,
 }
@@ -823,7 +872,7 @@ def create_package(
         platform_version_semver=default_version_range if version_range is None else version_range,
         framework_distributions=framework_distributions, input_tensor_device=opts["input_tensor_device"],
         default_input_tensor_device=opts["default_input_tensor_device"], device_requirements=device_requirements,
-        exported_with=exported_with,
+        exported_with=exported_with, output_labels=opts["output_labels"],
     )  # fmt: skip
     path = write_package(
         neuropod_path, config, files, backend_config=backend_config, custom_ops=opts["custom_ops"],

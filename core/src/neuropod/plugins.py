@@ -329,6 +329,8 @@ def _impl(hook_name: str, plugin: str) -> Callable[..., Any]:
 
             call.function = func  # type: ignore[attr-defined]
             call.argnames = argnames  # type: ignore[attr-defined]
+            # Arguments declared with a default (``parameters=None``): passed only when there are some.
+            call.kwargnames = tuple(getattr(impl, "kwargnames", ()))  # type: ignore[attr-defined]
             return call
     raise NoBackendError(f"Plugin {plugin!r} does not implement the {hook_name!r} hook")
 
@@ -366,8 +368,28 @@ def infer_caller(impl: Any) -> Callable[[Any, Any, Any], Any]:
         return functools.partial(fn, output_device=None)
 
     def call(model: Any, inputs: Any, requested: Any) -> Any:
-        values = {"model": model, "inputs": inputs, "requested_outputs": requested, "output_device": None}
+        values = {"model": model, "inputs": inputs, "requested_outputs": requested, "output_device": None,
+                  "parameters": None}  # fmt: skip
         return fn(**{k: values[k] for k in args})
+
+    return call
+
+
+def parameters_caller(impl: Any) -> Callable[[Any, Any, Any, Any], Any] | None:
+    """A plugin's ``infer`` implementation as ``call(model, inputs, requested_outputs, parameters)``
+    when it takes ``parameters`` (request parameters for the model), else None."""
+    fn = impl.function
+    declared = (*impl.argnames, *getattr(impl, "kwargnames", ()))
+    if "parameters" not in declared:
+        return None
+    takes_device = "output_device" in declared
+
+    def call(model: Any, inputs: Any, requested: Any, parameters: Any) -> Any:
+        if takes_device:
+            return fn(
+                model=model, inputs=inputs, requested_outputs=requested, output_device=None, parameters=parameters
+            )
+        return fn(model=model, inputs=inputs, requested_outputs=requested, parameters=parameters)
 
     return call
 

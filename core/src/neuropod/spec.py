@@ -47,8 +47,8 @@ Dim = int | str | None
 MAX_NAME_BYTES = 255
 #: The rule :func:`tensor_name_problem` enforces, for error messages.
 NAME_RULE = (
-    "tensor names become file names (neuropod infer --output-dir, test data), so a name must be non-empty, "
-    f"at most {MAX_NAME_BYTES} UTF-8 bytes, not '.' or '..', and hold no '/', '\\', NUL or other control character"
+    f"a tensor name must be non-empty, at most {MAX_NAME_BYTES} UTF-8 bytes, not '.' or '..', and hold no NUL "
+    "or other control character ('/', ':' and '.' are fine, as in 'InceptionV3/Predictions/Softmax:0')"
 )
 
 
@@ -135,8 +135,6 @@ def tensor_name_problem(name: object) -> str | None:
     if size > MAX_NAME_BYTES:
         return f"it is {size} UTF-8 bytes long"
     for ch in name:
-        if ch in "/\\":
-            return f"it holds {ch!r}"
         if unicodedata.category(ch) == "Cc":
             return f"it holds the control character {ch!r}"
     return None

@@ -63,3 +63,26 @@ def test_engine_for_another_tensorrt_is_refused(tmp_path: Path, adder_onnx: Path
     other.write_bytes(engine.read_bytes()[:64] + b"\0" * 64)  # not an engine this TensorRT can open
     with pytest.raises(NeuropodError, match="cannot open this engine"):
         create_tensorrt_neuropod(tmp_path / "bad", "bad", IN, OUT, engine_path=other, compute_capability="8.0")
+
+
+def test_tensor_names_with_slashes_colons_and_dots(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["input/x:0", "in.1"], ["InceptionV3/Predictions/Softmax:0"])], "named",
+        [vi("input/x:0", TensorProto.FLOAT, ["batch", 4]), vi("in.1", TensorProto.FLOAT, ["batch", 4])],
+        [vi("InceptionV3/Predictions/Softmax:0", TensorProto.FLOAT, ["batch", 4])],
+    )  # fmt: skip
+    source = tmp_path / "named.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(source))
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    path = create_tensorrt_neuropod(
+        tmp_path / "named", "named", spec(("input/x:0", "float32", ["batch", 4]), ("in.1", "float32", ["batch", 4])),
+        spec(("InceptionV3/Predictions/Softmax:0", "float32", ["batch", 4])), onnx_path=source,
+        optimization_profile={"batch": (1, 4, 16)}, test_input_data={"input/x:0": x, "in.1": x},
+        test_expected_out={"InceptionV3/Predictions/Softmax:0": x * 2},
+    )  # fmt: skip
+    with neuropod.load_neuropod(path) as model:
+        np.testing.assert_allclose(model.infer({"input/x:0": x, "in.1": x})["InceptionV3/Predictions/Softmax:0"], x * 2)

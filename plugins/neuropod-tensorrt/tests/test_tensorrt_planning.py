@@ -211,3 +211,29 @@ def test_loading_on_this_machine_says_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(NoBackendError) as info:
         neuropod.load_neuropod(path)
     assert "neuropod-tensorrt 0.4.0 is installed, but its framework is not: pip install neuropod-tensorrt[tensorrt]" in str(info.value)
+
+
+# --- tensor names with '/', ':' and '.' (TensorRT names tensors as the ONNX graph did) ------------
+
+
+def test_tensor_names_with_slashes_colons_and_dots_up_to_the_engine(tmp_path: Path) -> None:
+    names_in = spec(("input/x:0", "float32", ["batch_size", 4]))
+    names_out = spec(
+        ("InceptionV3/Predictions/Softmax:0", "float32", ["batch_size", 4]), ("out.1", "float32", ["batch_size"])
+    )
+    engine = tmp_path / "named.engine"
+    engine.write_bytes(b"stand-in engine bytes: resolution reads only the package's metadata")
+    with pytest.warns(UserWarning, match="not checked by loading it"):
+        path = create_tensorrt_neuropod(tmp_path / "named.neuropod", "named", names_in, names_out, engine_path=engine,
+                                        compute_capability="8.0", tensorrt_version="10.3.0")  # fmt: skip
+    config = json.loads((path / "config.json").read_text())
+    assert [s["name"] for s in config["output_spec"]] == ["InceptionV3/Predictions/Softmax:0", "out.1"]
+    # What an engine built from such an ONNX graph reports; the spec check matches it by name.
+    engine_io = {
+        "input/x:0": ("input", "float32", (-1, 4)),
+        "InceptionV3/Predictions/Softmax:0": ("output", "float32", (-1, 4)),
+        "out.1": ("output", "float32", (-1,)),
+    }
+    from neuropod.spec import parse_spec
+
+    check_io(engine_io, parse_spec(names_in, "in"), parse_spec(names_out, "out"), "Model 'named'")

@@ -455,9 +455,14 @@ class _Worker:
         self.handed_gen = gen
         return sorted(gone)
 
-    def infer(self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def infer(
+        self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
         pool = self.pool
         leases = self.out_leases
+        # Request parameters ride at the end of the message, only when there are some.
+        extra: tuple[Any, ...] = () if parameters is None else (dict(parameters),)
         free = [b for b in self.out_blocks if (ref := leases.get(b)) is None or ref() is None]
         wanted = None if requested is None else tuple(requested)
         drops = self.drops
@@ -465,7 +470,7 @@ class _Worker:
             drops = drops + self._handed_drops()
         if self._same_layout(inputs):
             self.drops = []
-            return self._finish(self._request(("infer", None, wanted, (), free, drops), [], pool.timeout))
+            return self._finish(self._request(("infer", None, wanted, (), free, drops, *extra), [], pool.timeout))
         # Where each input goes: (name, array or encoded strings, dtype text, shape, offset or handed block).
         plan: list[tuple[str, Any, str, tuple[int, ...], int, _Handed | None]] = []
         total = 0
@@ -526,7 +531,7 @@ class _Worker:
                 sent.append((name, arena.id if arena is not None else 0, offset, dt, shape))
             self.drops = []
             self.layout = None
-            reply = self._request(("infer", sent, wanted, new, free, drops), fds, pool.timeout)
+            reply = self._request(("infer", sent, wanted, new, free, drops, *extra), fds, pool.timeout)
             self.layout = layout
         finally:
             for fd in own_fds:
@@ -628,7 +633,10 @@ class _Pool:
         if self.closed:
             raise NeuropodError(f"Model {self.name!r} is closed")
 
-    def infer(self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None) -> dict[str, np.ndarray]:
+    def infer(
+        self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
         self._check_usable()
         if not self.forgotten.empty():
             self._collect()
@@ -645,7 +653,9 @@ class _Pool:
                 worker.restart()
             elif not worker.alive:  # died between calls: say so now, restart (if allowed) on the next call
                 raise worker._failure("died")
-            return worker.infer(inputs, requested)
+            if parameters is None:
+                return worker.infer(inputs, requested)
+            return worker.infer(inputs, requested, parameters)
         finally:
             if self.closed and self._own():
                 worker._teardown()

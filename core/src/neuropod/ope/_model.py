@@ -38,6 +38,10 @@ class WorkerModel(NeuropodModel):
     def _bind_infer(self) -> None:
         pool = self._pool
         self._infer = lambda _handle, inputs, requested: pool.infer(inputs, requested)
+        # Request parameters go to the worker, whose backend takes them or not (as in-process).
+        self._infer_with_parameters = lambda _handle, inputs, requested, parameters: pool.infer(
+            inputs, requested, parameters
+        )
 
     def _no_device_tensors(self) -> str:
         return (

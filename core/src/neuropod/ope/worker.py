@@ -76,6 +76,7 @@ class Worker:
         self.name = "?"
         self.model: Any = None
         self.infer: Any = None
+        self.infer_with_parameters: Any = None
 
     def load(self, protocol: int, package_path: str, backend_id: str, device: str, options: dict[str, Any]) -> tuple[Any, ...]:
         from neuropod import __version__, plugins
@@ -99,10 +100,12 @@ class Worker:
         infer = plugins.bound_hook("infer", backend)
         self.model = handle
         self.infer = plugins.infer_caller(infer)
+        self.infer_with_parameters = plugins.parameters_caller(infer)
         return ("ready", os.getpid(), backend.id, sys.executable)
 
     def run(self, message: tuple[Any, ...], fds: list[int]) -> tuple[tuple[Any, ...], list[int]]:
-        _, inputs, requested, new_blocks, free, drop = message
+        _, inputs, requested, new_blocks, free, drop, *extra = message
+        parameters = extra[0] if extra else None
         for block_id in drop:  # views over them in last_inputs keep their mapping until replaced
             self.in_blocks.pop(block_id, None)
         try:
@@ -128,7 +131,11 @@ class Worker:
                 else:
                     arrays[name] = np.ndarray(tuple(shape), dtype_of(dt), buffer=whole, offset=offset)
             self.last_inputs = arrays
-        outputs = self.infer(self.model, arrays, list(requested) if requested is not None else None)
+        wanted = list(requested) if requested is not None else None
+        if parameters and self.infer_with_parameters is not None:
+            outputs = self.infer_with_parameters(self.model, arrays, wanted, parameters)
+        else:
+            outputs = self.infer(self.model, arrays, wanted)
         return self._reply(outputs, free)
 
     def _reply(self, outputs: Any, free: list[int]) -> tuple[tuple[Any, ...], list[int]]:

@@ -121,10 +121,19 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
 
 
 @hookimpl
-def infer(model: Any, inputs: Mapping[str, np.ndarray], requested_outputs: Sequence[str] | None) -> Any:
-    """Call the model's function with the inputs as keyword arguments."""
+def infer(
+    model: Any,
+    inputs: Mapping[str, np.ndarray],
+    requested_outputs: Sequence[str] | None,
+    parameters: Mapping[str, Any] | None = None,
+) -> Any:
+    """Call the model's function with the inputs as keyword arguments, and the request's
+    ``parameters`` as the keyword ``parameters`` when the function takes it (else not at all)."""
     try:
-        outputs = model.fn(**inputs)
+        if parameters is not None and model.takes_parameters:
+            outputs = model.fn(**inputs, parameters=dict(parameters))
+        else:
+            outputs = model.fn(**inputs)
     except Exception as e:
         raise BackendError(_raised(model.name, e)) from e
     if type(outputs) is dict and requested_outputs is None:

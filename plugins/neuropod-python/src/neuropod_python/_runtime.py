@@ -13,6 +13,7 @@ them gone in-process; such a model should load with ``use_ope=True``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 import threading
@@ -119,13 +120,15 @@ def _import_failed(where: str, module_name: str, e: BaseException) -> str:
 class PythonModel:
     """The model's callable and what ``infer`` needs around it."""
 
-    __slots__ = ("fn", "name", "output_names")
+    __slots__ = ("fn", "name", "output_names", "takes_parameters")
     ndarray = np.ndarray  # for the infer hook's type check
 
-    def __init__(self, fn: Any, name: str, output_names: Sequence[str]):
+    def __init__(self, fn: Any, name: str, output_names: Sequence[str], input_names: Sequence[str] = ()):
         self.fn = fn
         self.name = name
         self.output_names = tuple(output_names)
+        #: Whether request parameters go to ``fn`` (as the keyword ``parameters``).
+        self.takes_parameters = takes_parameters(fn, input_names)
 
     def finish(self, outputs: Any, requested: Sequence[str] | None) -> dict[str, np.ndarray]:
         """The outputs as a dict of numpy arrays (requested ones only): torch tensors and ``__array__``
@@ -188,7 +191,23 @@ def load(package: Package, device: str) -> PythonModel:
             f"{where}: entrypoint {module_name}.{function}(data_root) returned {type(fn).__name__}, not a callable "
             "that takes the inputs as keyword arrays"
         )
-    return PythonModel(fn, package.name, [s.name for s in package.config.output_spec])
+    return PythonModel(
+        fn, package.name, [s.name for s in package.config.output_spec], [s.name for s in package.config.input_spec]
+    )
+
+
+def takes_parameters(fn: Any, input_names: Sequence[str]) -> bool:
+    """Whether the model function ``fn`` takes request parameters: it names a parameter
+    ``parameters`` (keyword-only or not) and no input of the model has that name. A function
+    with only ``**kwargs`` gets inputs alone: parameters there would look like an input."""
+    if "parameters" in input_names:
+        return False
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    param = signature.parameters.get("parameters")
+    return param is not None and param.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 __all__ = ["ENTRYPOINT", "ENTRYPOINT_PACKAGE", "PythonModel", "entrypoint_of", "import_isolated", "load"]

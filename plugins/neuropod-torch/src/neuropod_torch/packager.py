@@ -275,6 +275,13 @@ def _arguments(packager: str, module: Any, inputs: Sequence[TensorSpec]) -> tupl
         problems = []
         if unknown:
             problems.append(f"the input spec has {', '.join(map(repr, unknown))} that it does not take")
+            odd = [n for n in unknown if not n.isidentifier()]
+            if odd:
+                problems.append(
+                    f"{', '.join(map(repr, odd))} cannot be a parameter name of forward() for {packager} "
+                    "(torch.export passes each input as the parameter of its name, and parameter names are "
+                    "identifiers: no '/', ':' or '.'); rename the input in the spec"
+                )
         if required:
             problems.append(f"it needs {', '.join(map(repr, required))} that the input spec does not describe")
         shown = ", ".join(p.name for p in params)

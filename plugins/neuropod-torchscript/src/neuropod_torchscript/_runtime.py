@@ -98,6 +98,13 @@ class _Signature:
             problems = []
             if unknown:
                 problems.append(f"the input spec has {', '.join(map(repr, unknown))} that it does not take")
+                odd = [n for n in unknown if not n.isidentifier()]
+                if odd:
+                    problems.append(
+                        f"{', '.join(map(repr, odd))} cannot be an argument name of the TorchScript backend's forward "
+                        "(argument names are identifiers: no '/', ':' or '.'); take the inputs as one "
+                        "Dict[str, Tensor] to keep such names"
+                    )
             if unfed:
                 problems.append(f"it needs {', '.join(map(repr, unfed))} that the input spec does not describe")
             raise SpecError(

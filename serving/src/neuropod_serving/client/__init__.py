@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from neuropod._args import check_flag, check_seconds
+from neuropod._args import check_flag, check_parameters, check_seconds
 from neuropod.backend import Backend
 from neuropod.errors import NeuropodError, PluginNotInstalledError, RemoteError, SpecError
 from neuropod.model import NeuropodModel
@@ -138,7 +138,7 @@ class RemoteModel(NeuropodModel):
 
     def _checked_infer(
         self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None, call_options: Any,
-        output_device: str | None = None,
+        output_device: str | None = None, parameters: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """:meth:`NeuropodModel._checked_infer` for a server's answer: the inputs are checked as
         for a local model (a SpecError), the outputs inside the call, so that outputs that do not
@@ -151,13 +151,21 @@ class RemoteModel(NeuropodModel):
         if output_device is not None:
             self._output_device(output_device)  # "cpu" or an error: outputs arrive in host memory
         checked, bindings = validator.check_inputs(inputs)
+        if parameters:
+            check_parameters(parameters)
+        else:
+            parameters = None
         timeout = self._timeout if call_options is None else call_options
         # All outputs are named when the caller names none: some servers (MLServer's runtimes)
         # answer only a default output to a request that names none.
         requested = requested_outputs if requested_outputs is not None else self._all_outputs
 
         def call(transport: Transport, remaining: float | None) -> dict[str, np.ndarray]:
-            outputs = transport.infer(checked, requested, remaining)
+            outputs = (
+                transport.infer(checked, requested, remaining)
+                if parameters is None
+                else transport.infer(checked, requested, remaining, parameters)
+            )
             if type(outputs) is not dict:
                 raise remote_error(transport.target, "protocol", "its answer holds no outputs", call="infer")
             try:
@@ -192,6 +200,7 @@ class RemoteModel(NeuropodModel):
         *,
         timeout: float | None = None,
         output_device: str | None = None,
+        parameters: Mapping[str, Any] | None = None,
     ) -> dict[str, np.ndarray]:
         """Run the model on a server (see :meth:`NeuropodModel.infer`).
 
@@ -199,13 +208,18 @@ class RemoteModel(NeuropodModel):
             sending, waiting, reading and retries included (the model's
             ``timeout=`` by default; None there means no limit).
         :param output_device: None or ``"cpu"``; outputs of a remote model arrive in host memory.
+        :param parameters: sent as the request's ``parameters`` (str to bool, int, float or str):
+            ``neuropod serve`` hands them to a model that takes them (a python model whose
+            function has a ``parameters`` keyword); ``timeout`` there is the server's request
+            timeout in microseconds.
+        :raises TypeError: ``parameters`` is not a mapping of str to bool, int, float or str.
         :raises RemoteError: the server could not be reached, did not answer
             in time (code ``deadline_exceeded``), refused or failed the call, or
             answered with outputs that do not fit the spec; it names the URL.
         """
         if timeout is not None:
             check_seconds("timeout", timeout)
-        return self._checked_infer(inputs, requested_outputs, timeout, output_device)
+        return self._checked_infer(inputs, requested_outputs, timeout, output_device, parameters)
 
     def status(self, timeout: float = CONNECT_TIMEOUT_S) -> list[dict[str, Any]]:
         """Each server's state: ``url``, ``live``, ``ready``, the server's ``name`` and

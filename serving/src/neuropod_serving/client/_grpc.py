@@ -108,13 +108,19 @@ class GrpcTransport:
         return {"live": live, "name": meta.name, "version": meta.version, "extensions": list(meta.extensions)}
 
     def infer(
-        self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None
-    ) -> dict[str, np.ndarray[Any, Any]]:
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray[Any, Any]]:  # fmt: skip
         target = self.target
         try:
-            request = codec.serialize_model_infer_request(
-                target.model, inputs, outputs=requested, model_version=target.version
-            )
+            if parameters:
+                request = codec.build_model_infer_request(
+                    target.model, inputs, outputs=requested, model_version=target.version, parameters=parameters
+                ).SerializeToString()
+            else:
+                request = codec.serialize_model_infer_request(
+                    target.model, inputs, outputs=requested, model_version=target.version
+                )
         except ProtocolError as e:
             raise remote_error(target, "invalid_argument", f"the inputs cannot be sent: {e}", call="infer") from None
         try:

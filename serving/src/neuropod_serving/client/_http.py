@@ -304,12 +304,15 @@ class HttpTransport:
         }
 
     def infer(
-        self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None
-    ) -> dict[str, np.ndarray[Any, Any]]:
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray[Any, Any]]:  # fmt: skip
         target = self.target
         binary = self.binary is not False
         try:
-            body = build_infer_request(inputs, binary=binary, outputs=requested, binary_outputs=binary)
+            body = build_infer_request(
+                inputs, binary=binary, outputs=requested, binary_outputs=binary, parameters=parameters
+            )
         except ProtocolError as e:
             raise remote_error(target, "invalid_argument", f"the inputs cannot be sent: {e}", call="infer") from None
         if body.json_length is not None:

@@ -265,6 +265,9 @@ class InferRequest:
     #: The inputs and requested outputs that are in shared memory regions (Triton's shared-memory
     #: extensions), None when none are: such inputs are not in ``inputs`` until the server reads them.
     shared_memory: SharedMemoryRequest | None = None
+    #: What the request asks besides its tensors (a timeout, classification, parameters for the
+    #: model: :class:`~neuropod_serving.protocol.options.RequestOptions`); None when nothing.
+    options: Any = None
 
     @property
     def binary_data_output(self) -> bool:
@@ -316,6 +319,7 @@ def parse_infer_request(
         inputs = _decode_tensors(header, "inputs", binary, specs, required=True, shared=shared_inputs)
     outputs: dict[str, bool | None] | None = None
     shared_outputs: dict[str, Any] | None = None
+    classes: dict[str, int] | None = None
     if header.get("outputs") is not None:
         outputs = {}
         for i, out in enumerate(_list(header["outputs"], "request 'outputs'")):
@@ -332,6 +336,11 @@ def parse_infer_request(
             if params and not _SHARED_KEYS.isdisjoint(params):
                 shared_outputs = _shared_output(shared_outputs, name, params, choice)
             outputs[name] = choice
+            if len(params) > (choice is not None) and params.get("classification") is not None:
+                from neuropod_serving.protocol.options import classification_count
+
+                classes = classes or {}
+                classes[name] = classification_count(params["classification"], name)
     parameters = _parameters(header, "request")
     choice = parameters.get("binary_data_output")
     if choice is not None and not isinstance(choice, bool):
@@ -341,6 +350,11 @@ def parse_infer_request(
         from neuropod_serving.protocol.shared_memory import SharedMemoryRequest
 
         decoded.shared_memory = SharedMemoryRequest(shared_inputs or {}, shared_outputs or {})
+    if len(parameters) > (choice is not None) or classes is not None:
+        # Only a request that says more than binary_data_output: plain requests skip this.
+        from neuropod_serving.protocol.options import request_options
+
+        decoded.options = request_options(parameters, classes)
     _remember(known)
     return decoded
 

@@ -138,12 +138,14 @@ def parse_model_infer_request(
         twice = next((n for n in shared.inputs if n in inputs), None)
         if twice is not None:
             raise ProtocolError(f"input {twice!r} appears twice; each input is sent once")
+    parameters = parameters_from_proto(request.parameters)
     return InferRequest(
         inputs=inputs,
         outputs=outputs,
         id=request.id or None,
-        parameters=parameters_from_proto(request.parameters),
+        parameters=parameters,
         shared_memory=shared,
+        options=request_options_of(request, parameters),
     )
 
 
@@ -182,6 +184,28 @@ def _shared_memory(request: Any, specs: Mapping[str, TensorSpec] | None) -> shar
         if shared_memory.mentions(params):
             shared.outputs[out.name] = shared_memory.shared_output(out.name, params)
     return shared
+
+
+def request_options_of(request: pb.ModelInferRequest, parameters: Mapping[str, Any]) -> Any:
+    """The :class:`~neuropod_serving.protocol.options.RequestOptions` of a ModelInferRequest
+    (its parameters, already read, and its requested outputs' classification counts), or None
+    when it asks nothing of them.
+
+    :raises ProtocolError: a bad ``timeout``, ``classification`` or model parameter.
+    """
+    classes: dict[str, int] | None = None
+    for out in request.outputs:
+        if "classification" in out.parameters:
+            from neuropod_serving.protocol.options import classification_count
+
+            value = parameters_from_proto(out.parameters)["classification"]
+            classes = classes or {}
+            classes[out.name] = classification_count(value, out.name)
+    if not parameters and classes is None:
+        return None
+    from neuropod_serving.protocol.options import request_options
+
+    return request_options(parameters, classes)
 
 
 def build_model_infer_request(
@@ -278,6 +302,7 @@ class ReceivedRequest:
             outputs=None if outputs is None else dict.fromkeys(outputs),
             id=message.id or None,
             parameters=dict(plan.parameters),
+            options=plan.options,
         )
 
 
@@ -380,7 +405,9 @@ def parse_model_infer_response(response: pb.ModelInferResponse, raws: Sequence[A
     :raises ProtocolError: for every fault, naming the tensor.
     """
     return InferResponse(
-        outputs=_decode_tensors(response.outputs, response.raw_output_contents if raws is None else raws, "output", None),
+        outputs=_decode_tensors(
+            response.outputs, response.raw_output_contents if raws is None else raws, "output", None
+        ),
         model_name=response.model_name or None,
         model_version=response.model_version or None,
         id=response.id or None,
@@ -469,7 +496,7 @@ class _Plan:
     """One form of received message: the message without its raw contents, parsed, and
     once it has decoded cleanly, each tensor's name, datatype, wire dtype, shape and size."""
 
-    __slots__ = ("_cache", "_key", "message", "parameters", "requested", "tensors")
+    __slots__ = ("_cache", "_key", "message", "options", "parameters", "requested", "tensors")
 
     def __init__(self, message: Any, key: bytes | None = None, cache: FormCache[bytes, _Plan] | None = None) -> None:
         self.message = message
@@ -477,9 +504,14 @@ class _Plan:
         self._key = key
         self._cache = cache
         self.parameters = parameters_from_proto(message.parameters)
-        requested = getattr(message, "outputs", None) if hasattr(message, "raw_input_contents") else None
+        request = hasattr(message, "raw_input_contents")
+        requested = getattr(message, "outputs", None) if request else None
         self.requested = tuple(o.name for o in requested) if requested else None
-        self.tensors: tuple[tuple[str, str, np.dtype[Any] | None, tuple[int, ...], int, dict[str, Any]], ...] | None = None
+        # A request's timeout, classification and parameters for the model, read once per form.
+        self.options = request_options_of(message, self.parameters) if request else None
+        self.tensors: tuple[tuple[str, str, np.dtype[Any] | None, tuple[int, ...], int, dict[str, Any]], ...] | None = (
+            None
+        )
 
     def learn(self, kind: str) -> None:
         """Remember the tensors' forms (after the full decode accepted them)."""
@@ -491,7 +523,9 @@ class _Plan:
             shape = tuple(t.shape)
             wire = _FAST_DECODE.get(t.datatype)
             size = math.prod(shape) * wire.itemsize if wire is not None else -1
-            tensors.append((t.name, t.datatype, wire, shape, size, {"name": t.name, "datatype": t.datatype, "shape": list(shape)}))
+            tensors.append(
+                (t.name, t.datatype, wire, shape, size, {"name": t.name, "datatype": t.datatype, "shape": list(shape)})
+            )
         self.tensors = tuple(tensors)
         if self._cache is not None and self._key is not None:
             self._cache.put(self._key, self, len(self._key))

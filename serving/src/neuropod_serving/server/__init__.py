@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from neuropod_serving.server.batching import BatchPolicy, batch_symbol
-from neuropod_serving.server.engine import Engine, ModelLimits, ModelServing
+from neuropod_serving.server.engine import Engine, ModelLimits, ModelServing, RequestTimeoutError
 from neuropod_serving.server.registry import (
     MODEL_VERSION,
     ModelBusyError,
@@ -54,6 +54,7 @@ __all__ = [
     "ModelServing",
     "ModelRegistry",
     "ModelSettings",
+    "RequestTimeoutError",
     "ServedModel",
     "UnknownModelError",
     "create_app",

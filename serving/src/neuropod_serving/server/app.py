@@ -33,7 +33,7 @@ from neuropod_serving.protocol import (
 )
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions, repository, shared_memory_api
 from neuropod_serving.server.compression import COMPRESS_FROM, chosen, compressed, decoded_body
-from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
+from neuropod_serving.server.engine import CLIENT_ERRORS, Engine, RequestTimeoutError
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from neuropod_serving.server.model_config import model_config
@@ -114,6 +114,8 @@ def _failure(exc: BaseException, model: str) -> tuple[int, str] | None:
         return 404, str(exc)
     if isinstance(exc, ModelBusyError):
         return 429, str(exc)
+    if isinstance(exc, RequestTimeoutError):
+        return 503, str(exc)  # as Triton answers a request whose timeout expired in its queue
     if isinstance(exc, SpecError):
         return 400, str(exc)
     if isinstance(exc, NeuropodError):
@@ -220,7 +222,7 @@ class _RawInfer:
                 small = small and held.output_bytes <= shared_memory_api.INLINE_BYTES
             failure = "model"
             try:
-                outputs = await engine.infer(s, decoded.inputs, requested)
+                outputs = await engine.infer(s, decoded.inputs, requested, decoded.options)
             except CLIENT_ERRORS:
                 failure = "client"
                 raise

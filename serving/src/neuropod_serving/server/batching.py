@@ -96,6 +96,8 @@ class _Item:
     key: tuple[Any, ...]
     arrived: float
     future: concurrent.futures.Future[Arrays] = field(default_factory=concurrent.futures.Future)
+    #: The request's parameters for the model (None: none); part of ``key``, so a batch shares them.
+    parameters: Mapping[str, Any] | None = None
 
 
 def writable(inputs: Arrays) -> Arrays:
@@ -149,10 +151,20 @@ class Batcher:
         self._thread = threading.Thread(target=self._collect, name=f"neuropod-batcher-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, inputs: Arrays, requested: list[str] | None) -> concurrent.futures.Future[Arrays]:
-        """Queue one request whose inputs already passed the spec check."""
+    def submit(
+        self, inputs: Arrays, requested: list[str] | None, parameters: Mapping[str, Any] | None = None
+    ) -> concurrent.futures.Future[Arrays]:
+        """Queue one request whose inputs already passed the spec check.
+
+        :param parameters: the request's parameters for the model: it shares a batch only
+            with requests whose parameters are the same, and the run gets them.
+        :returns: its future; cancelling it before its batch runs leaves it out of the run.
+        """
         rows = next(iter(inputs.values())).shape[0]
-        item = _Item(inputs, requested, rows, _key(inputs), time.perf_counter())
+        key = _key(inputs)
+        if parameters is not None:
+            key = (*key, ("parameters", tuple(sorted(parameters.items()))))
+        item = _Item(inputs, requested, rows, key, time.perf_counter(), parameters=parameters)
         with self._cv:
             if self._closed:
                 raise NeuropodError(f"model {self.name!r} is unloading")
@@ -252,11 +264,15 @@ class Batcher:
     def _run_merged(self, batch: list[_Item], started: float) -> tuple[list[Arrays], tuple[float, float, float]]:
         """Each request's outputs, and the seconds (from ``started``) spent preparing the
         model's inputs, running it, and splitting its outputs back per request."""
+        parameters = batch[0].parameters  # the same for the whole batch (part of its key)
         if len(batch) == 1:
             item = batch[0]
             inputs = writable(item.inputs)
             ready = time.perf_counter()
-            outputs = self._run(inputs, item.requested)
+            if parameters is not None:
+                outputs = self._run(inputs, item.requested, parameters=parameters)  # type: ignore[call-arg]
+            else:
+                outputs = self._run(inputs, item.requested)
             return [outputs], (ready - started, time.perf_counter() - ready, 0.0)
         names = list(batch[0].inputs)
         merged = {n: np.concatenate([item.inputs[n] for item in batch]) for n in names}
@@ -268,7 +284,10 @@ class Batcher:
             assert wanted is not None
             wanted.extend(n for n in item.requested if n not in wanted)
         ready = time.perf_counter()
-        outputs = self._run(merged, wanted)
+        if parameters is not None:
+            outputs = self._run(merged, wanted, parameters=parameters)  # type: ignore[call-arg]
+        else:
+            outputs = self._run(merged, wanted)
         ran = time.perf_counter()
         total = sum(item.rows for item in batch)
         for n, arr in outputs.items():

@@ -11,6 +11,12 @@ fast, see :meth:`Engine.infer`), through the model's
 :class:`~neuropod_serving.server.batching.Batcher` when batching is on and the
 spec allows it, and records metrics.
 
+A request that asks more than its outputs (a ``timeout``, classification, parameters for the
+model: :class:`~neuropod_serving.protocol.options.RequestOptions`) takes a path of its own
+(:meth:`Engine._infer_with`), so a plain request pays one ``None`` check for them: a request
+still waiting for a thread, a run slot or its batch when its timeout (or its gRPC call's
+deadline) passes is answered with :class:`RequestTimeoutError` and never run.
+
 Every model gets writable input arrays on every server path. The front ends
 decode tensors over one writable copy of the request's tensor bytes (binary
 REST: the body; gRPC: the raw contents), one allocation and copy a request
@@ -36,7 +42,9 @@ import numpy as np
 
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.spec import SpecValidator
+from neuropod_serving.protocol.options import RequestOptions
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol, writable
+from neuropod_serving.server.classification import Classifier
 from neuropod_serving.server.metrics import NoMetrics, Recorder
 from neuropod_serving.server.registry import (
     ModelBusyError,
@@ -76,9 +84,21 @@ DEFAULT_MAX_CONCURRENT = 4
 #: Requests of one model that may wait for a run (or a batch) when not configured;
 #: one more is refused at once (HTTP 429, gRPC RESOURCE_EXHAUSTED).
 DEFAULT_MAX_QUEUED = 64
+
+
+class RequestTimeoutError(NeuropodError):
+    """A request's ``timeout`` (or its gRPC deadline) passed while it waited for a run slot or
+    its batch: it was not run. Answered as Triton does: HTTP 503, gRPC UNAVAILABLE; gRPC
+    DEADLINE_EXCEEDED when it was the call's own deadline (``call_deadline``)."""
+
+    def __init__(self, message: str, *, call_deadline: bool = False) -> None:
+        super().__init__(message)
+        self.call_deadline = call_deadline
+
+
 #: What :meth:`Engine.infer` raises when the request is at fault, not the model:
 #: front ends count these as client failures (4xx, INVALID_ARGUMENT/NOT_FOUND/RESOURCE_EXHAUSTED).
-CLIENT_ERRORS = (SpecError, UnknownModelError, ModelBusyError)
+CLIENT_ERRORS = (SpecError, UnknownModelError, ModelBusyError, RequestTimeoutError)
 
 
 @dataclass(frozen=True)
@@ -160,6 +180,17 @@ class _Gate:
     def wait_slot(self) -> None:
         """Wait for a run slot (the request was admitted)."""
         self._slots.get()
+
+    def wait_slot_until(self, seconds: float) -> bool:
+        """Wait for a run slot for at most ``seconds`` (True when taken; False, and no slot, when
+        the time passed first: at once when ``seconds`` <= 0)."""
+        if seconds <= 0:
+            return False
+        try:
+            self._slots.get(timeout=min(seconds, threading.TIMEOUT_MAX))
+        except queue.Empty:
+            return False
+        return True
 
     def leave(self, ran: bool) -> None:
         """The request finished (``ran``: it held a run slot)."""
@@ -444,8 +475,9 @@ class Engine:
             )
 
     async def infer(
-        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
-    ) -> dict[str, np.ndarray]:
+        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None,
+        options: RequestOptions | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
         """Run one request (checked here first) and return the outputs it asked for, in the
         order asked for (else in spec order), as both protocols answer.
 
@@ -458,12 +490,17 @@ class Engine:
 
         The model gets writable input arrays (read-only ones are copied).
 
+        :param options: what the request asks besides its tensors (a timeout, classification,
+            parameters for the model); see :meth:`_infer_with`.
         :raises SpecError: the request does not fit the spec.
         :raises UnknownModelError: the model was unloaded before or while it ran.
         :raises ModelBusyError: the model's queue is full (:class:`ModelLimits`).
+        :raises RequestTimeoutError: its timeout passed while it waited; it was not run.
         :raises NeuropodError: the model failed (BackendError, WorkerError...).
         """
         runner = self._runner(served)
+        if options is not None:
+            return await self._infer_with(runner, served, inputs, requested, options)
         try:
             if runner.batcher is not None:
                 self.check(served, inputs, requested)
@@ -509,19 +546,32 @@ class Engine:
             raise
 
     def infer_blocking(
-        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None
-    ) -> dict[str, np.ndarray]:
+        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None,
+        options: RequestOptions | None = None, time_left: Callable[[], float | None] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
         """:meth:`infer` for a caller on a thread of its own (the gRPC server's workers): the
         model runs on the calling thread once a run slot is free, or the request joins its
-        model's batch and waits. Same checks, limits, errors and metrics."""
+        model's batch and waits. Same checks, limits, errors and metrics.
+
+        :param time_left: the call's own deadline (gRPC's ``context.time_remaining``): asked
+            only when the request has to wait, and a request still waiting when it passes
+            is not run, as with a ``timeout`` in ``options``.
+        """
         runner = self._runner(served)
+        if options is not None:
+            return self._infer_blocking_with(runner, served, inputs, requested, options, time_left)
         try:
             gate = runner.gate
             if runner.batcher is not None:
                 self.check(served, inputs, requested)
                 gate.admit(False)
                 try:
-                    outputs = runner.batcher.submit(inputs, requested).result()
+                    future = runner.batcher.submit(inputs, requested)
+                    if time_left is None:
+                        outputs = future.result()
+                    else:  # the call's own deadline: a request whose caller gave up is not run
+                        queued = time.perf_counter()
+                        outputs = _wait(future, _deadline(queued, None, time_left), served.name, queued, "its batch")
                 finally:
                     gate.leave(False)
             else:
@@ -532,14 +582,99 @@ class Engine:
                     finally:
                         gate.leave(True)
                 else:
-                    outputs = self._run_queued(runner, inputs, requested, time.perf_counter())
+                    queued = time.perf_counter()
+                    deadline = _deadline(queued, None, time_left)
+                    outputs = self._run_queued(runner, inputs, requested, queued, deadline)
             return _ordered(runner, outputs, requested)
-        except (SpecError, ModelBusyError):
+        except (SpecError, ModelBusyError, RequestTimeoutError):
             raise
         except NeuropodError as e:
             if self._runners.get(served.name) is not runner:
                 raise self._closed_under(runner) from e
             raise
+
+    # -- requests with options (a timeout, classification, parameters) ---------------------
+    # Apart from the plain path above, so that a plain request pays nothing for them.
+
+    async def _infer_with(
+        self, runner: _Runner, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None,
+        options: RequestOptions,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """:meth:`infer` of a request with options: never on the event loop; a request still
+        waiting (for a thread, a run slot or its batch) when its timeout passes is not run."""
+        classes = _classification(runner, served, requested, options)
+        queued = time.perf_counter()
+        deadline = _deadline(queued, options, None)
+        gate = runner.gate
+        try:
+            if runner.batcher is not None:
+                self.check(served, inputs, requested)
+                gate.admit(False)
+                try:
+                    future = runner.batcher.submit(inputs, requested, options.parameters)
+                    outputs = await _until(future, deadline, served.name, queued, "its batch")
+                finally:
+                    gate.leave(False)
+            else:
+                self._check_missing(runner, inputs)
+                gate.admit(False)
+                try:
+                    future = runner.executor.submit(
+                        self._run_queued, runner, inputs, requested, queued, deadline, options.parameters
+                    )
+                except RuntimeError:  # the model's threads stopped: it is being unloaded
+                    gate.leave(False)
+                    raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited") from None
+                try:
+                    outputs = await _until(future, deadline, served.name, queued, "a thread")
+                except _NotStarted as e:
+                    gate.leave(False)  # it never reached _run_queued, which would have
+                    raise e.error from None
+        except (SpecError, ModelBusyError, RequestTimeoutError):
+            raise
+        except NeuropodError as e:
+            if self._runners.get(served.name) is not runner:
+                raise self._closed_under(runner) from e
+            raise
+        ordered = _ordered(runner, outputs, requested)
+        return classes.apply(ordered) if classes is not None else ordered
+
+    def _infer_blocking_with(
+        self, runner: _Runner, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None,
+        options: RequestOptions, time_left: Callable[[], float | None] | None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """:meth:`infer_blocking` of a request with options (see :meth:`_infer_with`)."""
+        classes = _classification(runner, served, requested, options)
+        queued = time.perf_counter()
+        gate = runner.gate
+        try:
+            if runner.batcher is not None:
+                self.check(served, inputs, requested)
+                deadline = _deadline(queued, options, time_left)
+                gate.admit(False)
+                try:
+                    future = runner.batcher.submit(inputs, requested, options.parameters)
+                    outputs = _wait(future, deadline, served.name, queued, "its batch")
+                finally:
+                    gate.leave(False)
+            else:
+                self._check_missing(runner, inputs)
+                if gate.admit(True):
+                    try:
+                        outputs = self._run(runner, inputs, requested, None, options.parameters)
+                    finally:
+                        gate.leave(True)
+                else:
+                    deadline = _deadline(queued, options, time_left)
+                    outputs = self._run_queued(runner, inputs, requested, queued, deadline, options.parameters)
+        except (SpecError, ModelBusyError, RequestTimeoutError):
+            raise
+        except NeuropodError as e:
+            if self._runners.get(served.name) is not runner:
+                raise self._closed_under(runner) from e
+            raise
+        ordered = _ordered(runner, outputs, requested)
+        return classes.apply(ordered) if classes is not None else ordered
 
     def _runner(self, served: ServedModel) -> _Runner:
         """The runner of ``served``, or of the model that replaced it in a reload since the
@@ -559,23 +694,34 @@ class Engine:
         return UnknownModelError(f"model {runner.served.name!r} was unloaded while the request ran")
 
     def _run_queued(
-        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float
-    ) -> dict[str, np.ndarray]:
-        """:meth:`_run` once a run slot is free, for an admitted request (leaves the gate after)."""
+        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float,
+        deadline: _Deadline | None = None, parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """:meth:`_run` once a run slot is free, for an admitted request (leaves the gate after).
+
+        :param deadline: when the request stops waiting for a slot (RequestTimeoutError, not run).
+        """
         gate = runner.gate
         try:
-            gate.wait_slot()
+            if deadline is None:
+                gate.wait_slot()
+            elif not gate.wait_slot_until(deadline.at - time.perf_counter()):
+                gate.leave(False)
+                raise deadline.expired(runner.served.name, queued, "a run slot")
+        except RequestTimeoutError:
+            raise
         except BaseException:
             gate.leave(False)
             raise
         try:
-            return self._run(runner, inputs, requested, queued)
+            return self._run(runner, inputs, requested, queued, parameters)
         finally:
             gate.leave(True)
 
     def _run(
-        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float | None
-    ) -> dict[str, np.ndarray]:
+        self, runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
         """One unbatched run, timed from ``queued`` (when the request was handed to a thread;
         None when it runs where it arrived, without waiting). Only a run that succeeds is
         recorded (queue, input copies, the model's run), as a batch's run is."""
@@ -589,7 +735,10 @@ class Engine:
         cpu = time.thread_time()
         ok = False
         try:
-            outputs = runner.served.model.infer(inputs, requested)
+            if parameters is None:
+                outputs = runner.served.model.infer(inputs, requested)
+            else:
+                outputs = runner.served.model.infer(inputs, requested, parameters=parameters)
             ok = True
             return outputs
         finally:
@@ -607,6 +756,91 @@ class Engine:
                 self.metrics.ran(
                     runner.served.name, 0.0 if queued is None else begun - queued, seconds, started - begun
                 )
+
+
+_CALL_DEADLINE = "the call's deadline"
+
+
+@dataclass(frozen=True)
+class _Deadline:
+    """When a waiting request gives up (``time.perf_counter()`` time), and why."""
+
+    at: float
+    #: What set it, for the message: "its timeout of N µs" or "the call's deadline".
+    what: str
+
+    def expired(self, model: str, queued: float, waiting_for: str) -> RequestTimeoutError:
+        waited = (time.perf_counter() - queued) * 1000
+        return RequestTimeoutError(
+            f"request timeout expired: the request to model {model!r} waited {waited:.0f} ms for {waiting_for}, "
+            f"past {self.what}, and was not run",
+            call_deadline=self.what == _CALL_DEADLINE,
+        )
+
+
+def _deadline(
+    now: float, options: RequestOptions | None, time_left: Callable[[], float | None] | None
+) -> _Deadline | None:
+    """The earlier of the request's ``timeout`` and the call's own deadline (None: neither)."""
+    best = None
+    if options is not None and options.timeout_s is not None:
+        best = _Deadline(now + options.timeout_s, f"its timeout of {options.timeout_us} µs")
+    left = time_left() if time_left is not None else None
+    if left is not None and (best is None or now + left < best.at):
+        best = _Deadline(now + left, _CALL_DEADLINE)
+    return best
+
+
+class _NotStarted(Exception):
+    """A request's work was cancelled before it started (its deadline passed first)."""
+
+    def __init__(self, error: RequestTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _until(
+    future: concurrent.futures.Future[Any], deadline: _Deadline | None, model: str, queued: float, waiting_for: str
+) -> Any:
+    """The result of ``future`` (a batch's, or a run handed to a thread); when ``deadline``
+    passes before it starts, it is cancelled (never run) and a RequestTimeoutError raised
+    (as :class:`_NotStarted` for a thread's run, whose gate the caller leaves). Work already
+    running is awaited to its end: a request that runs finishes."""
+    wrapped = asyncio.wrap_future(future)
+    if deadline is None:
+        return await wrapped
+    try:
+        return await asyncio.wait_for(asyncio.shield(wrapped), max(0.0, deadline.at - time.perf_counter()))
+    except (TimeoutError, asyncio.TimeoutError):
+        if future.cancel():
+            error = deadline.expired(model, queued, waiting_for)
+            if waiting_for == "a thread":
+                raise _NotStarted(error) from None
+            raise error from None
+        return await wrapped
+
+
+def _wait(
+    future: concurrent.futures.Future[Any], deadline: _Deadline | None, model: str, queued: float, waiting_for: str
+) -> Any:
+    """:func:`_until` for a caller on a thread of its own."""
+    if deadline is None:
+        return future.result()
+    try:
+        return future.result(timeout=max(0.0, deadline.at - time.perf_counter()))
+    except concurrent.futures.TimeoutError:
+        if future.cancel():
+            raise deadline.expired(model, queued, waiting_for) from None
+        return future.result()
+
+
+def _classification(
+    runner: _Runner, served: ServedModel, requested: list[str] | None, options: RequestOptions
+) -> Classifier | None:
+    """The classification a request asks (checked before it runs), or None."""
+    if options.classification is None:
+        return None
+    return Classifier.of(served, options.classification, requested)
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:

@@ -18,6 +18,8 @@ _BOTH = frozenset({REST, GRPC})
 EXTENSIONS: tuple[tuple[str, frozenset[str]], ...] = (
     # A REST body format; gRPC carries tensors as raw bytes without it.
     ("binary_tensor_data", frozenset({REST})),
+    # Top-k answers for a requested output's parameters.classification, on both protocols.
+    ("classification", _BOTH),
     ("model_configuration", _BOTH),
     ("model_repository", _BOTH),
     ("statistics", _BOTH),

@@ -21,6 +21,8 @@ what went wrong               status (details: the same text as REST's)
 ============================  ==========================================
 bad tensor, spec mismatch     INVALID_ARGUMENT, naming the tensor
 unknown model or version      NOT_FOUND
+request timeout expired       UNAVAILABLE (waited past its timeout; not run), or
+                              DEADLINE_EXCEEDED past the call's own deadline
 missing or wrong token        UNAUTHENTICATED (not on ServerLive/Ready)
 message over the limit        RESOURCE_EXHAUSTED (refused by grpcio)
 the model's queue is full     RESOURCE_EXHAUSTED, at once (retry later)
@@ -53,7 +55,7 @@ from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 from neuropod_serving.protocol._grpc import triton_shm_pb2 as shm_pb
 from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions, shared_memory_api
-from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
+from neuropod_serving.server.engine import CLIENT_ERRORS, Engine, RequestTimeoutError
 from neuropod_serving.server.limits import bearer_refusal, escape_log
 from neuropod_serving.server.metrics import ServerMetrics
 from neuropod_serving.server.model_config import model_config, model_config_message
@@ -145,18 +147,24 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
         with self._counted(call) as state:
             served, decoded, requested = self._begin(call, state)
             if decoded.shared_memory is not None:
-                return self._infer_shared(state, served, decoded, requested)
-            outputs = self.engine.infer_blocking(served, decoded.inputs, requested)
+                return self._infer_shared(state, served, decoded, requested, context)
+            outputs = self.engine.infer_blocking(
+                served, decoded.inputs, requested, decoded.options, context.time_remaining
+            )
             return self._finish(state, served, decoded, outputs)
 
-    def _infer_shared(self, state: _InferState, served: Any, decoded: Any, requested: list[str] | None) -> bytes:
+    def _infer_shared(
+        self, state: _InferState, served: Any, decoded: Any, requested: list[str] | None, context: Any
+    ) -> bytes:
         """:meth:`model_infer` of a request with tensors in shared memory (see :mod:`.shared_memory`)."""
         state.failure = "client"
         held = shared_memory_api.lease(self.engine, decoded)
         try:
             shared_memory_api.read_inputs(held, served, decoded)
             state.failure = "model"
-            outputs = self.engine.infer_blocking(served, decoded.inputs, requested)
+            outputs = self.engine.infer_blocking(
+                served, decoded.inputs, requested, decoded.options, context.time_remaining
+            )
             state.failure = "client"  # an output that does not fit where the request put it
             response = shared_memory_api.grpc_message(held, served, decoded, outputs)
         finally:
@@ -172,7 +180,7 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
             if decoded.shared_memory is not None:
                 state.failure = "client"
                 shared_memory_api.registry_of(self.engine)  # Ray's replicas take no shared memory: refused
-            outputs = await self.engine.infer(served, decoded.inputs, requested)
+            outputs = await self.engine.infer(served, decoded.inputs, requested, decoded.options)
             return self._finish(state, served, decoded, outputs)
 
     @contextlib.contextmanager
@@ -304,6 +312,10 @@ def status_of(exc: Exception, method: str, model: str) -> tuple[grpc.StatusCode,
         return exc.code, exc.details
     if isinstance(exc, ModelBusyError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, RequestTimeoutError):
+        # UNAVAILABLE as Triton answers an expired request timeout; the call's own deadline is DEADLINE_EXCEEDED.
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.call_deadline else grpc.StatusCode.UNAVAILABLE
+        return code, str(exc)
     if isinstance(exc, (ProtocolError, SpecError, UnknownModelError)):
         code = (
             grpc.StatusCode.NOT_FOUND

@@ -1,0 +1,163 @@
+"""What an inference request asks of the server besides its tensors.
+
+Three things ride in a request's ``parameters`` (and its requested outputs'):
+
+* ``timeout`` (microseconds, Triton's request timeout): a request still waiting
+  for a run slot or in its batch when it passes is answered with an error and
+  never run; 0 means none.
+* ``classification`` on a requested output (Triton's classification
+  extension): instead of the tensor, the top ``k`` entries of each row as
+  ``"score:index"`` or ``"score:index:label"`` strings.
+* every other request parameter goes on to the model (see
+  :meth:`neuropod.model.NeuropodModel.infer`'s ``parameters``), except those the
+  protocol gives to the server (:data:`SERVER_PARAMETERS`, and names starting
+  with ``triton_``).
+
+A request that asks none of this has no :class:`RequestOptions` (None), so a
+plain request costs nothing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from neuropod_serving.protocol.codec import ProtocolError
+
+#: Request parameters the protocol gives to the server (Triton's reserved ones, and those of
+#: its extensions): they never reach a model. ``priority`` and ``sequence_*`` are accepted and
+#: ignored (this server has no priority levels or sequence batching).
+SERVER_PARAMETERS = frozenset({
+    "timeout", "priority", "sequence_id", "sequence_start", "sequence_end", "headers",
+    "binary_data_output", "binary_data", "classification",
+    "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset",
+})  # fmt: skip
+#: Request parameters starting with this belong to the server too (tritonclient refuses to send them).
+SERVER_PREFIX = "triton_"
+#: The longest timeout taken, in microseconds (a year): longer ones are this.
+MAX_TIMEOUT_US = 365 * 24 * 3600 * 1_000_000
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks besides its tensors (None on a request that asks nothing)."""
+
+    #: Seconds the request may wait for a run slot or its batch; None: no limit.
+    timeout_s: float | None = None
+    #: The request's ``timeout`` parameter as sent (microseconds), for messages.
+    timeout_us: int | None = None
+    #: Parameters for the model; None when there are none.
+    parameters: Mapping[str, Any] | None = None
+    #: Output name -> how many classes to answer (the classification extension); None: no output asks.
+    classification: Mapping[str, int] | None = None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def classification_count(value: object, output: str) -> int:
+    """A requested output's ``classification`` parameter: a class count of at least 1.
+
+    :raises ProtocolError: anything else, naming the output.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ProtocolError(
+            f"output {output!r}: parameters.classification is the number of classes to answer, "
+            f"an integer >= 1, not {value!r:.80}"
+        )
+    return value
+
+
+def request_options(
+    parameters: Mapping[str, Any], classification: Mapping[str, int] | None = None
+) -> RequestOptions | None:
+    """The :class:`RequestOptions` of a request's ``parameters`` (and its outputs' classification
+    counts), or None when it asks nothing of them.
+
+    :raises ProtocolError: a ``timeout`` that is not a count of microseconds >= 0, or a
+        parameter for the model that is not a bool, number or string (the protocol's
+        parameter types), naming it.
+    """
+    timeout = parameters.get("timeout")
+    timeout_s = None
+    if timeout is not None:
+        if not _is_int(timeout) or timeout < 0:
+            raise ProtocolError(
+                f"request parameters.timeout is a count of microseconds, an integer >= 0 (0: no timeout), "
+                f"not {timeout!r:.80}"
+            )
+        if timeout > 0:
+            timeout_s = min(timeout, MAX_TIMEOUT_US) / 1e6
+    model: dict[str, Any] = {}
+    for key, value in parameters.items():
+        if key in SERVER_PARAMETERS or key.startswith(SERVER_PREFIX):
+            continue
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise ProtocolError(
+                f"request parameter {key!r} must be a bool, number or string (the protocol's parameter "
+                f"types), not {type(value).__name__}"
+            )
+        model[key] = value
+    if timeout_s is None and not model and not classification:
+        return None
+    return RequestOptions(
+        timeout_s=timeout_s,
+        timeout_us=timeout if timeout_s is not None else None,
+        parameters=model or None,
+        classification=dict(classification) if classification else None,
+    )
+
+
+def classify(
+    array: np.ndarray[Any, Any], count: int, labels: Sequence[str] | None, batched: bool
+) -> np.ndarray[Any, Any]:
+    """The classification extension's answer for one output: the ``count`` highest entries
+    (fewer when a row has fewer) as ``"score:index"`` / ``"score:index:label"`` strings,
+    highest first (equal scores: lower index first).
+
+    :param batched: the output's first dim is the batch: each row (the rest of the dims,
+        flattened) is ranked on its own and the answer is ``[rows, count]``; else the whole
+        tensor is one row and the answer is ``[count]``.
+    :param labels: label ``i`` names index ``i`` (an index past the labels gets none).
+    """
+    if batched and array.ndim >= 1:
+        rows = array.reshape(array.shape[0], -1)
+        shape: tuple[int, ...] = (array.shape[0],)
+    else:
+        rows = array.reshape(1, -1)
+        shape = ()
+    n = rows.shape[1]
+    k = min(count, n)
+    # Descending by score, ties by index: a stable ascending sort of each reversed row, read backwards.
+    order = (
+        (n - 1 - np.argsort(rows[:, ::-1], axis=1, kind="stable")[:, ::-1][:, :k])
+        if n
+        else np.zeros((len(rows), 0), int)
+    )
+    floating = array.dtype.kind == "f"
+    out = np.empty((len(rows), k), dtype=object)
+    for r in range(len(rows)):
+        row = rows[r]
+        for j, index in enumerate(order[r].tolist()):
+            value = row[index]
+            score = f"{float(value):f}" if floating else str(int(value))
+            text = f"{score}:{index}"
+            if labels is not None and index < len(labels):
+                text = f"{text}:{labels[index]}"
+            out[r, j] = text
+    return out.reshape((*shape, k))
+
+
+__all__ = [
+    "MAX_TIMEOUT_US",
+    "SERVER_PARAMETERS",
+    "SERVER_PREFIX",
+    "RequestOptions",
+    "classification_count",
+    "classify",
+    "request_options",
+]
