@@ -490,7 +490,7 @@ def test_no_statistics_where_none_are_kept(bare: Engine) -> None:
     server, port = start_grpc_server(bare, "127.0.0.1:0")
     grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
-        assert list(grpc.get_server_metadata().extensions) == ["model_configuration"]
+        assert list(grpc.get_server_metadata().extensions) == ["classification", "model_configuration", "model_repository"]
         with pytest.raises(InferenceServerException, match="keeps no statistics") as e:
             grpc.get_inference_statistics("adder")
         assert e.value.status() == "StatusCode.UNIMPLEMENTED"

@@ -759,6 +759,8 @@ class Engine:
 
 
 _CALL_DEADLINE = "the call's deadline"
+#: A call deadline further than this (seconds) is no deadline: MAX_TIMEOUT_US's year.
+_NO_CALL_DEADLINE_S = 365 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -786,7 +788,9 @@ def _deadline(
     if options is not None and options.timeout_s is not None:
         best = _Deadline(now + options.timeout_s, f"its timeout of {options.timeout_us} µs")
     left = time_left() if time_left is not None else None
-    if left is not None and (best is None or now + left < best.at):
+    # grpcio reports a call without a deadline as one centuries away: past a year, none
+    # (waits that long overflow the clocks the waits use).
+    if left is not None and left < _NO_CALL_DEADLINE_S and (best is None or now + left < best.at):
         best = _Deadline(now + left, _CALL_DEADLINE)
     return best
 
