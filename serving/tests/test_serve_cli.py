@@ -358,3 +358,27 @@ def test_batching_flags_are_accepted(repo: Path, tmp_path: Path) -> None:
         out, _ = _stop(served)
     adder = next(line for line in out.splitlines() if line.startswith("adder"))
     assert " yes " in f" {adder} ", out
+
+
+def test_ctrl_c_under_ray_exits_when_ray_does_not_finish_stopping(tmp_path: Path) -> None:
+    """`neuropod serve --ray` on Ctrl-C deletes its applications and disconnects, each within a
+    bound: a Ray that never finishes (a controller going away with the process group) leaves a
+    warning naming the applications and an exit, not a hung command. Ray itself is not needed
+    to show it: the steps are whatever `serve.delete` and `ray.shutdown` do."""
+    script = tmp_path / "stop.py"
+    script.write_text(
+        "import threading, types\n"
+        "from neuropod_serving.cli import _leave_ray\n"
+        "stuck = threading.Event()\n"
+        "serve = types.SimpleNamespace(delete=lambda name: stuck.wait())\n"
+        "ray = types.SimpleNamespace(shutdown=lambda: None)\n"
+        "_leave_ray(serve, ray, ['adder', 'echo'], timeout_s=0.5)\n"
+        "print('not reached')\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 30
+    assert done.returncode == 0, done.stderr
+    assert "not reached" not in done.stdout
+    assert "Ray did not finish deleting the applications in 0.5 s" in done.stderr
+    assert "adder, echo" in done.stderr

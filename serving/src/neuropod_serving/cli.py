@@ -380,12 +380,45 @@ def run_ray(args: argparse.Namespace, out: TextIO) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        _leave_ray(serve, ray, names)
+
+
+#: Seconds Ctrl-C waits for Ray Serve to delete the applications, then for Ray to disconnect.
+RAY_STOP_S = 45.0
+
+
+def _leave_ray(serve: Any, ray: Any, names: list[str], timeout_s: float = RAY_STOP_S) -> None:
+    """Delete this command's applications and disconnect from Ray (stopping the local cluster
+    ``ray.init`` started), each step within ``timeout_s``. Ctrl-C in a terminal interrupts the
+    whole process group, the local cluster's own processes too, and a delete can then wait on
+    a controller that is going away: past the bound the command says what it left and exits
+    rather than hang (its threads in Ray's client would keep the process alive)."""
+    import os
+    import threading
+    import time
+
+    def delete() -> None:
         for name in names:
             try:
                 serve.delete(name)
             except Exception:  # the cluster may be gone already
                 log.debug("could not delete application %r", name, exc_info=True)
-        ray.shutdown()
+
+    for what, step in (("deleting the applications", delete), ("disconnecting from Ray", ray.shutdown)):
+        started = time.monotonic()
+        worker = threading.Thread(target=step, name=f"neuropod-ray-stop-{step.__name__}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            log.warning(
+                "Ray did not finish %s in %g s; exiting without it (on a cluster of its own, check with "
+                "`serve status` that the applications %s are gone)", what, timeout_s, ", ".join(names) or "(none)",
+            )  # fmt: skip
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        log.info("%s took %.1f s", what, time.monotonic() - started)
 
 
 #: How long a thread may keep the GIL while another waits (Python's default is 5 ms).
