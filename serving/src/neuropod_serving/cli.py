@@ -311,8 +311,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def run_ray(args: argparse.Namespace, out: TextIO) -> int:
     """``neuropod serve --ray``: each package becomes a Ray Serve application named after its model,
     on the cluster at ``--address`` (or a local one); Ctrl-C deletes them again."""
-    import time
-
     if getattr(args, "allow_client_shm", False):
         raise NeuropodError(
             "--allow-client-shm is not supported with --ray: Ray Serve's replicas may run on other machines "
@@ -375,12 +373,32 @@ def run_ray(args: argparse.Namespace, out: TextIO) -> int:
                 f"models: {', '.join(names)}; metrics: each node's Ray metrics agent (ray_neuropod_*)",
                 file=out, flush=True,
             )  # fmt: skip
-        while True:
-            time.sleep(3600)
+        _wait_for_ctrl_c()
+        return 0
     except KeyboardInterrupt:
         return 0
     finally:
         _leave_ray(serve, ray, names)
+
+
+def _wait_for_ctrl_c() -> None:
+    """Return on SIGINT or SIGTERM. The handler is this command's own, put back every second
+    if something replaced it: Ray's client swaps SIGINT's handler while it works (deferring the
+    signal), and a Ctrl-C that met a handler left behind did nothing (the command then ran
+    until killed)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    while not stop.wait(1.0):
+        if signal.getsignal(signal.SIGINT) is not on_signal:
+            signal.signal(signal.SIGINT, on_signal)
 
 
 #: Seconds Ctrl-C waits for Ray Serve to delete the applications, then for Ray to disconnect.

@@ -14,14 +14,21 @@ def stop_with_ctrl_c(proc: subprocess.Popen[bytes], log: IO[bytes], seconds: flo
     started); SIGKILL to its whole session when that takes longer than ``seconds``. Ray Serve
     gives each replica up to 20 s to stop gracefully before it kills it, one application after
     another, so on a loaded machine a clean stop can take a minute; the time it took is
-    written to the log either way."""
-    os.killpg(proc.pid, signal.SIGINT)
+    written to the log either way, with how many times Ctrl-C was pressed (again every 30 s)."""
     started = time.monotonic()
+    presses = 0
     try:
-        proc.wait(seconds)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        # Pressed again every 30 s while it runs, as a user would.
+        while proc.poll() is None and time.monotonic() - started < seconds:
+            os.killpg(proc.pid, signal.SIGINT)
+            presses += 1
+            try:
+                proc.wait(min(30.0, max(0.1, seconds - (time.monotonic() - started))))
+            except subprocess.TimeoutExpired:
+                continue
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     finally:
-        log.write(f"\n[test] Ctrl-C to exit: {time.monotonic() - started:.1f} s\n".encode())
+        log.write(f"\n[test] Ctrl-C ({presses}x) to exit: {time.monotonic() - started:.1f} s\n".encode())
         log.close()
