@@ -101,7 +101,7 @@ def test_serve_ray_deploys_every_package_and_routes_rest_and_grpc_by_model(tmp_p
                 np.testing.assert_array_equal(out["n1"], n + 1)
                 assert out["s_out"].tolist() == s.tolist()
     finally:
-        stop_with_ctrl_c(proc, log)
+        stop_with_ctrl_c(proc, log, again_every=30)
     output = (tmp_path / "serve.log").read_text(errors="replace")
     assert proc.returncode == 0, output[-3000:]  # Ctrl-C: the applications deleted, the local cluster stopped
 
