@@ -125,7 +125,7 @@ class ServerMetrics:
         with self._lock:
             _observe(self._queue_duration, model, LATENCY_BUCKETS, queued)
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
-            if prepared:  # only when read-only inputs were copied (gRPC)
+            if prepared:  # only when read-only inputs were copied (an engine caller's own; the front ends decode writable)
                 self._run_input[model] = self._run_input.get(model, 0.0) + prepared
 
     def computed(
