@@ -41,7 +41,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor, 
 from neuropod.testing import served  # noqa: E402
 from neuropod_serving.protocol import ProtocolError  # noqa: E402
 from neuropod_serving.protocol.shared_memory import SharedMemoryRequest, SharedTensor  # noqa: E402
-from neuropod_serving.server.shared_memory import SharedMemoryRegistry  # noqa: E402
+from neuropod_serving.server.shared_memory import IPC_HANDLE_BYTES, SharedMemoryRegistry, ipc_handle  # noqa: E402
 
 from conftest import adder_and_echo, private_caches  # noqa: E402
 
@@ -479,6 +479,12 @@ def test_cuda_shared_memory_without_a_gpu(server: Server) -> None:
     assert len(server.grpc.get_cuda_shared_memory_status().regions) == 0
     assert server.raw.post("/v2/cudasharedmemory/unregister").status_code == 200
     server.grpc.unregister_cuda_shared_memory()
+
+
+def test_a_cuda_ipc_handle_keeps_every_byte() -> None:
+    """IPC handles are opaque bytes with NULs among them; the handle given to the CUDA runtime is all of them."""
+    raw = bytes([0, 7, 0, 0, 255, 0, 1]) + bytes(range(1, IPC_HANDLE_BYTES - 6))
+    assert len(raw) == IPC_HANDLE_BYTES and bytes(ipc_handle(raw)) == raw
 
 
 def _cuda_python_missing() -> str | None:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Test processes (pytest-xdist's workers, worker processes of the models) share one GPU: JAX must not
+# take 75% of it in each. The backend sets the same default; a test module may start JAX before it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +23,25 @@ def _private_cache(neuropod_cache: Path) -> Path:
 
 def spec(*entries: tuple[str, str, Sequence[Any]]) -> list[dict[str, Any]]:
     return [{"name": n, "dtype": t, "shape": list(s)} for n, t, s in entries]
+
+
+@functools.cache
+def jax_sees_a_gpu() -> bool:
+    """Whether JAX here has a CUDA device (tests of what a CPU-only host does are skipped where it has)."""
+    from neuropod_jax import cuda_plugin
+
+    if cuda_plugin() is None:
+        return False
+    import jax
+
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+
+def skip_on_a_gpu_host() -> None:
+    """For tests of what a host without a GPU does; test_jax_gpu.py covers a GPU host."""
+    if jax_sees_a_gpu():
+        pytest.skip("JAX sees a GPU here: test_jax_gpu.py covers what a GPU host does")

@@ -31,7 +31,7 @@ from neuropod_jax import CUDA_PLUGINS
 from neuropod_jax.packager import compatible_range
 
 import models
-from conftest import spec
+from conftest import jax_sees_a_gpu, spec
 
 JAX_VERSION = importlib_metadata.version("jax")
 X_SPEC = spec(("x", "float32", ["batch", 3]))
@@ -224,8 +224,8 @@ def test_cpu_and_cuda_export_prefers_nothing_but_asks_for_no_gpu(tmp_path: Path)
     assert config.exported_with and config.exported_with["lowering_platforms"] == ["cpu", "cuda"]
     assert config.device_requirements is None and dict(config.input_tensor_device) == {"x": "GPU"}
     x = xs(2)
-    with neuropod.load_neuropod(path) as model:  # no GPU here: the CPU lowering runs
-        assert model.device == "cpu"
+    with neuropod.load_neuropod(path) as model:  # the CUDA lowering where JAX sees a GPU, else the CPU one
+        assert model.device == ("cuda:0" if jax_sees_a_gpu() else "cpu")
         np.testing.assert_allclose(model.infer({"x": x})["y"], models.mlp_numpy(models.mlp_params(), x)["y"], rtol=1e-4, atol=1e-5)
 
 

@@ -23,7 +23,7 @@ from neuropod.packagers import create_jax_neuropod
 from neuropod_jax._runtime import JaxModel
 
 import models
-from conftest import spec
+from conftest import skip_on_a_gpu_host, spec
 
 X_SPEC = spec(("x", "float32", ["batch", 3]))
 Y_SPEC = spec(("y", "float32", ["batch", 3]))
@@ -43,6 +43,7 @@ def copy_package(src: Path, dst: Path) -> Path:
 
 
 def test_cuda_only_export_on_a_cpu_host(tmp_path: Path) -> None:
+    skip_on_a_gpu_host()
     with pytest.warns(UserWarning, match="was not checked by loading it.*no device fits"):
         path = package(tmp_path, name="cuda_only", platforms=("cuda",))
     config = read_package(path).config
@@ -327,6 +328,7 @@ def test_an_exported_program_that_does_not_fit_the_spec(tmp_path: Path) -> None:
 
 
 def test_resolution_table_explains_a_cuda_only_package(tmp_path: Path) -> None:
+    skip_on_a_gpu_host()
     with pytest.warns(UserWarning):
         path = package(tmp_path, name="gpu_only", platforms=("cuda",))
     resolution = plan(path)

@@ -4,6 +4,9 @@ Marked ``gpu``: skipped with the reason where NVML sees no GPU or JAX has no CUD
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,7 @@ import pytest
 
 import neuropod
 from neuropod import plugins
-from neuropod.errors import NeuropodError
+from neuropod.errors import NeuropodError, NoBackendError
 from neuropod.package import read_package
 from neuropod.packagers import create_jax_neuropod
 from neuropod_jax import cuda_plugin
@@ -87,7 +90,7 @@ def test_cpu_only_export_stays_on_the_cpu_of_a_gpu_host(tmp_path: Path) -> None:
     with neuropod.load_neuropod(path) as model:
         assert model.device == "cpu" and model._handle.device.platform == "cpu"
         _check(model)
-    with pytest.raises(NeuropodError, match="exported for cpu only, not for cuda"):
+    with pytest.raises(NoBackendError, match="device='cuda:0' was requested, but the model was made for the CPU only"):
         neuropod.load_neuropod(path, device="cuda:0")
 
 
@@ -107,3 +110,23 @@ def test_ope_worker_on_the_gpu(tmp_path: Path) -> None:
     with neuropod.load_neuropod(path, use_ope=True) as model:
         assert model.device.startswith("cuda:")
         _check(model)
+
+
+def test_a_process_loading_a_model_leaves_the_rest_of_the_gpu(tmp_path: Path) -> None:
+    """JAX takes 75% of a GPU when its CUDA backend starts unless told otherwise; a process that loads a
+    model through Neuropod takes what the model needs, so other models and frameworks fit beside it."""
+    path = _package(tmp_path, "both", platforms=("cpu", "cuda"))
+    code = (
+        "import numpy as np, neuropod\n"
+        "from neuropod.devices import read_nvml\n"
+        "from neuropod.testing import gpu_memory_used\n"
+        "before = gpu_memory_used()\n"
+        f"with neuropod.load_neuropod({str(path)!r}, device='cuda:0') as m:\n"
+        "    m.infer({'x': np.ones((2, 3), np.float32)})\n"
+        "    print(gpu_memory_used() - before, read_nvml().gpus[0].memory_total)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT_")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    taken, total = map(int, done.stdout.split()[-2:])
+    assert taken < total // 4, f"a process running one small model took {taken / 2**30:.1f} GiB of {total / 2**30:.1f} GiB"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import itertools
 import logging
 import os
 import re
@@ -233,14 +234,14 @@ def _program(
     tensors = _example_tensors(packager, inputs, examples, target, on_cpu)
     dims, shapes = _dynamic_shapes(inputs)
     was_training = module.training
-    placed = next(iter(module.parameters()), None)
+    placed = next(itertools.chain(module.parameters(), module.buffers()), None)
     was_on = placed.device if placed is not None else None
     module.eval()
     try:
         if target.type != "cpu":
             module.to(target)  # moved back below: the caller's module is left as it was
         with _quiet_export(), _without_partial_graph():
-            return torch.export.export(
+            program = torch.export.export(
                 module, tuple(tensors[n] for n in args), {n: tensors[n] for n in kwargs} or None,
                 dynamic_shapes=shapes, strict=strict,
             )  # fmt: skip
@@ -250,6 +251,13 @@ def _program(
         module.train(was_training)
         if was_on is not None and target.type != "cpu":
             module.to(was_on)
+    if target.type != "cpu" and was_on is not None and was_on != target:
+        # The program holds the module's own parameters, and moving the module back moved them too, under a
+        # graph traced on the GPU: the program's copy goes back to the GPU, the caller's module stays put.
+        from torch.export.passes import move_to_device_pass
+
+        program = move_to_device_pass(program, target)
+    return program
 
 
 def _device_kind(packager: str, device: str) -> str:

@@ -512,6 +512,12 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
 
 
+def ipc_handle(raw_handle: bytes) -> _IpcHandle:
+    """A cudaIpcMemHandle_t holding ``raw_handle``'s bytes, all of them (assigning bytes to a ctypes
+    char array would stop at the first NUL, and handles hold many)."""
+    return _IpcHandle.from_buffer_copy(raw_handle)
+
+
 class _CudaRuntime:
     """The few CUDA runtime calls CUDA shared memory needs, through ctypes on ``libcudart``."""
 
@@ -540,8 +546,7 @@ class _CudaRuntime:
         self._check(self._lib.cudaGetDeviceCount(ctypes.byref(count)), what)
         if device_id >= count.value:
             raise _refused(f"{what}: device_id {device_id} is not a GPU of this machine (it has {count.value})")
-        handle = _IpcHandle()
-        handle.reserved = raw_handle
+        handle = ipc_handle(raw_handle)
         pointer = ctypes.c_void_p()
         with self._lock:
             self._check(self._lib.cudaSetDevice(device_id), what)
