@@ -15,6 +15,17 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _references_on_the_cpu() -> None:
+    """Expected outputs that tests compute with JAX itself are computed on the CPU: on a GPU, JAX's float32
+    matmuls use TF32 (about 1e-4 off), while most packages here run on the CPU. Loaded models place
+    themselves on their own device; test_jax_gpu.py compares GPU runs with tolerances for TF32."""
+    if jax_sees_a_gpu():
+        import jax
+
+        jax.config.update("jax_default_device", jax.devices("cpu")[0])
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(neuropod_cache: Path) -> Path:
     # neuropod.testing's fixture (a pytest plugin wherever neuropod is installed), for every test here.
