@@ -219,7 +219,7 @@ def _install_gpu(session: nox.Session) -> None:
         f"{ROOT / 'plugins/neuropod-torchscript'}[test]", f"torch=={TORCH_GPU}",
         f"{ROOT / 'plugins/neuropod-python'}[test]", f"{ROOT / 'plugins/neuropod-tensorrt'}[test]",
         f"{ROOT / 'plugins/neuropod-torch'}[test]", f"{ROOT / 'plugins/neuropod-jax'}[test]",
-        f"jax[cuda13]=={JAX_DEFAULT}",
+        f"jax[cuda13]=={JAX_DEFAULT}", f"{ROOT / 'serving'}[server,test]",
     )  # fmt: skip
     session.run("python", "-c", _NEEDS_A_GPU)
 
@@ -227,7 +227,7 @@ def _install_gpu(session: nox.Session) -> None:
 @nox.session(python=DEFAULT_PYTHON)
 def tests_gpu(session: nox.Session) -> None:
     """On a machine with an NVIDIA GPU (driver for CUDA 13): the core, ONNX (onnxruntime-gpu), TorchScript and
-    torch.export/AOTInductor (torch's CUDA build), JAX (jax[cuda13]), Python and TensorRT suites plus tests/gpu, with NEUROPOD_REQUIRE_GPU=1, so a GPU
+    torch.export/AOTInductor (torch's CUDA build), JAX (jax[cuda13]), Python and TensorRT suites, tests/gpu and the server's GPU tests, with NEUROPOD_REQUIRE_GPU=1, so a GPU
     test that cannot run fails rather than skips (TensorRT's engine tests still skip: its libraries come
     from NVIDIA's index). Not in CI, which has no GPU. Offline GPU machines: tests/gpu/offline.sh."""
     _install_gpu(session)
@@ -236,6 +236,8 @@ def tests_gpu(session: nox.Session) -> None:
                   "plugins/neuropod-torch/tests", "plugins/neuropod-jax/tests", "plugins/neuropod-python/tests",
                   "plugins/neuropod-tensorrt/tests"):  # fmt: skip
         _pytest(session, suite, env=env)
+    # The server's GPU tests (CUDA shared memory, GPU instance groups); the rest of its suite needs no GPU.
+    _pytest(session, "serving/tests", "-m", "gpu", env=env)
 
 
 @nox.session(python=DEFAULT_PYTHON)

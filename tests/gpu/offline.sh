@@ -85,7 +85,8 @@ run)
     for plugin in torchscript torch jax onnx tensorrt python; do
         step "gpu_$plugin" 150 "${pt[@]}" -m gpu "plugins/neuropod-$plugin/tests"
     done
-    step gpu_serving 90 "${pt[@]}" -m gpu serving/tests/test_shared_memory.py serving/tests/test_config_override.py
+    step gpu_serving 90 "${pt[@]}" -m gpu serving/tests/test_shared_memory.py serving/tests/test_config_override.py \
+        serving/tests/test_gpu_instance_groups.py
     step bench_gpu 150 "$py" bench/bench_gpu.py --quick
     step full_torchscript 120 "${pt[@]}" "${xdist[@]}" plugins/neuropod-torchscript/tests
     step full_jax 60 "${pt[@]}" "${xdist[@]}" plugins/neuropod-jax/tests
