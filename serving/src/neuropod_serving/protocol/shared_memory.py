@@ -32,8 +32,6 @@ OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
 #: All three: a tensor with any of them is meant to be in shared memory.
 KEYS = frozenset({REGION, OFFSET, BYTE_SIZE})
-#: The extensions' names in server metadata.
-EXTENSIONS = ("system_shared_memory", "cuda_shared_memory")
 # A BYTES element is at least its 4-byte length.
 _LENGTH_BYTES = 4
 
@@ -147,7 +145,6 @@ def response_parameters(tensor: SharedTensor, written: int) -> dict[str, Any]:
 
 __all__ = [
     "BYTE_SIZE",
-    "EXTENSIONS",
     "KEYS",
     "OFFSET",
     "REGION",

@@ -50,7 +50,6 @@ import numpy as np
 from neuropod_serving.protocol.codec import _WIRE_DTYPES, ProtocolError, datatype_of, decode_tensor, encode_tensor
 from neuropod_serving.protocol.shared_memory import (
     BYTE_SIZE,
-    EXTENSIONS,
     SharedMemoryRequest,
     SharedTensor,
     response_parameters,
@@ -624,4 +623,4 @@ def _cuda_runtime() -> _CudaRuntime:
     return runtime
 
 
-__all__ = ["CUDA", "ENABLE_HINT", "EXTENSIONS", "MAX_REGIONS", "SYSTEM", "Lease", "SharedMemoryRegistry"]
+__all__ = ["CUDA", "ENABLE_HINT", "MAX_REGIONS", "SYSTEM", "Lease", "SharedMemoryRegistry"]

@@ -18,7 +18,6 @@ from neuropod_serving.server.registry import MODEL_VERSION, ServedModel
 from neuropod_serving.server.shared_memory import (
     CUDA,
     ENABLE_HINT,
-    EXTENSIONS,
     SYSTEM,
     Lease,
     SharedMemoryRegistry,
@@ -28,11 +27,6 @@ from neuropod_serving.server.shared_memory import (
 #: Tensors in shared memory up to this many bytes are copied on the event loop (a thread hop
 #: costs more); larger ones in a worker thread, as REST bodies are.
 INLINE_BYTES = 64 * 1024
-
-
-def extensions(registry: SharedMemoryRegistry | None) -> list[str]:
-    """The shared-memory extensions a server with ``registry`` serves (none without one)."""
-    return list(EXTENSIONS) if registry is not None else []
 
 
 def registry_of(engine: Any) -> SharedMemoryRegistry:
@@ -200,7 +194,6 @@ class SharedMemoryRpcs:
 __all__ = [
     "INLINE_BYTES",
     "SharedMemoryRpcs",
-    "extensions",
     "grpc_message",
     "lease",
     "read_inputs",
