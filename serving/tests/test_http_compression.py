@@ -110,6 +110,7 @@ def test_response_is_compressed_only_when_asked_and_large(http: Any) -> None:
             "POST", "/v2/models/adder/infer", content=body, headers={**headers, "Accept-Encoding": encoding}
         ) as r:
             assert r.status_code == 200 and r.headers["content-encoding"] == encoding
+            assert r.headers["vary"] == "accept-encoding"
             raw = b"".join(r.iter_raw())
         assert decompress(raw) == plain.content
         assert int(r.headers["content-length"]) == len(raw) < len(plain.content)

@@ -146,6 +146,7 @@ async def _send(send: Send, status: int, content: bytes, json_length: int | None
     if encoding is not None:
         # The binary header's length counts the uncompressed body, as Triton's does.
         headers.append((b"content-encoding", encoding))
+        headers.append((b"vary", b"accept-encoding"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": content})
 
