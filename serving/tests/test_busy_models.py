@@ -349,6 +349,62 @@ def test_a_fast_graph_model_runs_on_the_loop_until_an_input_is_larger(repository
         engine.close()
 
 
+def test_a_full_garbage_collection_in_a_run_leaves_a_fast_model_on_the_loop(repository: Path) -> None:
+    """A full collection stops every thread for as long as the heap takes to scan; a proven-fast
+    model whose run fell into one is still fast. A run slow by the model's own work moves it off."""
+    import asyncio
+    import gc
+
+    from neuropod_serving.server.engine import SLOW_RUN_S
+
+    engine = Engine(ModelRegistry.load([repository / "adder"]))
+    heap: list[Any] = []
+    try:
+        served = engine.get("adder")
+        runner = engine._runners["adder"]
+        real = served.model.infer
+        extra: list[Any] = []  # what the next run does besides the model's own work
+
+        def model(inputs: Any, requested: Any = None) -> Any:
+            while extra:
+                extra.pop()()
+            return real(inputs, requested)
+
+        served.model.infer = model  # type: ignore[method-assign]
+
+        async def calls(n: int) -> None:
+            x = np.ones((2, 2), np.float32)
+            for _ in range(n):
+                await engine.infer(served, {"x": x, "y": x})
+
+        asyncio.run(calls(100))
+        assert runner.inline_ok
+        # Cyclic objects enough for a full collection to take several times SLOW_RUN_S.
+        while True:
+            heap.extend([[None] for _ in range(200_000)])
+            for cell in heap[-200_000:]:
+                cell[0] = cell
+            began = time.perf_counter()
+            gc.collect()
+            if time.perf_counter() - began >= 3 * SLOW_RUN_S or len(heap) >= 4_000_000:
+                break
+        extra.append(gc.collect)
+        asyncio.run(calls(1))
+        assert not extra and runner.inline_ok, "a run that fell into a full collection moved the model off the loop"
+
+        def spin() -> None:  # the model's own work, on its thread's CPU
+            end = time.thread_time() + 2 * SLOW_RUN_S
+            while time.thread_time() < end:
+                pass
+
+        extra.append(spin)
+        asyncio.run(calls(1))
+        assert not extra and not runner.inline_ok, "a run slow by its own work left the model on the loop"
+    finally:
+        heap.clear()
+        engine.close()
+
+
 def test_neuropod_serve_applies_the_flags(repository: Path, tmp_path: Path) -> None:
     """The real command with --max-concurrent-runs 1 --max-queued-requests 0: a second call
     while one runs is a 429 at once."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import gc
 import logging
 import queue
 import threading
@@ -71,10 +72,31 @@ INLINE_BELOW_S = 0.001
 #: good: a model that was once this slow may be again, and while it runs on the
 #: loop nothing else (health probes included) is answered. A run counts when
 #: at least half of it was CPU time of the thread that ran it, so a fast run
-#: that a busy core kept waiting does not count.
+#: that a busy core kept waiting does not count, and full garbage collections
+#: that fell into a run are not counted as its time.
 SLOW_RUN_S = 0.02
 # Weight of the newest run in the moving average of a model's run time.
 _EWMA = 0.2
+
+
+class _FullCollections:
+    """Seconds this process has spent in full garbage collections (generation 2), counted by a
+    ``gc`` callback. A full collection stops every thread for as long as the heap takes to scan
+    (about 10 to 20 ms in a server process): a run it fell into is not the model being slow."""
+
+    seconds = 0.0
+    _began = 0.0
+
+    @classmethod
+    def callback(cls, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                cls._began = time.perf_counter()
+            else:
+                cls.seconds += time.perf_counter() - cls._began
+
+
+gc.callbacks.append(_FullCollections.callback)
 #: Platforms whose models are arbitrary code (they may sleep or wait on I/O for any
 #: input): never run on the event loop, however fast their runs have been.
 _NEVER_INLINE = frozenset({"python"})
@@ -733,6 +755,7 @@ class Engine:
             inputs = copied
             started = time.perf_counter()
         cpu = time.thread_time()
+        collected = _FullCollections.seconds
         ok = False
         try:
             if parameters is None:
@@ -743,15 +766,18 @@ class Engine:
             return outputs
         finally:
             seconds = time.perf_counter() - started
+            # The model's own time: without the full collections the run fell into (whichever thread
+            # ran them, every thread waited); the metrics below keep what the request took.
+            ran = seconds - (_FullCollections.seconds - collected)
             # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
-            if seconds >= SLOW_RUN_S and runner.ewma_s < INLINE_BELOW_S and time.thread_time() - cpu >= SLOW_RUN_S / 2:
+            if ran >= SLOW_RUN_S and runner.ewma_s < INLINE_BELOW_S and time.thread_time() - cpu - (seconds - ran) >= SLOW_RUN_S / 2:
                 runner.inline_ok = False
-            elif queued is not None and seconds < INLINE_BELOW_S and runner.inline_ok:
+            elif queued is not None and ran < INLINE_BELOW_S and runner.inline_ok:
                 # Learnt on threads; a run on the loop had no larger input than this already.
                 size = _nbytes(inputs)
                 if size > runner.inline_bytes:
                     runner.inline_bytes = size
-            runner.ewma_s += _EWMA * (seconds - runner.ewma_s)
+            runner.ewma_s += _EWMA * (ran - runner.ewma_s)
             if ok:
                 self.metrics.ran(
                     runner.served.name, 0.0 if queued is None else begun - queued, seconds, started - begun
