@@ -206,6 +206,7 @@ def test_load_failures(server: Server, packages: Path) -> None:
         server.triton.load_model("no_such_model")
     assert info.value.status() == "StatusCode.NOT_FOUND"
     assert "'no_such_model'" in info.value.message() and str(server.models) in info.value.message()
+    assert info.value.message().startswith("failed to load model 'no_such_model': ")
 
     shutil.copytree(packages / "needs_future_ort", server.models / "needs_future_ort")
     with pytest.raises(InferenceServerException) as info:
