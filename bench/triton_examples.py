@@ -329,11 +329,18 @@ def copy_examples(arg: Path, dest: Path) -> str:
     return f"{arg} at {commit[:12]}"
 
 
-def has_gpu() -> bool:
+def cuda_shm_missing() -> str:
+    """Why the CUDA shared-memory examples cannot run here ("" when they can)."""
     try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+        if subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode != 0:
+            return "needs a CUDA GPU (CUDA shared memory); this machine has none"
     except (OSError, subprocess.TimeoutExpired):
-        return False
+        return "needs a CUDA GPU (CUDA shared memory); this machine has none"
+    import importlib.util
+
+    if importlib.util.find_spec("cuda") is None:
+        return "needs cuda-python for tritonclient's CUDA shared memory (pip install 'tritonclient[cuda]')"
+    return ""
 
 
 #: aiohttp's warnings at interpreter exit, which follow the line that says what failed.
@@ -345,12 +352,12 @@ def last_line(text: str) -> str:
     return lines[-1][:160] if lines else "(no output)"
 
 
-def execute(run: Run, folder: Path, server: Server, image: Path, timeout: float, gpu: bool, verbose: bool) -> None:
+def execute(run: Run, folder: Path, server: Server, image: Path, timeout: float, no_cuda: str, verbose: bool) -> None:
     if run.skip:
         run.status, run.detail = "SKIP", run.skip
         return
-    if run.needs_gpu and not gpu:
-        run.status, run.detail = "SKIP", "needs a CUDA GPU (CUDA shared memory); this machine has none"
+    if run.needs_gpu and no_cuda:
+        run.status, run.detail = "SKIP", no_cuda
         return
     if run.needs_default_ports and not server.default_ports:
         run.status, run.detail = "SKIP", "hard-codes localhost:8000/8001, which another process holds"
@@ -396,7 +403,7 @@ def main() -> int:
         models = build_models(repo)
         image = tmp / "image.jpg"
         write_image(image)
-        gpu = has_gpu()
+        no_cuda = cuda_shm_missing()
         server = Server(repo, tmp / "server.log")
         server.start(models)
         status, body = server.post("/v2/repository/models/densenet_onnx/load",
@@ -406,7 +413,7 @@ def main() -> int:
         print(f"neuropod serve on HTTP {server.http_port}, gRPC {server.grpc_port}; examples from {source}", flush=True)
         runs = [r for r in plan() if not args.only or any(o in r.script for o in args.only)]
         for run in runs:
-            execute(run, folder, server, image, args.timeout, gpu, args.verbose)
+            execute(run, folder, server, image, args.timeout, no_cuda, args.verbose)
             known = f"  [expected: {run.known}]" if run.status == "FAIL" and run.known else ""
             print(f"{run.script:<52} {run.variant:<5} {run.status:<5} {run.detail}{known}", flush=True)
             if server.proc is not None and server.proc.poll() is not None:
