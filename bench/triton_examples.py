@@ -1,6 +1,6 @@
 """Triton's own Python client examples, run unchanged against ``neuropod serve``.
 
-    python bench/triton_examples.py --examples DIR [--timeout 60] [--only NAME ...] [--json out.json]
+    python bench/triton_examples.py --examples DIR [--timeout 60] [--only NAME ...] [--verbose] [--json out.json]
 
 DIR is a checkout of triton-inference-server/client (or its
 ``src/python/examples`` folder, or a clone without a work tree: its HEAD).
@@ -28,9 +28,11 @@ a configuration naming its input format (Triton reads that from the model's
 ``config.pbtxt``), runs every example as a subprocess of this interpreter,
 one run per protocol variant (``-u host:port``, ``-i http|grpc`` where a
 script takes them), each with a timeout, and prints one line a run: PASS,
-FAIL (with the last line of its output) or SKIP (with the reason: a feature
-neuropod serve does not have, or a GPU this machine lacks). The server is
-stopped at the end.
+FAIL (with the last line of its output, and ``[expected: why]`` where the
+example checks something only Triton itself has: its name, its test
+repository) or SKIP (with the reason: a feature neuropod serve does not have,
+or a GPU or cuda-python this machine lacks); then the totals, "N of M runs
+pass". The server is stopped and the temporary folder removed at the end.
 """
 
 from __future__ import annotations
