@@ -428,6 +428,18 @@ def bench_perf_analyzer(session: nox.Session) -> None:
 
 
 @nox.session(python=DEFAULT_PYTHON)
+def triton_examples(session: nox.Session) -> None:
+    """Triton's own Python client examples, unchanged, against neuropod serve: one run per example and
+    protocol, PASS/FAIL/SKIP (about 1 min; not part of CI). Give the examples' checkout:
+    nox -s triton_examples -- --examples /path/to/triton-inference-server/client"""
+    # pillow and attrdict: image_client.py's imports (attrdict for its HTTP variant).
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
+                    f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", "tritonclient[http,grpc]>=2.73", "pillow",
+                    "attrdict")  # fmt: skip
+    session.run("python", "bench/triton_examples.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
 def bench_shm(session: nox.Session) -> None:
     """System shared memory against binary tensors in the message for a 6.9 MB image, REST and
     gRPC, with tritonclient, next to the model's own run (about 1 min)."""

@@ -33,6 +33,7 @@ httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from onnx import helper  # noqa: E402
+from tritonclient.grpc import model_config_pb2 as triton_config  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry, create_app  # noqa: E402
@@ -49,6 +50,10 @@ def packages() -> Iterator[Path]:
         adder_and_echo(root / "start", echo_as_zip=False)
         onnx_package(root / "start" / "fixed", "fixed", [helper.make_node("Identity", ["x"], ["y"])],
                      [("x", "float32", [3])], [("y", "float32", [3])])  # fmt: skip
+        # An image model's interface: channels-first pixels -> the mean of each channel.
+        onnx_package(root / "start" / "image", "image",
+                     [helper.make_node("ReduceMean", ["pixels"], ["means"], axes=[2, 3], keepdims=0)],
+                     [("pixels", "float32", ["batch_size", 3, 4, 5])], [("means", "float32", ["batch_size", 3])])  # fmt: skip
         yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -232,9 +237,50 @@ def test_a_config_that_agrees_with_the_package_is_taken(batching_server: Server)
     _adder_ok(batching_server, rows=4)
 
 
+def test_input_format_is_reported_in_the_model_configuration(batching_server: Server) -> None:
+    """A config's input ``format`` (Triton's config.pbtxt names an image input's layout; a package does not)
+    is what both protocols' model configuration say afterwards, until a load without it."""
+    s = batching_server
+
+    def formats() -> tuple[list[str], list[str]]:
+        rest = [t.get("format") for t in s.triton.get_model_config("image")["input"]]
+        grpc = [triton_config.ModelInput.Format.Name(t.format) for t in s.triton_grpc.get_model_config("image").config.input]
+        return rest, grpc
+
+    assert formats() == (["FORMAT_NONE"], ["FORMAT_NONE"])
+    config = {"max_batch_size": 8, "input": [{"name": "pixels", "data_type": "TYPE_FP32", "format": "FORMAT_NCHW",
+                                              "dims": [3, 4, 5], "is_shape_tensor": False}]}  # fmt: skip
+    s.triton.load_model("image", config=json.dumps(config))
+    assert formats() == (["FORMAT_NCHW"], ["FORMAT_NCHW"])
+    rest = s.triton.get_model_config("image")
+    assert (rest["max_batch_size"], rest["input"][0]["dims"]) == (8, [3, 4, 5])
+    settings = s.engine.get("image").settings
+    assert settings is not None and settings.input_formats == (("pixels", "FORMAT_NCHW"),)
+    assert "input.format" in settings.overridden
+    # protobuf's JSON may write the enum as its number: 1 is FORMAT_NHWC.
+    s.triton_grpc.load_model("image", config=json.dumps({"input": [{"name": "pixels", "format": 1}]}))
+    assert formats() == (["FORMAT_NHWC"], ["FORMAT_NHWC"])
+    # The model runs as before: the format is what clients read, not a conversion.
+    pixels = np.random.default_rng(3).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    request = httpclient.InferInput("pixels", list(pixels.shape), "FP32")
+    request.set_data_from_numpy(pixels)
+    means = s.triton.infer("image", [request]).as_numpy("means")
+    np.testing.assert_allclose(means, pixels.reshape(2, 3, 20).mean(axis=2), rtol=1e-5)
+    s.triton.load_model("image")
+    assert formats() == (["FORMAT_NONE"], ["FORMAT_NONE"])
+
+
 @pytest.mark.parametrize(
     ("model", "config", "words"),
     [
+        # Unbatched (this server has no --max-batch-size), the image input has 4 dims, not an image's 3.
+        ("image", {"input": [{"name": "pixels", "format": "FORMAT_NCHW"}]}, ["input 'pixels'", "FORMAT_NCHW", "3 dims"]),
+        ("adder", {"input": [{"name": "x", "format": "FORMAT_NHWC"}]}, ["input 'x'", "FORMAT_NHWC", "3 dims"]),
+        ("adder", {"input": [{"name": "x", "format": "NCHW"}]}, ["input 'x'", "'NCHW'", "FORMAT_NONE"]),
+        ("adder", {"input": [{"name": "x", "format": 7}]}, ["input 'x'", "not 7"]),
+        ("adder", {"output": [{"name": "out", "format": "FORMAT_NONE"}]}, ["output 'out'", "'format'"]),
+        ("adder", {"input": [{"name": "x", "optional": True}]}, ["input 'x'", "'optional' = True"]),
+        ("adder", {"input": [{"name": "x", "reshape": {"shape": [2]}}]}, ["input 'x'", "'reshape'"]),
         ("adder", {"max_batch_sizes": 8}, ["'max_batch_sizes'", "max_batch_size"]),
         ("adder", {"sequence_batching": {}}, ["'sequence_batching'"]),
         ("adder", {"name": "other"}, ["name 'other'", "'adder'"]),

@@ -356,8 +356,8 @@ def test_control_characters_in_a_model_name_cannot_forge_log_lines(server: _Serv
     forged = 'FORGED-LINE 127.0.0.1 - "GET /v2 HTTP/1.1" 200'
     r = server.http.get("/v2/models/a%0A" + forged.replace(" ", "%20").replace('"', "%22") + "/ready", headers=AUTH)
     assert r.status_code == 404
-    message = pb.ModelReadyRequest(name="b\n" + forged)
-    e = _grpc_call(server, message.SerializeToString(), f"Bearer {TOKEN}", "ModelReady")
+    message = pb.ModelMetadataRequest(name="b\n" + forged)
+    e = _grpc_call(server, message.SerializeToString(), f"Bearer {TOKEN}", "ModelMetadata")
     assert isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.NOT_FOUND
     deadline = time.monotonic() + 5
     while (text := server.log.read_text(errors="replace")).count("FORGED-LINE") < 2 and time.monotonic() < deadline:
@@ -365,5 +365,5 @@ def test_control_characters_in_a_model_name_cannot_forge_log_lines(server: _Serv
     lines = [line for line in text.splitlines() if "FORGED-LINE" in line]
     assert len(lines) == 2, text[-2000:]  # one line per request: neither name started a line of its own
     assert not [line for line in lines if line.startswith("FORGED-LINE")]
-    rest, grpc_line = sorted(lines, key=lambda line: "ModelReady" in line)
+    rest, grpc_line = sorted(lines, key=lambda line: "ModelMetadata" in line)
     assert "a%0AFORGED-LINE" in rest and "b\\nFORGED-LINE" in grpc_line, lines

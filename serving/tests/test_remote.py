@@ -261,7 +261,7 @@ def test_unknown_model_and_version(server: Server, protocol: str) -> None:
     with pytest.raises(RemoteError) as e:
         neuropod.load_neuropod(server.url(protocol, "nope"))
     assert e.value.code == "not_found"
-    assert server.url(protocol, "nope") in str(e.value) and "no model named 'nope'" in str(e.value)
+    assert server.url(protocol, "nope") in str(e.value) and "unknown model: 'nope' is not found" in str(e.value)
     with pytest.raises(RemoteError, match="only version '1'") as e:
         neuropod.load_neuropod(server.url(protocol, "adder/7"))
     assert e.value.code == "not_found"

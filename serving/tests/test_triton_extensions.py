@@ -103,19 +103,20 @@ def _expected_config(name: str, max_batch: int, delay_us: int, workers: int) -> 
     inputs, outputs = SPECS[name]
     batched = max_batch > 0
 
-    def tensors(entries: list[tuple[str, str, list[Any]]]) -> list[dict[str, Any]]:
+    def tensors(entries: list[tuple[str, str, list[Any]]], inputs: bool) -> list[dict[str, Any]]:
         return [
-            {"name": n, "data_type": _triton_type(t), "dims": [d if isinstance(d, int) else -1 for d in s[batched:]]}
+            {"name": n, "data_type": _triton_type(t), **({"format": "FORMAT_NONE"} if inputs else {}),
+             "dims": [d if isinstance(d, int) else -1 for d in s[batched:]]}
             for n, t, s in entries
-        ]
+        ]  # fmt: skip
 
     config = {
         "name": name,
         "platform": "onnxruntime_onnx",
         "backend": "onnxruntime",
         "max_batch_size": max_batch,
-        "input": tensors(inputs),
-        "output": tensors(outputs),
+        "input": tensors(inputs, True),
+        "output": tensors(outputs, False),
         "instance_group": [{"name": name, "kind": "KIND_CPU", "count": workers}],
     }
     if batched:
@@ -128,7 +129,9 @@ def _grpc_config_as_dict(response: Any) -> dict[str, Any]:
     c = response.config
 
     def tensors(entries: Any) -> list[dict[str, Any]]:
-        return [{"name": t.name, "data_type": triton_config.DataType.Name(t.data_type), "dims": list(t.dims)}
+        return [{"name": t.name, "data_type": triton_config.DataType.Name(t.data_type),
+                 **({"format": triton_config.ModelInput.Format.Name(t.format)} if hasattr(t, "format") else {}),
+                 "dims": list(t.dims)}
                 for t in entries]  # fmt: skip
 
     out: dict[str, Any] = {
@@ -301,6 +304,17 @@ def test_config_and_stats_of_unknown_models_and_versions(plain: Any) -> None:
         with pytest.raises(InferenceServerException, match="nope") as e:
             grpc.get_inference_statistics("nope")
         assert e.value.status() == "StatusCode.NOT_FOUND"
+        # Triton's words, which its clients and examples look for (as its HTTP client's message does).
+        for call in (http.get_model_metadata, grpc.get_model_metadata, http.get_model_config, grpc.get_model_config):
+            with pytest.raises(InferenceServerException) as e:
+                call("nope")
+            assert e.value.message().startswith("Request for unknown model: 'nope' is not found"), e.value
+        with pytest.raises(InferenceServerException) as e:
+            grpc.get_model_metadata("adder", "2")
+        assert e.value.message().startswith("Request for unknown model: 'adder' version '2' is not found"), e.value
+        # Readiness of a model not loaded is an answer (not ready) on both protocols, as in Triton.
+        assert http.is_model_ready("nope") is False and grpc.is_model_ready("nope") is False
+        assert grpc.is_model_ready("adder", "2") is False and grpc.is_model_ready("adder") is True
         # A version without a model names nothing: refused, not answered with every model.
         with pytest.raises(InferenceServerException, match="no model") as e:
             grpc.get_inference_statistics("", "1")
@@ -576,7 +590,7 @@ def test_wire_compatible_with_tritonclient() -> None:
     # Ours -> bytes -> tritonclient's.
     config = ours.ModelConfig(
         name="m", platform="onnxruntime_onnx", backend="onnxruntime", max_batch_size=8,
-        input=[ours.ModelInput(name="x", data_type=ours.TYPE_FP32, dims=[-1, 2])],
+        input=[ours.ModelInput(name="x", data_type=ours.TYPE_FP32, format=ours.ModelInput.FORMAT_NHWC, dims=[-1, 2])],
         output=[ours.ModelOutput(name="s", data_type=ours.TYPE_STRING, dims=[-1])],
         instance_group=[ours.ModelInstanceGroup(name="m", kind=ours.ModelInstanceGroup.KIND_GPU, count=2, gpus=[1])],
         dynamic_batching=ours.ModelDynamicBatching(max_queue_delay_microseconds=2**40),
@@ -586,6 +600,7 @@ def test_wire_compatible_with_tritonclient() -> None:
     c = theirs.config
     assert (c.name, c.platform, c.backend, c.max_batch_size) == ("m", "onnxruntime_onnx", "onnxruntime", 8)
     assert (c.input[0].name, c.input[0].data_type, list(c.input[0].dims)) == ("x", triton_config.TYPE_FP32, [-1, 2])
+    assert c.input[0].format == triton_config.ModelInput.FORMAT_NHWC
     assert (c.output[0].data_type, list(c.output[0].dims)) == (triton_config.TYPE_STRING, [-1])
     group = c.instance_group[0]
     assert (group.kind, group.count, list(group.gpus)) == (triton_config.ModelInstanceGroup.KIND_GPU, 2, [1])

@@ -15,7 +15,11 @@ the package on the rest:
   without waiting out the delay), ``instance_group[0].count`` (OPE worker
   processes; 1 runs the model in the server's process) and
   ``instance_group[0].kind``/``gpus`` (``KIND_CPU``: the CPU,
-  ``KIND_GPU``: ``cuda:<gpus[0]>``, ``KIND_AUTO``: neuropod's choice).
+  ``KIND_GPU``: ``cuda:<gpus[0]>``, ``KIND_AUTO``: neuropod's choice), and an
+  input's ``format`` (``FORMAT_NCHW``/``FORMAT_NHWC`` for an input of three
+  dims besides the batch dimension, or ``FORMAT_NONE``): the image layout a
+  package does not record, reported in the model configuration for clients
+  that read it (Triton's image examples do); it changes nothing the model runs.
   A field left out keeps the server's option (``--max-batch-size``,
   ``--max-queue-delay-us``, ``--workers``). Unlike Triton, ``max_batch_size``
   above 1 batches without a ``dynamic_batching`` block, as ``--max-batch-size`` does.
@@ -23,6 +27,8 @@ the package on the rest:
   package's platform, or Triton's name for it), ``input`` and ``output``
   (names, ``data_type`` and ``dims``: -1 for a symbol or any size; the batch
   dimension may be left out as Triton folds it into ``max_batch_size``).
+  Triton's other tensor fields are accepted at their defaults (``false``, ``""``)
+  and refused otherwise.
   A field that disagrees is refused, naming it.
 - **ignored**: Triton fields about how its own backends treat model files or
   versions (:data:`IGNORED`); a package decides those itself.
@@ -74,6 +80,12 @@ TRITON_PLATFORMS = {
 _DYNAMIC_BATCHING = ("max_queue_delay_microseconds", "preferred_batch_size", "preserve_ordering")
 _INSTANCE_GROUP = ("name", "kind", "count", "gpus")
 _KINDS = ("KIND_AUTO", "KIND_CPU", "KIND_GPU")
+_FORMATS = ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW")
+#: Triton's tensor fields that need nothing of the server at their default values.
+_TENSOR_DEFAULTS = {
+    "is_shape_tensor": False, "allow_ragged_batch": False, "optional": False, "is_non_linear_format_io": False,
+    "label_filename": "",
+}  # fmt: skip
 
 
 def settings_from_config(text: object, package: ModelConfig, defaults: ModelSettings) -> ModelSettings:
@@ -113,7 +125,9 @@ def settings_from_config(text: object, package: ModelConfig, defaults: ModelSett
             )
         batch = max(1, triton)
         overridden.append("max_batch_size")
-    _check_tensors(config, package, symbol, where)
+    formats = _check_tensors(config, package, symbol, symbol is not None and batch > 1, where)
+    if formats:
+        overridden.append("input.format")
 
     delay, preferred = defaults.max_queue_delay_us, defaults.preferred_batch_sizes
     dynamic = config.get("dynamic_batching")
@@ -146,7 +160,7 @@ def settings_from_config(text: object, package: ModelConfig, defaults: ModelSett
         workers, device = _instance_group(groups, workers, device, where, overridden)
     return ModelSettings(
         max_batch_size=batch, max_queue_delay_us=delay, preferred_batch_sizes=preferred,
-        workers=workers, device=device, overridden=tuple(sorted(overridden)),
+        workers=workers, device=device, overridden=tuple(sorted(overridden)), input_formats=formats,
     )  # fmt: skip
 
 
@@ -199,7 +213,15 @@ def _check_names(config: dict[str, Any], package: ModelConfig, where: str) -> No
             )
 
 
-def _check_tensors(config: dict[str, Any], package: ModelConfig, symbol: str | None, where: str) -> None:
+def _check_tensors(
+    config: dict[str, Any], package: ModelConfig, symbol: str | None, batched: bool, where: str
+) -> tuple[tuple[str, str], ...]:
+    """Check the config's tensors against the package; returns the inputs' declared formats.
+
+    :param symbol: the spec's batch dimension, if it has one.
+    :param batched: whether the model is batched as configured (its batch dimension then is not an image dim).
+    """
+    formats: list[tuple[str, str]] = []
     for field, specs in (("input", package.input_spec), ("output", package.output_spec)):
         entries = config.get(field)
         if entries is None:
@@ -216,7 +238,36 @@ def _check_tensors(config: dict[str, Any], package: ModelConfig, symbol: str | N
                     f"{where}: {field} {entry['name']!r} is not one of the model's {field}s "
                     f"({', '.join(repr(n) for n in by_name)})"
                 )
-            _check_tensor(entry, spec, symbol, f"{where}: {field} {spec.name!r}")
+            what = f"{where}: {field} {spec.name!r}"
+            _check_tensor(entry, spec, symbol, what)
+            for key, value in entry.items():
+                if key in ("name", "data_type", "dims") or (key == "format" and field == "input"):
+                    continue
+                if key not in _TENSOR_DEFAULTS or value != _TENSOR_DEFAULTS[key]:
+                    raise ProtocolError(
+                        f"{what}: field {key!r} {'= ' + repr(value) + ' ' if key in _TENSOR_DEFAULTS else ''}"
+                        f"is not one this server takes (it takes name, data_type, dims"
+                        f"{', format' if field == 'input' else ''})"
+                    )
+            if field == "input" and "format" in entry:
+                formats.append((spec.name, _format(entry["format"], spec, batched, what)))
+    return tuple(formats)
+
+
+def _format(value: object, spec: TensorSpec, batched: bool, where: str) -> str:
+    """Triton's ``ModelInput.Format`` (its name; protobuf's JSON may also give the number)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(_FORMATS):
+        value = _FORMATS[value]
+    if value not in _FORMATS:
+        raise ProtocolError(f"{where}: format is one of {', '.join(_FORMATS)}, not {value!r}")
+    dims = list(spec.shape[1:] if batched else spec.shape)
+    if value != "FORMAT_NONE" and len(dims) != 3:
+        # As Triton: a layout names three dims (channels, height, width) besides the batch dimension.
+        raise ProtocolError(
+            f"{where}: format {value} is for an image input of 3 dims besides the batch dimension, "
+            f"and this one's shape is {list(spec.shape)}"
+        )
+    return str(value)
 
 
 def _check_tensor(entry: dict[str, Any], spec: TensorSpec, symbol: str | None, where: str) -> None:

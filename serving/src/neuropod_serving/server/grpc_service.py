@@ -114,7 +114,11 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
         return pb.ServerMetadataResponse(name="neuropod", version=__version__, extensions=self.extensions)
 
     def model_ready(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        self.engine.get(request.name, request.version or None)
+        # As Triton: a model that is not loaded (or not known) is not ready, which is an answer, not an error.
+        try:
+            self.engine.get(request.name, request.version or None)
+        except UnknownModelError:
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=True)
 
     def model_metadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:

@@ -15,7 +15,9 @@ into the message with :func:`model_config_message`.
   has a batch dimension and batching is on), else 0. When it is above 0 the
   batch dimension is left out of ``dims``, as in Triton.
 - ``input`` / ``output``: ``TYPE_*`` data types (``string`` is TYPE_STRING),
-  ``dims`` with -1 for a symbol or a ``null`` (any size) dim.
+  ``dims`` with -1 for a symbol or a ``null`` (any size) dim; an input's
+  ``format`` is ``FORMAT_NONE`` unless the load's config declared its layout
+  (``FORMAT_NCHW``/``FORMAT_NHWC``).
 - ``dynamic_batching``: present when the model is batched, with
   ``max_queue_delay_microseconds`` from ``--max-queue-delay-us``.
 - ``instance_group``: one group; ``count`` is the model's copies that run at
@@ -74,13 +76,14 @@ def triton_platform(platform: str, data_dir: Any = None) -> tuple[str, str]:
     return TRITON_PLATFORMS.get(platform, (platform, platform))
 
 
-def _tensor(spec: TensorSpec, batched: bool) -> dict[str, Any]:
+def _tensor(spec: TensorSpec, batched: bool, formats: dict[str, str] | None = None) -> dict[str, Any]:
+    """One ``input`` (``formats`` given: with its ``format``) or ``output`` entry."""
     shape = spec.shape[1:] if batched else spec.shape
-    return {
-        "name": spec.name,
-        "data_type": TRITON_TYPES[spec.dtype],
-        "dims": [d if isinstance(d, int) else -1 for d in shape],
-    }
+    entry: dict[str, Any] = {"name": spec.name, "data_type": TRITON_TYPES[spec.dtype]}
+    if formats is not None:
+        entry["format"] = formats.get(spec.name, "FORMAT_NONE")
+    entry["dims"] = [d if isinstance(d, int) else -1 for d in shape]
+    return entry
 
 
 def instance_group(name: str, device: str, count: int) -> dict[str, Any]:
@@ -104,12 +107,13 @@ def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
     platform, backend = triton_platform(model.platform, getattr(package, "data_dir", None))
     batching = serving.batching
     device = str(model.device)
+    formats = dict(served.settings.input_formats) if served.settings is not None else {}
     config: dict[str, Any] = {
         "name": served.name,
         "platform": platform,
         "backend": backend,
         "max_batch_size": batching.max_batch_size if batching is not None else 0,
-        "input": [_tensor(s, batching is not None) for s in model.inputs],
+        "input": [_tensor(s, batching is not None, formats) for s in model.inputs],
         "output": [_tensor(s, batching is not None) for s in model.outputs],
         "instance_group": [instance_group(served.name, device, serving.instances)],
         "parameters": {
@@ -128,7 +132,9 @@ def model_config_message(config: dict[str, Any]) -> triton_config_pb2.ModelConfi
     from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 
     def tensors(entries: list[dict[str, Any]], kind: Any) -> list[Any]:
-        return [kind(name=t["name"], data_type=tc.DataType.Value(t["data_type"]), dims=t["dims"]) for t in entries]
+        return [kind(name=t["name"], data_type=tc.DataType.Value(t["data_type"]), dims=t["dims"],
+                     **({"format": tc.ModelInput.Format.Value(t["format"])} if "format" in t else {}))
+                for t in entries]  # fmt: skip
 
     message = tc.ModelConfig(
         name=config["name"],

@@ -57,6 +57,9 @@ class ModelSettings:
     device: str | None = None
     #: The fields of a load's ``config`` that set these, sorted ("()": the server's options).
     overridden: tuple[str, ...] = ()
+    #: (input name, Triton's ``ModelInput.Format``) a load's config declared: the layout of an
+    #: image input, which a package does not say; reported in the model configuration only.
+    input_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -356,9 +359,15 @@ class ModelRegistry:
         served = self._models.get(name)
         if served is None:
             known = ", ".join(sorted(self._models)) or "(none)"
-            raise UnknownModelError(f"no model named {name!r} is loaded here; loaded models: {known}")
+            # Triton's words first: Triton's clients and examples look for them.
+            raise UnknownModelError(
+                f"Request for unknown model: {name!r} is not found; loaded models: {known}"
+            )
         if version is not None and version != MODEL_VERSION:
-            raise UnknownModelError(f"model {name!r} has only version {MODEL_VERSION!r}, not {version!r}")
+            raise UnknownModelError(
+                f"Request for unknown model: {name!r} version {version!r} is not found; "
+                f"model {name!r} has only version {MODEL_VERSION!r}"
+            )
         return served
 
     def __contains__(self, name: object) -> bool:

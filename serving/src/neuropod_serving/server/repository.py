@@ -47,8 +47,8 @@ def load(engine: Engine, name: str, parameters: Mapping[str, object]) -> None:
     if files:
         # Triton loads these instead of the repository's files; ignoring them would serve something else.
         raise ProtocolError(
-            f"this server loads packages from its repository paths only; the {', '.join(files)} "
-            "parameter(s) of a load request are not supported"
+            f"failed to load model {name!r}: this server loads packages from its repository paths only; "
+            f"the {', '.join(files)} parameter(s) of a load request are not supported"
         )
     settings: ModelSettings | None = None
     try:
@@ -63,7 +63,10 @@ def load(engine: Engine, name: str, parameters: Mapping[str, object]) -> None:
                 kept = "; the model loaded before keeps serving" if name in engine.registry else ""
                 raise LoadFailed(f"failed to load model {name!r}: {e}{kept}") from None
         engine.load(name, settings=settings)
-    except (UnknownModelError, ProtocolError):
+    except UnknownModelError as e:
+        # Still a 404 (gRPC NOT_FOUND), in the words every failed load starts with (Triton's too).
+        raise UnknownModelError(f"failed to load model {name!r}: {e}") from None
+    except ProtocolError:
         raise
     except NeuropodError as e:
         # The package is at fault, not a running model: 400 like Triton, naming the model.

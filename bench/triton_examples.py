@@ -1,0 +1,446 @@
+"""Triton's own Python client examples, run unchanged against ``neuropod serve``.
+
+    python bench/triton_examples.py --examples DIR [--timeout 60] [--only NAME ...] [--verbose] [--json out.json]
+
+DIR is a checkout of triton-inference-server/client (or its
+``src/python/examples`` folder, or a clone without a work tree: its HEAD).
+The example scripts are copied from there into a temporary folder at run
+time; nothing of them is kept here.
+
+The harness builds, as real Neuropod packages (ONNX graphs made with
+``onnx.helper``), the models the examples call, with the names, tensor names,
+data types, shapes and batching they expect:
+
+* ``simple``: INT32 ``INPUT0``/``INPUT1`` [batch, 16] -> ``OUTPUT0`` = sum,
+  ``OUTPUT1`` = difference; ``simple_int8`` the same in INT8;
+* ``simple_string``: the same over BYTES tensors holding decimal integers;
+* ``simple_identity`` (BYTES) and ``custom_identity_int32`` (INT32 [batch, -1]):
+  ``OUTPUT0`` = ``INPUT0``;
+* ``densenet_onnx``: FP32 ``data_0`` [3, 224, 224] (NCHW) -> ``fc6_1``
+  [1000, 1, 1] with class labels, unbatched, as Triton's image example model
+  (a small graph, not DenseNet: the examples check shapes and the protocol,
+  not the classes).
+
+It starts one ``neuropod serve`` over that repository (on 8000/8001 when they
+are free, as ``memory_growth_test.py`` hard-codes them, else on free ports;
+``--allow-client-shm``, ``--max-batch-size 8``), loads ``densenet_onnx`` with
+a configuration naming its input format (Triton reads that from the model's
+``config.pbtxt``), runs every example as a subprocess of this interpreter,
+one run per protocol variant (``-u host:port``, ``-i http|grpc`` where a
+script takes them), each with a timeout, and prints one line a run: PASS,
+FAIL (with the last line of its output, and ``[expected: why]`` where the
+example checks something only Triton itself has: its name, its test
+repository) or SKIP (with the reason: a feature neuropod serve does not have,
+or a GPU or cuda-python this machine lacks); then the totals, "N of M runs
+pass". The server is stopped and the temporary folder removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Why runs of features neuropod serve does not have are skipped.
+SEQUENCE = "needs a sequence-batched (stateful) model; neuropod serve has no sequence batching"
+DECOUPLED = "needs a decoupled model (several responses a request); neuropod serve answers one a request"
+ENSEMBLE = "needs a Triton ensemble (image preprocessing model chained to a classifier); not served"
+#: Why runs that fail are expected to: checks of Triton itself or of Triton's test repository.
+TRITON_NAME = "checks that the server's name is 'triton'; neuropod serve's is 'neuropod'"
+TRITON_REPO = "checks that the repository holds exactly {n} models, as Triton's test repository does"
+NO_FILE_LOADS = ("; then expects INTERNAL 'failed to poll from model repository' for a load with a file: override, "
+                 "which neuropod serve refuses as INVALID_ARGUMENT (packages come from its PATHs only)")  # fmt: skip
+
+IMAGE_ARGS = ["-m", "densenet_onnx", "-c", "3", "-s", "INCEPTION"]
+
+
+@dataclass
+class Run:
+    script: str
+    variant: str  # "http", "grpc" or "-"
+    args: list[str] = field(default_factory=list)  # placeholders {http}, {grpc}, {image}
+    skip: str = ""
+    needs_gpu: bool = False
+    needs_default_ports: bool = False
+    known: str = ""  # why it is expected to fail
+    status: str = ""
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def plan() -> list[Run]:
+    """Every run, in the order they run (the model-control examples last: they unload ``simple``)."""
+    runs = [
+        Run("grpc_client.py", "grpc", ["-u", "{grpc}"]),
+        Run("grpc_explicit_byte_content_client.py", "grpc", ["-u", "{grpc}"]),
+        Run("grpc_explicit_int8_content_client.py", "grpc", ["-u", "{grpc}"]),
+        Run("grpc_explicit_int_content_client.py", "grpc", ["-u", "{grpc}"]),
+        Run("grpc_image_client.py", "grpc", [*IMAGE_ARGS, "-u", "{grpc}", "{image}"]),
+        Run("image_client.py", "http", [*IMAGE_ARGS, "-i", "http", "-u", "{http}", "{image}"]),
+        Run("image_client.py", "grpc", [*IMAGE_ARGS, "-i", "grpc", "-u", "{grpc}", "{image}"]),
+        Run("ensemble_image_client.py", "http", ["-i", "http", "-u", "{http}", "{image}"], skip=ENSEMBLE),
+        Run("ensemble_image_client.py", "grpc", ["-i", "grpc", "-u", "{grpc}", "{image}"], skip=ENSEMBLE),
+        Run("memory_growth_test.py", "http", ["-i", "http"], needs_default_ports=True),
+        Run("memory_growth_test.py", "grpc", ["-i", "grpc"], needs_default_ports=True),
+        Run("reuse_infer_objects_client.py", "http", ["-i", "http", "-u", "{http}"]),
+        Run("reuse_infer_objects_client.py", "grpc", ["-i", "grpc", "-u", "{grpc}"]),
+    ]
+    for name in ("aio_infer", "async_infer", "custom_args", "health_metadata", "infer", "keepalive",
+                 "shm", "shm_string", "string_infer"):  # fmt: skip
+        health = name == "health_metadata"
+        runs.append(Run(f"simple_grpc_{name}_client.py" if not health else "simple_grpc_health_metadata.py", "grpc",
+                        ["-u", "{grpc}"], known=TRITON_NAME if health else ""))  # fmt: skip
+    runs.append(Run("simple_grpc_cudashm_client.py", "grpc", ["-u", "{grpc}"], needs_gpu=True))
+    runs.append(Run("simple_grpc_custom_repeat.py", "grpc", ["-u", "{grpc}"], skip=DECOUPLED))
+    for name in ("aio_sequence_stream", "sequence_stream", "sequence_sync"):
+        runs.append(Run(f"simple_grpc_{name}_infer_client.py", "grpc", ["-u", "{grpc}"], skip=SEQUENCE))
+    for name in ("aio_infer", "async_infer", "health_metadata", "infer", "shm", "shm_string", "string_infer"):
+        health = name == "health_metadata"
+        runs.append(Run(f"simple_http_{name}_client.py" if not health else "simple_http_health_metadata.py", "http",
+                        ["-u", "{http}"], known=TRITON_NAME if health else ""))  # fmt: skip
+    runs.append(Run("simple_http_cudashm_client.py", "http", ["-u", "{http}"], needs_gpu=True))
+    runs.append(Run("simple_http_sequence_sync_infer_client.py", "http", ["-u", "{http}"], skip=SEQUENCE))
+    runs.append(Run("simple_grpc_model_control.py", "grpc", ["-u", "{grpc}"],
+                    known=TRITON_REPO.format(n=8) + NO_FILE_LOADS))  # fmt: skip
+    runs.append(Run("simple_http_model_control.py", "http", ["-u", "{http}"], known=TRITON_REPO.format(n=7)))
+    return runs
+
+
+# -- models ------------------------------------------------------------------------------------------------------------
+
+
+def _onnx(nodes: list[Any], inputs: list[Any], outputs: list[Any], inits: list[Any] = ()) -> Any:  # type: ignore[assignment]
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(*i) for i in inputs],
+                              [helper.make_tensor_value_info(*o) for o in outputs], initializer=list(inits))  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def _spec(entries: list[tuple[str, str, list[Any]]]) -> list[dict[str, Any]]:
+    return [{"name": n, "dtype": t, "shape": s} for n, t, s in entries]
+
+
+def build_models(repo: Path) -> list[str]:
+    """Write the example models into ``repo``; returns their names."""
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    from neuropod.packagers import create_onnx_neuropod
+
+    def package(name: str, nodes: list[Any], inputs: list[tuple[str, str, list[Any]]],
+                outputs: list[tuple[str, str, list[Any]]], onnx_types: dict[str, int],
+                inits: list[Any] = (), **kw: Any) -> None:  # type: ignore[assignment]  # fmt: skip
+        def shape(s: list[Any]) -> list[Any]:
+            return [d if d is not None else "n" for d in s]
+
+        model = _onnx(nodes, [(n, onnx_types[n], shape(s)) for n, _, s in inputs],
+                      [(n, onnx_types[n], shape(s)) for n, _, s in outputs], inits)  # fmt: skip
+        create_onnx_neuropod(repo / name, name, input_spec=_spec(inputs), output_spec=_spec(outputs),
+                             onnx_model=model, **kw)  # fmt: skip
+
+    row = ["batch_size", 16]
+    io = ["INPUT0", "INPUT1", "OUTPUT0", "OUTPUT1"]
+    add_sub = [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+               helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])]  # fmt: skip
+    package("simple", add_sub, [("INPUT0", "int32", row), ("INPUT1", "int32", row)],
+            [("OUTPUT0", "int32", row), ("OUTPUT1", "int32", row)], dict.fromkeys(io, T.INT32))  # fmt: skip
+    # INT8 arithmetic in int32, cast back (wrapping as Triton's INT8 example model does).
+    int8_nodes = [
+        helper.make_node("Cast", ["INPUT0"], ["a"], to=T.INT32), helper.make_node("Cast", ["INPUT1"], ["b"], to=T.INT32),
+        helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Sub", ["a", "b"], ["d"]),
+        helper.make_node("Cast", ["s"], ["OUTPUT0"], to=T.INT8), helper.make_node("Cast", ["d"], ["OUTPUT1"], to=T.INT8),
+    ]  # fmt: skip
+    package("simple_int8", int8_nodes, [("INPUT0", "int8", row), ("INPUT1", "int8", row)],
+            [("OUTPUT0", "int8", row), ("OUTPUT1", "int8", row)], dict.fromkeys(io, T.INT8))  # fmt: skip
+    # Strings holding decimal integers: parsed, added and subtracted in int32, written back as strings.
+    string_nodes = [
+        helper.make_node("Cast", ["INPUT0"], ["a"], to=T.INT32), helper.make_node("Cast", ["INPUT1"], ["b"], to=T.INT32),
+        helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Sub", ["a", "b"], ["d"]),
+        helper.make_node("Cast", ["s"], ["OUTPUT0"], to=T.STRING),
+        helper.make_node("Cast", ["d"], ["OUTPUT1"], to=T.STRING),
+    ]  # fmt: skip
+    package("simple_string", string_nodes, [("INPUT0", "string", row), ("INPUT1", "string", row)],
+            [("OUTPUT0", "string", row), ("OUTPUT1", "string", row)], dict.fromkeys(io, T.STRING))  # fmt: skip
+    identity = [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])]
+    package("simple_identity", identity, [("INPUT0", "string", ["batch_size", None])],
+            [("OUTPUT0", "string", ["batch_size", None])], {"INPUT0": T.STRING, "OUTPUT0": T.STRING})  # fmt: skip
+    package("custom_identity_int32", identity, [("INPUT0", "int32", ["batch_size", None])],
+            [("OUTPUT0", "int32", ["batch_size", None])], {"INPUT0": T.INT32, "OUTPUT0": T.INT32})  # fmt: skip
+    # An image classifier's interface: per-channel means through a 1x1 convolution to 1000 scores.
+    import numpy as np
+
+    weights = np.random.default_rng(0).standard_normal((1000, 3, 1, 1)).astype(np.float32)
+    image_nodes = [
+        helper.make_node("Unsqueeze", ["data_0", "axis0"], ["batched"]),
+        helper.make_node("GlobalAveragePool", ["batched"], ["pooled"]),
+        helper.make_node("Conv", ["pooled", "w"], ["scores"]),
+        helper.make_node("Squeeze", ["scores", "axis0"], ["fc6_1"]),
+    ]  # fmt: skip
+    inits = [helper.make_tensor("axis0", T.INT64, [1], [0]),
+             helper.make_tensor("w", T.FLOAT, list(weights.shape), weights.ravel().tolist())]  # fmt: skip
+    package("densenet_onnx", image_nodes, [("data_0", "float32", [3, 224, 224])],
+            [("fc6_1", "float32", [1000, 1, 1])], {"data_0": T.FLOAT, "fc6_1": T.FLOAT}, inits,
+            output_labels={"fc6_1": [f"CLASS_{i}" for i in range(1000)]})  # fmt: skip
+    return ["simple", "simple_int8", "simple_string", "simple_identity", "custom_identity_int32", "densenet_onnx"]
+
+
+#: What Triton's densenet_onnx ``config.pbtxt`` says that a package does not: the input's layout.
+DENSENET_CONFIG = {"input": [{"name": "data_0", "data_type": "TYPE_FP32", "format": "FORMAT_NCHW", "dims": [3, 224, 224]}]}
+
+
+def write_image(path: Path) -> None:
+    """A small JPEG for the image examples (they resize it to the model's input)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    Image.fromarray(rng.integers(0, 256, (64, 80, 3), dtype=np.uint8)).save(path, "JPEG")
+
+
+# -- server ------------------------------------------------------------------------------------------------------------
+
+
+def _port_free(port: int) -> bool:
+    """Nothing listens on ``port`` (connections of an earlier run in TIME_WAIT do not count, as for the server)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``neuropod serve`` in its own process group, its output in a log file."""
+
+    def __init__(self, repo: Path, log: Path) -> None:
+        if _port_free(8000) and _port_free(8001):
+            self.http_port, self.grpc_port = 8000, 8001
+        else:
+            self.http_port, self.grpc_port = _free_port(), _free_port()
+        self.log = log
+        self.command = [sys.executable, "-m", "neuropod", "serve", str(repo), "--http-port", str(self.http_port),
+                        "--grpc-port", str(self.grpc_port), "--metrics-port", "0", "--allow-client-shm",
+                        "--max-batch-size", "8", "--quiet"]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def default_ports(self) -> bool:
+        return (self.http_port, self.grpc_port) == (8000, 8001)
+
+    def start(self, models: list[str], timeout: float = 120.0) -> None:
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + timeout
+        pending = ["/v2/health/ready", *(f"/v2/models/{m}/ready" for m in models)]
+        while pending:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"neuropod serve exited with {self.proc.returncode}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"neuropod serve was not ready after {timeout:.0f} s:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{pending[0]}", timeout=2) as r:
+                    if r.status == 200:
+                        pending.pop(0)
+                        continue
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM to the server's group, SIGKILL after 15 s."""
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.proc = None
+
+
+# -- runs --------------------------------------------------------------------------------------------------------------
+
+
+def copy_examples(arg: Path, dest: Path) -> str:
+    """Copy the example scripts into ``dest``; returns where they came from.
+
+    ``arg`` is a checkout, its ``src/python/examples`` folder, or a clone without a
+    work tree (a bare or mirror clone: the scripts are read from its HEAD).
+    """
+    for candidate in (arg / "src" / "python" / "examples", arg):
+        if (candidate / "simple_http_infer_client.py").is_file():
+            shutil.copytree(candidate, dest, ignore=shutil.ignore_patterns("CMakeLists.txt"))
+            return str(candidate)
+    folder = "src/python/examples"
+    listing = subprocess.run(["git", "-C", str(arg), "ls-tree", "--name-only", "HEAD", f"{folder}/"],
+                             capture_output=True, text=True)  # fmt: skip
+    names = [n for n in listing.stdout.split() if n.endswith(".py")] if listing.returncode == 0 else []
+    if not names:
+        raise SystemExit(f"{arg}: neither a triton-inference-server/client checkout (or clone) nor its {folder} folder")
+    dest.mkdir(parents=True)
+    for name in names:
+        text = subprocess.run(["git", "-C", str(arg), "show", f"HEAD:{name}"], capture_output=True, check=True).stdout
+        (dest / Path(name).name).write_bytes(text)
+    commit = subprocess.run(["git", "-C", str(arg), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return f"{arg} at {commit[:12]}"
+
+
+def cuda_shm_missing() -> str:
+    """Why the CUDA shared-memory examples cannot run here ("" when they can)."""
+    try:
+        if subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode != 0:
+            return "needs a CUDA GPU (CUDA shared memory); this machine has none"
+    except (OSError, subprocess.TimeoutExpired):
+        return "needs a CUDA GPU (CUDA shared memory); this machine has none"
+    import importlib.util
+
+    if importlib.util.find_spec("cuda") is None:
+        return "needs cuda-python for tritonclient's CUDA shared memory (pip install 'tritonclient[cuda]')"
+    return ""
+
+
+#: aiohttp's warnings at interpreter exit, which follow the line that says what failed.
+_NOISE = ("Unclosed connector", "Unclosed client session", "connections:", "connector:", "client_session:")
+
+
+def last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(_NOISE)]
+    return lines[-1][:160] if lines else "(no output)"
+
+
+def execute(run: Run, folder: Path, server: Server, image: Path, timeout: float, no_cuda: str, verbose: bool) -> None:
+    if run.skip:
+        run.status, run.detail = "SKIP", run.skip
+        return
+    if run.needs_gpu and no_cuda:
+        run.status, run.detail = "SKIP", no_cuda
+        return
+    if run.needs_default_ports and not server.default_ports:
+        run.status, run.detail = "SKIP", "hard-codes localhost:8000/8001, which another process holds"
+        return
+    values = {"http": f"localhost:{server.http_port}", "grpc": f"localhost:{server.grpc_port}", "image": str(image)}
+    cmd = [sys.executable, str(folder / run.script), *(a.format(**values) for a in run.args)]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        run.seconds = time.monotonic() - t0
+        run.status, run.detail = "FAIL", f"timed out after {timeout:g} s: {last_line(str(e.stdout or ''))}"
+        return
+    run.seconds = time.monotonic() - t0
+    output = (proc.stdout or "") + (proc.stderr or "")
+    if verbose:
+        print(f"--- {run.script} {run.variant} (exit {proc.returncode})\n{output[-4000:]}", flush=True)
+    if proc.returncode == 0:
+        run.status = "PASS"
+    else:
+        run.status, run.detail = "FAIL", f"exit {proc.returncode}: {last_line(output)}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=Path, required=True,
+                        help="a triton-inference-server/client checkout, or its src/python/examples folder")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take (default 60)")
+    parser.add_argument("--only", nargs="*", default=[], help="run only scripts whose name contains one of these")
+    parser.add_argument("--verbose", action="store_true", help="print each run's output")
+    parser.add_argument("--json", type=Path, help="write the table here as JSON")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="neuropod-triton-examples-"))
+    server: Server | None = None
+    old_cache = os.environ.get("NEUROPOD_CACHE_DIR")
+    try:
+        folder = tmp / "examples"
+        source = copy_examples(args.examples.resolve(), folder)
+        repo = tmp / "models"
+        repo.mkdir()
+        os.environ["NEUROPOD_CACHE_DIR"] = str(tmp / "cache")
+        models = build_models(repo)
+        image = tmp / "image.jpg"
+        write_image(image)
+        no_cuda = cuda_shm_missing()
+        server = Server(repo, tmp / "server.log")
+        server.start(models)
+        status, body = server.post("/v2/repository/models/densenet_onnx/load",
+                                   {"parameters": {"config": json.dumps(DENSENET_CONFIG)}})  # fmt: skip
+        if status != 200:
+            print(f"note: densenet_onnx did not load with its input format ({status}: {body})", flush=True)
+        print(f"neuropod serve on HTTP {server.http_port}, gRPC {server.grpc_port}; examples from {source}", flush=True)
+        runs = [r for r in plan() if not args.only or any(o in r.script for o in args.only)]
+        for run in runs:
+            execute(run, folder, server, image, args.timeout, no_cuda, args.verbose)
+            known = f"  [expected: {run.known}]" if run.status == "FAIL" and run.known else ""
+            print(f"{run.script:<52} {run.variant:<5} {run.status:<5} {run.detail}{known}", flush=True)
+            if server.proc is not None and server.proc.poll() is not None:
+                print(f"the server exited ({server.proc.returncode}):\n{server.tail()}", flush=True)
+                break
+    finally:
+        if server is not None:
+            server.stop()
+        if old_cache is None:
+            os.environ.pop("NEUROPOD_CACHE_DIR", None)
+        else:
+            os.environ["NEUROPOD_CACHE_DIR"] = old_cache
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    done = [r for r in runs if r.status]
+    counts = {s: sum(r.status == s for r in done) for s in ("PASS", "FAIL", "SKIP")}
+    expected = sum(r.status == "FAIL" and bool(r.known) for r in done)
+    print(f"\n{counts['PASS']} of {len(done)} runs pass ({counts['FAIL']} fail, {expected} of them as expected; "
+          f"{counts['SKIP']} skipped)")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps([{"script": r.script, "variant": r.variant, "status": r.status,
+                                          "detail": r.detail, "expected_failure": r.known,
+                                          "seconds": round(r.seconds, 2)} for r in done], indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
