@@ -328,7 +328,7 @@ class Engine:
         """How model ``name`` is served (batching, instances). :raises UnknownModelError: it is not loaded."""
         runner = self._runners.get(name)
         if runner is None:
-            raise UnknownModelError(f"no model named {name!r} is loaded here")
+            raise UnknownModelError(f"Request for unknown model: {name!r} is not found")
         return runner.serving
 
     def batched(self, name: str) -> tuple[bool, str]:
