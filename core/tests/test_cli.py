@@ -126,6 +126,17 @@ def test_errors_are_one_line_without_traceback(
     assert code == 2 and message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("days", ["nan", "-1"])
+def test_env_prune_days_that_are_not_a_count(
+    days: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN reached prune_environments and came back as "ValueError: ..."; both now name the option."""
+    monkeypatch.setenv("NEUROPOD_HOME", str(tmp_path / "home"))
+    code, out = run("env", "prune", "--days", days)
+    assert (code, out) == (2, "")
+    assert capsys.readouterr().err == f"neuropod env: error: --days must be a number >= 0, not {days}\n"
+
+
 def test_command_line_entry_point(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "neuropod.cli", "inspect", str(write_toy(tmp_path / "m"))],

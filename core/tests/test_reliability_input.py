@@ -324,7 +324,7 @@ def test_item16_long_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     [
         (OSError(36, "File name too long", "a" * 5000), ["neuropod inspect: error: File name too long: 'aaa", "aaa...aaa", "aaa'"]),
         (PermissionError(13, "Permission denied", "/x", None, "/y"), ["error: Permission denied: '/x' -> '/y'"]),
-        (ValueError("bad\nvalue"), ["error: ValueError: bad value"]),
+        (ValueError("bad\nvalue"), ["neuropod inspect: error: bad value"]),
         (UnicodeEncodeError("ascii", "\udcff", 0, 1, "no"), ["error: UnicodeEncodeError:"]),
         (RuntimeError("oops"), ["error: unexpected RuntimeError: oops", "run again with --debug"]),
     ],

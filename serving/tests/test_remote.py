@@ -429,6 +429,15 @@ def test_options_that_do_not_apply(server: Server) -> None:
         neuropod.load_neuropod("ftp://host/m")
 
 
+def test_a_bad_url_on_the_command_line_is_a_plain_message(capsys: pytest.CaptureFixture[str]) -> None:
+    """The URL's own words, not Python's class name in front of them."""
+    for url, why in (("grpc://h:99999/m", "is not a valid URL"), ("grpc://:8001/m", "names no host")):
+        assert main(["inspect", url]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"neuropod inspect: error: Remote model URL {url!r} {why}"), err
+        assert "ValueError" not in err and len(err.splitlines()) == 1
+
+
 def test_inspect_and_explain_a_url(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
     url = server.url("grpc", "adder")
     assert main(["inspect", url]) == 0

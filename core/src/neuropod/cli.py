@@ -604,8 +604,8 @@ def cmd_env_prepare(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_env_prune(args: argparse.Namespace, out: TextIO) -> int:
     from neuropod.envs import envs_dir, prune_environments
 
-    if args.days < 0:
-        raise NeuropodError(f"--days must be >= 0, not {args.days:g}")
+    if not args.days >= 0:  # also NaN, which compares false with everything
+        raise NeuropodError(f"--days must be a number >= 0, not {args.days:g}")
     gone = prune_environments(args.days, dry_run=args.dry_run)
     verb = "Would remove" if args.dry_run else "Removed"
     for e in gone:
@@ -837,8 +837,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return _fail(args, str(e))
     except OSError as e:
         return _fail(args, _describe_os_error(e))
-    except (ValueError, UnicodeError, MemoryError, RecursionError) as e:
+    except (UnicodeError, MemoryError, RecursionError) as e:
         return _fail(args, f"{type(e).__name__}: {_one_line(str(e))}")
+    except ValueError as e:
+        # A bad value the user gave (a remote URL, a number out of range): its message is written
+        # for them, and Python's class name in front of it says nothing more.
+        return _fail(args, _one_line(str(e)) or "a value is not valid (run again with --debug for the traceback)")
     except Exception as e:  # noqa: BLE001  # a bug: still one line, and how to get the traceback
         return _fail(args, f"unexpected {type(e).__name__}: {_one_line(str(e))} "
                      "(a bug in neuropod or a plugin: run again with --debug and report the traceback)")
