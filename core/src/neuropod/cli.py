@@ -30,6 +30,7 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -472,6 +473,34 @@ def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _build_demo(build: Any, work: Path, *, keep: bool, overwrite: bool) -> tuple[Path, Any, Any]:
+    """Run a demo's builder into ``work``. A kept directory (``--dir``) gets the package through a
+    hidden directory beside it, so that a package left there by an earlier run is replaced only with
+    ``--overwrite``, and only by a complete one."""
+    from neuropod.package import replace_package
+
+    if not keep:
+        built: tuple[Path, Any, Any] = build(work)
+        return built
+    work.mkdir(parents=True, exist_ok=True)
+    new_dir = Path(tempfile.mkdtemp(prefix=".neuropod-demo-", dir=work))
+    try:
+        new, inputs, bad_inputs = build(new_dir)
+        path = work / Path(new).relative_to(new_dir)
+        if os.path.lexists(path):
+            if not overwrite:
+                raise NeuropodError(
+                    f"--dir {_short(str(work))} already holds {path.name} (from an earlier run?): pass --overwrite to "
+                    "replace it, or choose another --dir"
+                )
+            replace_package(Path(new), path)
+        else:
+            Path(new).rename(path)
+    finally:
+        shutil.rmtree(new_dir, ignore_errors=True)
+    return path, inputs, bad_inputs
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     import importlib_metadata
 
@@ -490,7 +519,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
         work = Path(args.dir) if args.dir else Path(tmp)
         print(f"1. Packaging a small {name} model into {work}", file=out)
         t0 = time.perf_counter()
-        path, inputs, bad_inputs = build(work)
+        path, inputs, bad_inputs = _build_demo(build, work, keep=bool(args.dir), overwrite=args.overwrite)
         print(f"   wrote {path} in {(time.perf_counter() - t0) * 1e3:.0f} ms", file=out)
         print("\n2. The package:", file=out)
         cmd_inspect(argparse.Namespace(package=path, no_verify=False, json=False), out)
@@ -776,6 +805,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="package a small model, explain the resolution and run it")
     s.add_argument("platform", nargs="?", help="which plugin's demo (default: onnx)")
     s.add_argument("--dir", help="keep the demo package in this directory")
+    s.add_argument("--overwrite", action="store_true", help="replace the package an earlier run left in --dir")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("env", help="backend environments: other framework versions, each in its own Python environment")

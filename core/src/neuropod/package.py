@@ -764,6 +764,11 @@ class PackageOptions(TypedDict, total=False):
       index ``i`` of a row of that output; kept in ``config.json`` and used by
       ``neuropod serve`` to answer classification requests
       (``score:index:label``).
+    * ``overwrite``: replace a package already at the path (default False:
+      that is an error). The new package is written and checked beside the
+      old one, which is replaced only then; a package that fails its check
+      leaves the old one as it was. Only a package (a directory with a
+      ``config.json``, or a zip file) is ever replaced.
     """
 
     platform_version_semver: str
@@ -779,6 +784,7 @@ class PackageOptions(TypedDict, total=False):
     output_labels: Mapping[str, Sequence[str]] | None
     test_rtol: float
     test_atol: float
+    overwrite: bool
 
 
 _OPTION_DEFAULTS: dict[str, Any] = {
@@ -794,6 +800,7 @@ _OPTION_DEFAULTS: dict[str, Any] = {
     "output_labels": None,
     "test_rtol": 1e-5,
     "test_atol": 1e-6,
+    "overwrite": False,
 }
 
 
@@ -863,9 +870,22 @@ def create_package(
     :param defaults: the packager's own defaults for common keywords.
     :returns: the path written.
     """
+    from neuropod._args import check_flag
     from neuropod.model import check_packaged
 
     opts = package_options(packager, options, defaults)
+    check_flag("overwrite", opts["overwrite"])
+    dest = Path(neuropod_path)
+    staging: Path | None = None
+    if os.path.lexists(dest):
+        if not opts["overwrite"]:
+            raise PackageError(
+                f"{dest} already exists: pass overwrite=True to {packager}() to replace it (the old package "
+                "stays until the new one is written and checked), or choose another path"
+            )
+        _check_replaceable(dest)
+        # Beside the old one (one file system, so the swap is a rename), under the same name.
+        staging = Path(tempfile.mkdtemp(prefix=".neuropod-new-", dir=dest.parent))
     version_range = opts.get("platform_version_semver")
     config = packager_config(
         model_name, platform, input_spec, output_spec,
@@ -874,19 +894,71 @@ def create_package(
         default_input_tensor_device=opts["default_input_tensor_device"], device_requirements=device_requirements,
         exported_with=exported_with, output_labels=opts["output_labels"],
     )  # fmt: skip
-    path = write_package(
-        neuropod_path, config, files, backend_config=backend_config, custom_ops=opts["custom_ops"],
-        test_input_data=opts["test_input_data"], test_expected_out=opts["test_expected_out"],
-        package_as_zip=opts["package_as_zip"], persist_test_data=opts["persist_test_data"],
-        zip_compression=opts["zip_compression"],
-    )  # fmt: skip
-    # Loads the package once (a spec that does not fit the model fails now, not
-    # at deployment) and runs the test data; a package that fails is removed.
-    check_packaged(
-        path, test_input_data=opts["test_input_data"], test_expected_out=opts["test_expected_out"],
-        neuropod_load_args=opts["neuropod_load_args"], backend=platform, rtol=opts["test_rtol"], atol=opts["test_atol"],
-    )  # fmt: skip
-    return path
+    try:
+        path = write_package(
+            dest if staging is None else staging / dest.name, config, files, backend_config=backend_config,
+            custom_ops=opts["custom_ops"], test_input_data=opts["test_input_data"],
+            test_expected_out=opts["test_expected_out"], package_as_zip=opts["package_as_zip"],
+            persist_test_data=opts["persist_test_data"], zip_compression=opts["zip_compression"],
+        )  # fmt: skip
+        # Loads the package once (a spec that does not fit the model fails now, not
+        # at deployment) and runs the test data; a package that fails is removed.
+        check_packaged(
+            path, test_input_data=opts["test_input_data"], test_expected_out=opts["test_expected_out"],
+            neuropod_load_args=opts["neuropod_load_args"], backend=platform, rtol=opts["test_rtol"],
+            atol=opts["test_atol"],
+        )  # fmt: skip
+        if staging is not None:
+            replace_package(path, dest)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def _check_replaceable(dest: Path) -> None:
+    """Refuse to replace anything but a package: ``overwrite=True`` with a wrong path must not delete a home directory."""
+    if dest.is_dir() and (dest / CONFIG).is_file():
+        return
+    if dest.is_file() and zipfile.is_zipfile(dest):
+        return
+    raise PackageError(
+        f"{dest} exists and is not a Neuropod package (a directory with {CONFIG}, or a zip file); "
+        "overwrite=True replaces only a package: remove it yourself or choose another path"
+    )
+
+
+def replace_package(new: Path, dest: Path) -> None:
+    """Put the complete package ``new`` at ``dest`` in place of the one there, by renames on one file system.
+
+    ``dest`` names the old package until the new one takes its name; if that
+    fails, the old one is put back.
+
+    :raises PackageError: a rename failed (the old package is kept).
+    """
+    if new.is_file() and dest.is_file() and not dest.is_symlink():
+        try:
+            os.replace(new, dest)  # one atomic step: a zip for a zip
+        except OSError as e:
+            raise PackageError(f"Cannot replace {dest}: {e.strerror}") from None
+        return
+    trash = Path(tempfile.mkdtemp(prefix=".neuropod-old-", dir=dest.parent))
+    old = trash / "old"
+    try:
+        os.rename(dest, old)
+    except OSError as e:
+        shutil.rmtree(trash, ignore_errors=True)
+        raise PackageError(f"Cannot replace {dest}: {e.strerror}") from None
+    try:
+        os.rename(new, dest)
+    except OSError as e:
+        try:
+            os.rename(old, dest)
+        except OSError:
+            raise PackageError(f"Cannot replace {dest}: {e.strerror}; the old package is at {old}") from None
+        shutil.rmtree(trash, ignore_errors=True)
+        raise PackageError(f"Cannot replace {dest}: {e.strerror}") from None
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _exists(dest: Path) -> PackageError:
@@ -1041,5 +1113,6 @@ __all__ = [
     "parse_config",
     "read_package",
     "write_package",
+    "replace_package",
     "write_zip",
 ]
