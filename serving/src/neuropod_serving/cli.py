@@ -290,6 +290,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     # Models load before the ports open: a bad package fails the start, not the first request.
+    # A port taken by another server fails it before they load.
+    _check_ports(args)
     registry = ModelRegistry.load(args.paths, workers=args.workers)
     batching = BatchPolicy(args.max_batch_size, args.max_queue_delay_us / 1e6) if args.max_batch_size > 1 else None
     limits = ModelLimits(args.max_concurrent_runs, args.max_queued_requests)
@@ -485,11 +487,16 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
             if args.grpc_port:
                 from neuropod_serving.server.grpc_service import start_grpc_server
 
-                grpc_server, _ = start_grpc_server(
-                    engine, f"{args.host}:{args.grpc_port}", auth_token=token, tls=tls,
-                    max_message_bytes=args.max_request_bytes, access_log=not args.quiet,
-                    max_streams=getattr(args, "max_grpc_streams", DEFAULT_MAX_GRPC_STREAMS),
-                )  # fmt: skip
+                # Taken while the models loaded? Say so in our words, not in grpcio's log.
+                _bind(args.host, args.grpc_port, "--grpc-port").close()
+                try:
+                    grpc_server, _ = start_grpc_server(
+                        engine, f"{_show_host(args.host)}:{args.grpc_port}", auth_token=token, tls=tls,
+                        max_message_bytes=args.max_request_bytes, access_log=not args.quiet,
+                        max_streams=getattr(args, "max_grpc_streams", DEFAULT_MAX_GRPC_STREAMS),
+                    )  # fmt: skip
+                except NeuropodError as e:
+                    raise _port_error(args.host, args.grpc_port, "--grpc-port", str(e)) from None
             try:
                 if not args.quiet:
                     auth = "bearer token required" if token else "no authentication"
@@ -541,6 +548,33 @@ def _show_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+#: What each port flag serves, and how to do without it, for the message when it cannot be bound.
+_PORT_FLAGS = {
+    "--http-port": ("REST", ""),
+    "--grpc-port": ("gRPC", " (0 turns gRPC off)"),
+    "--metrics-port": ("metrics", " (0 turns it off; /metrics stays on the REST port)"),
+}
+
+
+def _port_error(host: str, port: int, flag: str, error: OSError | str) -> NeuropodError:
+    """One line naming the port, what it was for, and the flag that changes it."""
+    import errno
+
+    what, off = _PORT_FLAGS[flag]
+    where = f"{_show_host(host)}:{port}"
+    if isinstance(error, str):  # grpcio's words, which do not say why
+        return NeuropodError(
+            f"{flag} {port}: cannot listen on {where} for {what} ({error}); if another server took the port, "
+            f"choose a free one with {flag} PORT{off}"
+        )
+    if error.errno == errno.EADDRINUSE:
+        return NeuropodError(
+            f"{flag} {port}: the {what} port {where} is already in use (by another server?); stop that server, "
+            f"or choose a free port with {flag} PORT{off}"
+        )
+    return NeuropodError(f"{flag} {port}: cannot listen on {where} for {what} ({error.strerror or error})")
+
+
 def _bind(host: str, port: int, flag: str) -> Any:
     """A listening socket on host:port, bound now so a port in use fails the start with its flag named."""
     import socket
@@ -552,7 +586,19 @@ def _bind(host: str, port: int, flag: str) -> Any:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise NeuropodError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+        raise _port_error(host, port, flag, e) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def _check_ports(args: argparse.Namespace) -> None:
+    """Fail now, before the models load (which can take minutes), if a port is taken.
+
+    Each port is bound and let go again; the server binds it for good once the models are loaded.
+    gRPC's own bind failure would also print a line of grpcio's C core log, which this avoids.
+    """
+    for flag, port in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port),
+                       ("--metrics-port", args.metrics_port)):  # fmt: skip
+        if port:
+            _bind(args.host, port, flag).close()
