@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -217,7 +218,15 @@ def test_failed_creation_leaves_nothing(home: Path, tmp_path: Path) -> None:
     out = io.StringIO()
     with pytest.raises(NeuropodError, match=r"(?s)failed \(exit status 3\).*this python is broken"):
         envs.create_environment("onnx==1.20.1", python=str(bad), out=out)
-    assert "this python is broken" in out.getvalue()  # streamed as it ran
+    # The step and its time; the interpreter's own output only in the error.
+    assert re.fullmatch(rf"  creating the virtual environment \({re.escape(str(bad))}\) \.\.\. failed after [0-9.]+ s\n",
+                        out.getvalue()), out.getvalue()  # fmt: skip
+    assert os.listdir(home / "envs") == []
+    out = io.StringIO()
+    with pytest.raises(NeuropodError, match=r"(?s)failed \(exit status 3\).*this python is broken"):
+        envs.create_environment("onnx==1.20.1", python=str(bad), out=out, verbose=True)
+    assert "    this python is broken\n" in out.getvalue()  # verbose: streamed as it ran
+    assert re.search(r"^  creating the virtual environment \(.*\): failed after [0-9.]+ s$", out.getvalue(), re.M)
     assert os.listdir(home / "envs") == []
 
 

@@ -567,7 +567,8 @@ def cmd_env_create(args: argparse.Namespace, out: TextIO) -> int:
 
     t0 = time.perf_counter()
     env = create_environment(
-        args.spec, name=args.name, python=args.python, find_links=args.find_links, replace=args.replace, out=out
+        args.spec, name=args.name, python=args.python, find_links=args.find_links, replace=args.replace, out=out,
+        verbose=args.verbose,
     )
     print(f"Backend environment {env.name!r} ({env.spec}, Python {env.python_version}) "
           f"created in {time.perf_counter() - t0:.0f} s", file=out)
@@ -625,7 +626,8 @@ def cmd_env_prepare(args: argparse.Namespace, out: TextIO) -> int:
                   f"{chosen.backend.location})", file=out)  # fmt: skip
             continue
         t0 = time.perf_counter()
-        env = lock_environment(lock or "", chosen.backend, package_name=pkg.name, package_source=str(pkg.source))
+        env = lock_environment(lock or "", chosen.backend, package_name=pkg.name, package_source=str(pkg.source),
+                               out=out, verbose=args.verbose)  # fmt: skip
         print(f"{_safe(pkg.name)}: environment {env.name} ready ({env.path}, {time.perf_counter() - t0:.1f} s)", file=out)
     return 0
 
@@ -817,6 +819,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     e.add_argument("--find-links", action="append", default=[], metavar="DIR",
                    help="also look for wheels here (e.g. dist/ from `nox -s build`); repeatable")
     e.add_argument("--replace", action="store_true", help="replace an environment of the same name")
+    e.add_argument("--verbose", "-v", action="store_true", help="show pip's output, not only a line per step")
     e.set_defaults(func=cmd_env_create)
     e = env_sub.add_parser("list", help="the environments, what each offers, and where it is")
     e.add_argument("--json", action="store_true", help="machine-readable output")
@@ -824,6 +827,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     e = env_sub.add_parser("prepare", help="build the lock environments packages need, without loading them "
                            "(e.g. while building a container image)")
     e.add_argument("packages", nargs="+", metavar="PACKAGE")
+    e.add_argument("--verbose", "-v", action="store_true", help="show pip's output, not only a line per step")
     e.set_defaults(func=cmd_env_prepare)
     e = env_sub.add_parser("prune", help="remove the lock environments no package has used for --days days")
     e.add_argument("--days", type=float, default=30, help="unused for at least this many days (default 30)")

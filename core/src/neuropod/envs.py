@@ -25,7 +25,7 @@ Creation (:func:`create_environment`):
 1. ``python -m venv`` (the running interpreter unless ``python=`` names
    another) into a hidden temporary directory ``<home>/envs/.tmp-<name>-*``;
 2. ``<env python> -m pip install`` of the matching core, the plugin and the
-   framework, pip's output streamed as it runs. "Matching" means: a core or
+   framework. "Matching" means: a core or
    plugin that was installed here from a local directory or wheel (pip's
    ``direct_url.json``; editable installs included) is installed from that same
    path, not editable; otherwise ``neuropod==<this version>`` and
@@ -39,7 +39,10 @@ Creation (:func:`create_environment`):
 4. the directory is renamed into place (atomic on one file system), and the
    scripts in its ``bin/`` that name the temporary path are rewritten.
 
-Any failure removes the temporary directory and raises a
+A build reports one line per step with its time (``  installing 14 locked
+requirements ... 38.0 s``) to ``out`` (stderr by default); ``verbose=True``
+(``--verbose``) adds pip's own output. Any failure removes the temporary
+directory and raises a
 :class:`~neuropod.errors.NeuropodError` with the tail of pip's output. An
 existing environment of the same name is an error unless ``replace=True``
 (``--replace``), which swaps the new one in only once it is complete.
@@ -49,7 +52,7 @@ with ``0/requirements.lock`` (for example a ``python`` package with its
 requirements) runs in a worker from an environment built from that lock,
 the core and the package's plugin, named ``lock-py<X.Y>-<hash of the lock>``
 and shared by every package with the same lock. They are built on first
-load (pip's output streamed to stderr), rebuilt when the core changes, never
+load, rebuilt when the core changes, never
 offered to resolution for other packages, and ``neuropod env prune`` removes
 those no package used for N days (each load records its package in
 ``neuropod-users.json``).
@@ -63,6 +66,7 @@ interpreter is gone is listed with a ``problem`` and offers no backends.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -74,6 +78,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -475,8 +480,8 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _stream(cmd: Sequence[str], out: TextIO, what: str) -> None:
-    """Run ``cmd``, copying its output to ``out`` as it comes; a failure raises with the tail."""
+def _stream(cmd: Sequence[str], out: TextIO, what: str, *, verbose: bool = True) -> None:
+    """Run ``cmd``, copying its output to ``out`` as it comes when ``verbose``; a failure raises with the tail."""
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
     try:
         proc = subprocess.Popen(
@@ -490,8 +495,9 @@ def _stream(cmd: Sequence[str], out: TextIO, what: str) -> None:
         try:
             for line in proc.stdout:
                 tail.append(line.rstrip("\n"))
-                out.write("    " + line)
-                out.flush()
+                if verbose:
+                    out.write("    " + line)
+                    out.flush()
             code = proc.wait()
         except BaseException:
             proc.kill()
@@ -500,6 +506,23 @@ def _stream(cmd: Sequence[str], out: TextIO, what: str) -> None:
     if code != 0:
         text = "\n".join(tail)
         raise NeuropodError(f"{what} failed (exit status {code}); the end of its output:\n{text}")
+
+
+@contextlib.contextmanager
+def _step(out: TextIO, label: str, verbose: bool) -> Iterator[None]:
+    """One line per step of a build, with its time: ``  installing 14 locked requirements ... 38.0 s``.
+
+    With ``verbose`` the step's own output (pip's) comes between its start and its end, so each gets a line.
+    """
+    print(f"  {label} ...", end="\n" if verbose else "", file=out, flush=True)
+    t0 = time.perf_counter()
+    ending = f"  {label}: " if verbose else " "
+    try:
+        yield
+    except BaseException:
+        print(f"{ending}failed after {time.perf_counter() - t0:.1f} s", file=out, flush=True)
+        raise
+    print(f"{ending}{time.perf_counter() - t0:.1f} s", file=out, flush=True)
 
 
 def _ask(python: Path, *args: str, what: str) -> str:
@@ -560,7 +583,8 @@ def create_environment(
     python: str | None = None,
     find_links: Sequence[str] = (),
     replace: bool = False,
-    out: TextIO = sys.stderr,
+    out: TextIO | None = None,
+    verbose: bool = False,
 ) -> Environment:
     """Create a backend environment for ``spec`` (``"onnx==1.20.1"``).
 
@@ -572,10 +596,13 @@ def create_environment(
         these make creation work offline.
     :param replace: replace an existing environment of the same name (once
         the new one is complete); otherwise that is an error.
-    :param out: where pip's progress goes.
+    :param out: where progress goes: a line per step with its time (default: ``sys.stderr`` when called).
+    :param verbose: also copy pip's own output to ``out`` (a failure's
+        message holds the end of it either way).
     :raises NeuropodError: a bad spec, an existing name, pip or the
         environment's plugins failed; nothing is left behind.
     """
+    out = out or sys.stderr
     platform, version = parse_spec(spec)
     spec = f"{platform}=={version}"
     if name is not None:
@@ -590,46 +617,56 @@ def create_environment(
     base_python = _resolve_python(python)
     reqs = install_requirements(platform, version)
     links = [arg for d in find_links for arg in ("--find-links", str(d))]
+    step = f"installing the neuropod core, {_plugin_distribution(platform)[0]} and {reqs[-1]}"
     return _build(
-        name, base_python, spec, platform, [([*links, *reqs], f"pip install of {spec} into the new environment")],
-        {"requirements": reqs}, replace=replace, out=out,
+        name, base_python, spec, platform,
+        [([*links, *reqs], f"pip install of {spec} into the new environment", step)],
+        {"requirements": reqs}, replace=replace, out=out, verbose=verbose,
     )  # fmt: skip
 
 
 def _build(
-    name: str | None, base_python: str, spec: str, platform: str, installs: Sequence[tuple[list[str], str]],
-    extra: dict[str, Any], *, replace: bool, out: TextIO,
+    name: str | None, base_python: str, spec: str, platform: str, installs: Sequence[tuple[list[str], str, str]],
+    extra: dict[str, Any], *, replace: bool, out: TextIO, verbose: bool = False,
 ) -> Environment:  # fmt: skip
     """Make a venv from ``base_python`` in a hidden directory, run each ``pip install``, record what it
     offers and move it into place as ``name`` (by default ``<platform>-<version found>``).
 
-    :raises NeuropodError: any step failed; nothing is left behind.
+    :param installs: per ``pip install``: its arguments, what it is (for an error) and its progress label.
+    :param verbose: copy pip's output to ``out``; otherwise ``out`` gets one line per step.
+    :raises NeuropodError: any step failed (with the end of its output); nothing is left behind.
     """
     root = envs_dir()
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name or platform}-", dir=root))
     try:
         env_python = _env_python(tmp)
-        print(f"Creating backend environment for {spec} with {base_python} in {tmp}", file=out, flush=True)
-        _stream([base_python, "-m", "venv", "--prompt", f"neuropod:{name or spec}", str(tmp)], out, f"Creating a virtual environment with {base_python}")
-        for args, what in installs:
-            print(f"Running {what}: pip install {' '.join(args)}", file=out, flush=True)
-            _stream([str(env_python), "-m", "pip", "install", *args], out, what)
-        python_version, core_dir = _ask(
-            env_python, "-c", "import os, platform, neuropod; print(platform.python_version()); "
-            "print(os.path.dirname(neuropod.__file__))", what="Asking the new environment's Python and core",
-        ).strip().splitlines()[-2:]  # fmt: skip
-        fingerprint = core_fingerprint(core_dir)
-        if fingerprint != _running_fingerprint():
-            raise NeuropodError(
-                f"The neuropod core installed in the new environment ({core_dir}) differs from the one running here "
-                f"({Path(__file__).parent}); install this core from a wheel or directory pip can reach "
-                "(e.g. --find-links dist/ after `nox -s build`)"
+        if verbose:
+            print(f"Creating backend environment for {spec} with {base_python} in {tmp}", file=out, flush=True)
+        with _step(out, f"creating the virtual environment ({base_python})", verbose):
+            _stream([base_python, "-m", "venv", "--prompt", f"neuropod:{name or spec}", str(tmp)], out,
+                    f"Creating a virtual environment with {base_python}", verbose=verbose)  # fmt: skip
+        for args, what, label in installs:
+            with _step(out, label, verbose):
+                if verbose:
+                    print(f"Running {what}: pip install {' '.join(args)}", file=out, flush=True)
+                _stream([str(env_python), "-m", "pip", "install", *args], out, what, verbose=verbose)
+        with _step(out, "checking what the new environment offers", verbose):
+            python_version, core_dir = _ask(
+                env_python, "-c", "import os, platform, neuropod; print(platform.python_version()); "
+                "print(os.path.dirname(neuropod.__file__))", what="Asking the new environment's Python and core",
+            ).strip().splitlines()[-2:]  # fmt: skip
+            fingerprint = core_fingerprint(core_dir)
+            if fingerprint != _running_fingerprint():
+                raise NeuropodError(
+                    f"The neuropod core installed in the new environment ({core_dir}) differs from the one running "
+                    f"here ({Path(__file__).parent}); install this core from a wheel or directory pip can reach "
+                    "(e.g. --find-links dist/ after `nox -s build`)"
+                )
+            report = _ask(
+                env_python, "-m", "neuropod", "backends", "--json",
+                what=f"Listing the backends of the new environment ({env_python} -m neuropod backends --json)",
             )
-        report = _ask(
-            env_python, "-m", "neuropod", "backends", "--json",
-            what=f"Listing the backends of the new environment ({env_python} -m neuropod backends --json)",
-        )
         try:
             listed = _json.loads(report)
             # Its own backends only: not those it can reach through environments or other interpreters.
@@ -668,7 +705,7 @@ def _build(
         raise
     _rewrite_scripts(final, tmp)
     env = _read(final)
-    print(f"Created backend environment {env.name!r} at {env.path}: "
+    print(f"Created {env.kind} environment {env.name!r} at {env.path}: "
           + ", ".join(b.id for b, _ in env.backends), file=out, flush=True)
     return env
 
@@ -792,7 +829,8 @@ def _framework_pin(backend: Backend) -> str | None:
 
 
 def lock_environment(
-    lock: str, backend: Backend, *, package_name: str = "", package_source: str = "", out: TextIO = sys.stderr,
+    lock: str, backend: Backend, *, package_name: str = "", package_source: str = "", out: TextIO | None = None,
+    verbose: bool = False,
 ) -> Environment:  # fmt: skip
     """The environment for a package's ``0/requirements.lock``, built on first use.
 
@@ -811,10 +849,14 @@ def lock_environment(
     Each call records the package as a user (``neuropod env list``,
     :func:`prune_environments`).
 
+    A build writes one line per step to ``out``, with its time; ``verbose``
+    adds pip's own output.
+
     :raises PackageError: the lock holds something other than pins.
     :raises NeuropodError: the build failed (the end of pip's output is in
         the message); nothing is left behind.
     """
+    out = out or sys.stderr
     lines = lock_lines(lock, f"requirements.lock of model {package_name!r}" if package_name else "requirements.lock")
     name = lock_environment_name(lock, backend)
     base_python, xy = _base_interpreter(backend)
@@ -829,14 +871,14 @@ def lock_environment(
         if env is None or not env.ok:
             if env is not None:
                 print(f"Rebuilding lock environment {name}: {env.problem}", file=out, flush=True)
-            env = _build_lock(name, lock, lines, backend, base_python, xy, package_name, out)
+            env = _build_lock(name, lock, lines, backend, base_python, xy, package_name, out, verbose)
         _record_use(env.path, package_name, package_source)
     return _read(env.path)
 
 
 def _build_lock(
     name: str, lock_text: str, lines: list[str], backend: Backend, base_python: str, xy: str, package_name: str,
-    out: TextIO,
+    out: TextIO, verbose: bool = False,
 ) -> Environment:
     what = f"the requirements of model {package_name!r}" if package_name else "the requirements"
     contents = f"{len(lines)} pinned requirement(s)" if lines else "no requirements: the core and plugin only"
@@ -854,8 +896,10 @@ def _build_lock(
         constraints.write_text("\n".join(_pins(lines)) + "\n", encoding="utf-8")
         installs = []
         if lines:
-            installs.append((["--no-deps", "-r", str(lock_file)], f"pip install of {what} (the lock) into the new environment"))
-        installs.append(([*reqs, "-c", str(constraints)], "pip install of the neuropod core and plugin into the new environment"))
+            installs.append((["--no-deps", "-r", str(lock_file)], f"pip install of {what} (the lock) into the new environment",
+                             f"installing {len(lines)} locked requirement{'s' if len(lines) != 1 else ''}"))  # fmt: skip
+        core = f"installing the neuropod core and {plugin}" + (f" with {framework}" if framework else "")
+        installs.append(([*reqs, "-c", str(constraints)], "pip install of the neuropod core and plugin into the new environment", core))
         extra = {
             "kind": "lock",
             "lock": lines,
@@ -864,7 +908,7 @@ def _build_lock(
         }
         spec = f"lock: {_lock_summary(lock_text, lines)}"
         try:
-            return _build(name, base_python, spec, backend.platform, installs, extra, replace=True, out=out)
+            return _build(name, base_python, spec, backend.platform, installs, extra, replace=True, out=out, verbose=verbose)
         except NeuropodError as e:
             if "DO NOT MATCH THE HASHES" in str(e):
                 raise NeuropodError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -178,20 +179,38 @@ def _with_lock(tmp: Path, lock: str) -> Path:
     return path
 
 
-def test_a_lock_pip_cannot_install_leaves_nothing_behind(tmp_path: Path, neuropod_home: Path) -> None:
+def test_a_lock_pip_cannot_install_leaves_nothing_behind(
+    tmp_path: Path, neuropod_home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = lock_envs(neuropod_home)
     path = _with_lock(tmp_path, "six==1.16.0 \\\n    --hash=sha256:" + "0" * 64 + "\n")
+    capsys.readouterr()
     with pytest.raises(NeuropodError) as info:
         neuropod.load_neuropod(path)
     text = str(info.value)
     assert "pip install of the requirements of model 'plain' (the lock)" in text
     assert "DO NOT MATCH THE HASHES" in text and "Package the model on the Python and platform it runs on" in text
     assert lock_envs(neuropod_home) == before
+    # While it ran: a line per step with its time, and none of pip's output (that is in the error).
+    steps = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  ")]
+    assert len(steps) == 2, steps
+    assert re.fullmatch(r"  creating the virtual environment \(.+\) \.\.\. [0-9]+\.[0-9] s", steps[0]), steps
+    assert re.fullmatch(r"  installing 1 locked requirement \.\.\. failed after [0-9]+\.[0-9] s", steps[1]), steps
 
 
 def test_an_original_lock_of_plain_pins(tmp_path: Path, neuropod_home: Path) -> None:
     # The original's locks were pip-compile output without hashes (e.g. "torch==1.4.0").
     path = _with_lock(tmp_path, "six==1.16.0\n")
+    built_before = lock_envs(neuropod_home)
+    out = io.StringIO()
+    assert cli.main(["env", "prepare", "--verbose", str(path)], out) == 0
+    text = out.getvalue()
+    if lock_envs(neuropod_home) != built_before:  # built now (not by an earlier test): each step, and pip's words
+        for step in ("creating the virtual environment", "installing 1 locked requirement",
+                     "installing the neuropod core and neuropod-python", "checking what the new environment offers"):
+            assert re.search(rf"^  {step}.*: [0-9]+\.[0-9] s$", text, re.M), (step, text)
+        assert "Successfully installed six-1.16.0" in text, text
+    assert re.search(r"^plain: environment lock-py\S+ ready \(", text, re.M), text
     with neuropod.load_neuropod(path) as model:
         assert model.backend.location.startswith("env:lock-")
         np.testing.assert_array_equal(model.infer({"x": np.arange(3, dtype=np.int32)})["out"], np.arange(1, 4))

@@ -3,7 +3,7 @@
 The package holds a few lines of Python (``0/code/flower_model.py``), its
 training data (``0/data/train.npz``) and ``requirements="scikit-learn"``,
 which packaging locks to exact pins. Loading builds the lock's environment
-once (pip's progress on stderr) and runs the model in a worker from it. The
+once (a line per step on stderr) and runs the model in a worker from it. The
 entrypoint fits a StandardScaler + LogisticRegression pipeline on the
 packaged data when the model loads; a real package would ship a model
 fitted beforehand instead (e.g. ``joblib.dump`` into ``data_paths``).
