@@ -870,20 +870,12 @@ def create_package(
     :param defaults: the packager's own defaults for common keywords.
     :returns: the path written.
     """
-    from neuropod._args import check_flag
     from neuropod.model import check_packaged
 
     opts = package_options(packager, options, defaults)
-    check_flag("overwrite", opts["overwrite"])
     dest = Path(neuropod_path)
     staging: Path | None = None
-    if os.path.lexists(dest):
-        if not opts["overwrite"]:
-            raise PackageError(
-                f"{dest} already exists: pass overwrite=True to {packager}() to replace it (the old package "
-                "stays until the new one is written and checked), or choose another path"
-            )
-        _check_replaceable(dest)
+    if check_destination(packager, dest, opts):
         # Beside the old one (one file system, so the swap is a rename), under the same name.
         staging = Path(tempfile.mkdtemp(prefix=".neuropod-new-", dir=dest.parent))
     version_range = opts.get("platform_version_semver")
@@ -914,6 +906,30 @@ def create_package(
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def check_destination(packager: str, neuropod_path: str | os.PathLike[str], options: Mapping[str, Any]) -> bool:
+    """Whether packaging to ``neuropod_path`` replaces a package there (``overwrite=True``).
+
+    :func:`create_package` checks this; a packager with slow work before it
+    (resolving requirements, compiling) can call it first to fail early.
+
+    :raises PackageError: something is there and ``overwrite`` is not set, or it is not a package.
+    """
+    from neuropod._args import check_flag
+
+    overwrite = options.get("overwrite", False)
+    check_flag("overwrite", overwrite)
+    dest = Path(neuropod_path)
+    if not os.path.lexists(dest):
+        return False
+    if not overwrite:
+        raise PackageError(
+            f"{dest} already exists: pass overwrite=True to {packager}() to replace it (the old package "
+            "stays until the new one is written and checked), or choose another path"
+        )
+    _check_replaceable(dest)
+    return True
 
 
 def _check_replaceable(dest: Path) -> None:
@@ -1101,6 +1117,7 @@ __all__ = [
     "DEFAULT_MAX_PACKAGE_BYTES",
     "DEFAULT_MAX_PACKAGE_FILES",
     "ModelConfig",
+    "check_destination",
     "PackageOptions",
     "create_package",
     "package_options",

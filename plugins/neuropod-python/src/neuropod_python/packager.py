@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import NeuropodError, PackageError
-from neuropod.package import FileSource, create_package, package_options
+from neuropod.package import FileSource, check_destination, create_package, package_options
 from neuropod.versions import parse_range
 from neuropod_python import PLATFORM, other_interpreters
 from neuropod_python.lock import compile_requirements, requirement_names
@@ -46,8 +46,8 @@ def create_python_neuropod(
 ) -> Path:
     """Package Python code as a Neuropod.
 
-    :param neuropod_path: where to write the package (must not exist, and
-        must not be inside a ``python_root``).
+    :param neuropod_path: where to write the package (must not exist unless
+        ``overwrite=True``, and must not be inside a ``python_root``).
     :param model_name: the model's name.
     :param data_paths: data files, each ``{"path": "/path/to/file", "packaged_name": "name"}``;
         they go into ``0/data/``, the directory the entrypoint is given.
@@ -79,7 +79,9 @@ def create_python_neuropod(
     roots = _code_roots(code_path_spec, dest)
     if requirements is not None and not isinstance(requirements, str):
         raise TypeError(f"requirements must be a str in pip's requirements format, not {type(requirements).__name__}")
-    version_range = package_options("create_python_neuropod", options).get("platform_version_semver") or "*"
+    opts = package_options("create_python_neuropod", options)
+    check_destination("create_python_neuropod", dest, opts)  # before pip resolves the requirements
+    version_range = opts.get("platform_version_semver") or "*"
     files: dict[str, FileSource] = {f"0/data/{name}": path for name, path in data.items()}
     # The original's bytes exactly: json.dump with sorted keys, no indent, no newline.
     files["0/config.json"] = json.dumps({"entrypoint": entrypoint, "entrypoint_package": entrypoint_package}, sort_keys=True).encode()
