@@ -330,6 +330,13 @@ def test_port_in_use_names_the_flag(repo: Path, flag: str, what: str, off: str) 
     )
 
 
+def test_an_address_not_of_this_machine_names_host(repo: Path) -> None:
+    err = _fails(repo, "--host", "999.1.1.1", "--http-port", str(free_port()), "--grpc-port", "0", "--quiet")
+    assert err.startswith("neuropod serve: error: --host 999.1.1.1: cannot listen on 999.1.1.1:"), err
+    assert err.endswith("; give a name or address of this machine, e.g. 127.0.0.1, or 0.0.0.0 for all\n"), err
+    assert len(err.splitlines()) == 1
+
+
 # --- argument checks ----------------------------------------------------------------------------
 
 

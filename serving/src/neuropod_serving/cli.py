@@ -559,6 +559,7 @@ _PORT_FLAGS = {
 def _port_error(host: str, port: int, flag: str, error: OSError | str) -> NeuropodError:
     """One line naming the port, what it was for, and the flag that changes it."""
     import errno
+    import socket
 
     what, off = _PORT_FLAGS[flag]
     where = f"{_show_host(host)}:{port}"
@@ -567,12 +568,23 @@ def _port_error(host: str, port: int, flag: str, error: OSError | str) -> Neurop
             f"{flag} {port}: cannot listen on {where} for {what} ({error}); if another server took the port, "
             f"choose a free one with {flag} PORT{off}"
         )
+    reason = error.strerror or str(error)
     if error.errno == errno.EADDRINUSE:
         return NeuropodError(
             f"{flag} {port}: the {what} port {where} is already in use (by another server?); stop that server, "
             f"or choose a free port with {flag} PORT{off}"
         )
-    return NeuropodError(f"{flag} {port}: cannot listen on {where} for {what} ({error.strerror or error})")
+    if isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL:
+        return NeuropodError(
+            f"--host {host}: cannot listen on {where} ({reason}); give a name or address of this machine, "
+            "e.g. 127.0.0.1, or 0.0.0.0 for all"
+        )
+    if error.errno == errno.EACCES:
+        return NeuropodError(
+            f"{flag} {port}: not allowed to listen on {where} for {what} ({reason}; ports below 1024 need "
+            f"privileges); choose another with {flag} PORT{off}"
+        )
+    return NeuropodError(f"{flag} {port}: cannot listen on {where} for {what} ({reason})")
 
 
 def _bind(host: str, port: int, flag: str) -> Any:
