@@ -330,6 +330,21 @@ def test_port_in_use_names_the_flag(repo: Path, flag: str, what: str, off: str) 
     )
 
 
+def test_a_busy_port_fails_before_the_models_load(tmp_path: Path) -> None:
+    """Loading can take minutes: the port is checked first (here the package is not even there)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        taken = busy.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "neuropod", "serve", str(tmp_path / "missing"), "--http-port", str(taken),
+             "--grpc-port", "0", "--metrics-port", "0", "--quiet"],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    assert r.stderr.startswith(f"neuropod serve: error: --http-port {taken}: the REST port 127.0.0.1:{taken} is already"), r.stderr
+
+
 def test_an_address_not_of_this_machine_names_host(repo: Path) -> None:
     err = _fails(repo, "--host", "999.1.1.1", "--http-port", str(free_port()), "--grpc-port", "0", "--quiet")
     assert err.startswith("neuropod serve: error: --host 999.1.1.1: cannot listen on 999.1.1.1:"), err
