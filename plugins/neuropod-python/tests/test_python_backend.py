@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import neuropod
-from neuropod.errors import BackendError, NeuropodError, PackageError
+from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.packagers import create_python_neuropod
 
 from conftest import write_code
@@ -327,6 +327,37 @@ def test_an_original_package_loads_unchanged(tmp_path: Path) -> None:
     with neuropod.load_neuropod(root) as model:
         assert model.package.original_format
         np.testing.assert_array_equal(model.infer({"x": X, "y": Y})["out"], X + Y)
+
+
+@pytest.mark.parametrize("use_ope", [False, True], ids=["in-process", "worker"])
+def test_an_original_package_may_reuse_an_input_symbol_at_another_size(tmp_path: Path, use_ope: bool) -> None:
+    # The original checked a symbol within the inputs and within the outputs, never across:
+    # its packages may say "batch_size" for an output of another size. Ours bind it across both.
+    source = "import numpy as np\n\ndef get_model(_):\n    return lambda x, w: {'y': np.concatenate([x, w])}\n"
+    code = write_code(tmp_path / "code", {"joiner.py": source})
+    pair = [{"name": "x", "dtype": "float32", "shape": ["batch_size"]},
+            {"name": "w", "dtype": "float32", "shape": ["batch_size"]}]  # fmt: skip
+    joined = [{"name": "y", "dtype": "float32", "shape": ["batch_size"]}]
+    ours = create_python_neuropod(tmp_path / "ours", "joiner", [], [{"python_root": code, "dirs_to_package": [""]}],
+                                  "joiner", "get_model", pair, joined)  # fmt: skip
+    x, w = np.arange(3, dtype=np.float32), np.full(3, 7, np.float32)
+    shared = pytest.raises(SpecError, match="symbol 'batch_size' should be the same size.*but was of size 6")
+    with neuropod.load_neuropod(ours, use_ope=use_ope) as model, shared:
+        model.infer({"x": x, "w": w})
+    # The same model as the original wrote it: no exported_with, no manifest.
+    original = write_code(tmp_path / "original", {
+        "config.json": json.dumps({"name": "joiner", "platform": "python", "input_spec": pair, "output_spec": joined},
+                                  indent=4),
+        "0/config.json": '{"entrypoint": "get_model", "entrypoint_package": "joiner"}',
+        "0/code/__init__.py": "",
+        "0/code/joiner.py": source,
+    })  # fmt: skip
+    with neuropod.load_neuropod(original, use_ope=use_ope) as model:
+        assert model.package.original_format
+        np.testing.assert_array_equal(model.infer({"x": x, "w": w})["y"], [0, 1, 2, 7, 7, 7])
+        # Within the inputs the symbol still binds.
+        with pytest.raises(SpecError, match="symbol 'batch_size' should be the same size.*'w'.*but was of size 2"):
+            model.infer({"x": x, "w": w[:2]})
 
 
 VERSION_MODEL = """
