@@ -325,7 +325,7 @@ class Batcher:
                 )
         bounds = np.cumsum([item.rows for item in batch])[:-1]
         parts = {n: np.split(arr, bounds) for n, arr in outputs.items()}
-        results: list[Arrays] = []
+        results: list[Arrays | BaseException] = []
         for i, item in enumerate(batch):
             names_i = item.requested if item.requested is not None else list(outputs)
             results.append({n: parts[n][i] for n in names_i})
