@@ -472,6 +472,16 @@ def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _default_demo(demos: dict[str, Any]) -> str:
+    """The demo ``neuropod demo`` runs without a platform: onnx's, else the first, preferring a
+    plugin whose framework is installed (a plugin without it says what to install)."""
+    from neuropod import plugins
+
+    runnable = {b.plugin_distribution.split(" ")[0] for b in plugins.installed_backends()}
+    order = sorted(demos, key=lambda n: (n != "onnx", n))
+    return next((n for n in order if getattr(demos[n].dist, "name", None) in runnable), order[0])
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     import importlib_metadata
 
@@ -482,7 +492,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     demos = {ep.name: ep for ep in importlib_metadata.entry_points(group="neuropod.demos")}
     if not demos:
         raise PluginNotInstalledError("neuropod demo needs a backend plugin with a demo: pip install neuropod-onnx")
-    name = args.platform or ("onnx" if "onnx" in demos else sorted(demos)[0])
+    name = args.platform or _default_demo(demos)
     if name not in demos:
         raise NeuropodError(f"No demo for platform {name!r}; installed demos: {', '.join(sorted(demos))}")
     build = demos[name].load()

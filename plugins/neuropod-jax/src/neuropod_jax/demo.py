@@ -18,9 +18,12 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     :returns: the package path, inputs that fit, and inputs of the wrong
         width (for showing a spec error).
     """
-    import jax
-    import jax.numpy as jnp
     import numpy as np
+
+    from neuropod.plugins import import_framework
+
+    jax = import_framework("jax", "jax", "neuropod demo jax")
+    jnp = jax.numpy
 
     from neuropod_jax.packager import create_jax_neuropod
 
