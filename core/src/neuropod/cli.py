@@ -5,14 +5,17 @@ r"""The ``neuropod`` command.
     neuropod backends                 installed backends, devices, failed plugins
     neuropod inspect PKG|URL          name, platform, range, spec, files (a remote model: spec, servers)
     neuropod explain PKG|URL [--host F]  which backend would run it, and why not the others
-    neuropod test PKG                 run the package's bundled test data
-    neuropod infer PKG --input x=x.npy [--output-dir DIR]
-    neuropod demo                     package a small model, explain, run it
+    neuropod test PKG                 run the package's bundled test data (a URL has none: an error)
+    neuropod infer PKG|URL --input x=x.npy [--output-dir DIR]
+    neuropod demo [PLATFORM] [--dir DIR]  package a small model, explain, run it
     neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME,
                                       env prepare PACKAGE (build the environment its requirements need),
                                       env prune [--days N] (lock environments no package used for N days)
     neuropod cache verify [--repair]  re-hash every extracted zip package against its record
     neuropod serve PKG...             an Open Inference Protocol server (from neuropod-serving)
+
+A URL command (inspect, explain, infer) takes ``--auth-token-file FILE`` for
+a server that requires a bearer token (``neuropod serve --auth-token-file``).
 
 Every :class:`~neuropod.errors.NeuropodError` (and any ``OSError``,
 ``ValueError`` or other exception that escapes a command) ends the command
