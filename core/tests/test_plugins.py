@@ -274,10 +274,10 @@ def test_import_framework_says_what_installs_a_missing_framework() -> None:
     missing, broken = done.stdout.splitlines()
     assert missing == (
         "create_onnx_neuropod needs onnxruntime, which is not installed: pip install 'neuropod-onnx[cpu]' "
-        "(or 'neuropod-onnx[gpu]' for NVIDIA GPUs; or onnxruntime or onnxruntime-gpu yourself)"
+        "(or 'neuropod-onnx[gpu]' for NVIDIA GPUs; or install onnxruntime or onnxruntime-gpu yourself)"
     )
     # A module that is there but whose own import fails (here: sqlite3 without its C part) is not "not installed".
     assert broken.startswith("create_onnx_neuropod needs sqlite3, which is installed but failed to import "
                              "(ModuleNotFoundError: import of _sqlite3 halted")  # fmt: skip
     assert broken.endswith("reinstall it: pip install 'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]' for NVIDIA GPUs; "
-                           "or onnxruntime or onnxruntime-gpu yourself)")  # fmt: skip
+                           "or install onnxruntime or onnxruntime-gpu yourself)")  # fmt: skip

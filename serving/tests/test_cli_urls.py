@@ -68,7 +68,9 @@ def test_without_the_token_or_with_a_wrong_one_the_commands_fail_with_status_2(
                 # Refused is an error (2), not "no server has it" (explain's 1).
                 assert main([command, url, *extra]) == 2
                 err = capsys.readouterr().err
-                assert f"neuropod {command}: error: " in err and "auth_token" in err
+                assert f"neuropod {command}: error: " in err and "refused the call's credentials" in err
+                # Without a token the message says how the command sends one; with a wrong one, not again.
+                assert ("pass the token with --auth-token-file FILE" in err) is (extra == [])
 
 
 def test_infer_sends_the_token_and_returns_the_servers_outputs(
@@ -87,7 +89,7 @@ def test_infer_sends_the_token_and_returns_the_servers_outputs(
         np.testing.assert_array_equal(np.load(out_dir / "out.npy"), np.array([[11.5, 22], [33, 44]], np.float32))
         np.testing.assert_array_equal(np.load(out_dir / "doubled.npy"), np.array([[23, 44], [66, 88]], np.float32))
         assert main(["infer", url, *inputs]) == 2
-        assert "auth_token" in capsys.readouterr().err  # the client says to pass one
+        assert "pass the token with --auth-token-file FILE" in capsys.readouterr().err
         # The file's token is what load_neuropod(auth_token=) sends: the same outputs from Python.
         with load_neuropod(url, auth_token=TOKEN) as model:
             np.testing.assert_array_equal(model.infer({"x": x, "y": y})["out"], x + y)
@@ -117,6 +119,7 @@ def test_explain_exits_1_when_no_server_has_the_model(
         assert main(["explain", url, *token]) == 1
         captured = capsys.readouterr()
         assert "No server has the model ready: calls would fail." in captured.out and captured.err == ""
+        assert ("cannot reach the server" if "nosuchmodel" not in url else "does not serve this model") in captured.out
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "`neuropod explain URL` says which servers\nhave the model ready (exit status 1 when none has)" in readme
 

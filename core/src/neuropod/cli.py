@@ -376,7 +376,7 @@ def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
             # it" (exit 1). A refused token, TLS or a server that breaks the protocol stay errors.
             if e.code not in _NOT_SERVED:
                 raise
-            print(f"Remote model {_safe(args.package)}: not served: {_safe(e)}", file=out)
+            print(_safe(e), file=out)
             print("No server has the model ready: calls would fail.", file=out)
             return EXIT_TEST_FAILED
         with model:
@@ -910,6 +910,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115
         return 0
     except NeuropodError as e:
+        if getattr(e, "code", None) == "unauthenticated" and getattr(args, "auth_token_file", None) is None:
+            return _fail(args, f"{e}; pass the token with --auth-token-file FILE")
         return _fail(args, str(e))
     except OSError as e:
         return _fail(args, _describe_os_error(e))

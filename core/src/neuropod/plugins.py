@@ -52,8 +52,8 @@ KNOWN_PLATFORMS = {
 }
 #: What to install when a platform's plugin is there but its framework is not.
 KNOWN_FRAMEWORKS = {
-    "onnx": "'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]' for NVIDIA GPUs; or onnxruntime or onnxruntime-gpu "
-            "yourself)",
+    "onnx": "'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]' for NVIDIA GPUs; or install onnxruntime or "
+            "onnxruntime-gpu yourself)",
     "torchscript": "torch",
     "tensorflow": "'neuropod-tensorflow[cpu]' (or 'neuropod-tensorflow[gpu]', or any tensorflow distribution)",
     "keras": "'neuropod-tensorflow[cpu]' (or 'neuropod-tensorflow[gpu]', or any tensorflow distribution)",
