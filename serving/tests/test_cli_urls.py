@@ -99,8 +99,12 @@ def test_a_token_file_that_cannot_give_a_token_is_a_clear_error(
     root: Path, server: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = _urls(server)[0]
+    (root / "latin1").write_bytes(b"caf\xe9\n")
     for path, why in ((root / "empty", "is empty; put the token on its first line"),
-                      (root / "missing", "cannot be read: No such file or directory")):  # fmt: skip
+                      (root / "missing", "cannot be read: No such file or directory"),
+                      (root, "cannot be read: Is a directory"),
+                      (root / "latin1", "cannot be read: not UTF-8 text (invalid continuation byte)"),
+                      (Path("/dev/zero"), "is larger than 64 KiB; it should hold the token on its first line")):  # fmt: skip
         assert main(["inspect", url, "--auth-token-file", str(path)]) == 2
         assert why in capsys.readouterr().err
     # A local package has no server to send it to.

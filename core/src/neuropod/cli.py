@@ -54,6 +54,8 @@ _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-
 _SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 # Paths in OSError messages are shortened to this many characters.
 _PATH_LIMIT = 200
+# The most of an --auth-token-file that is read.
+_TOKEN_FILE_LIMIT = 64 * 1024
 
 
 def _safe(text: object, keep: str = "") -> str:
@@ -232,7 +234,12 @@ def _print_spec(inputs: Sequence[Any], outputs: Sequence[Any], out: TextIO, devi
 def _read_token(path: str) -> str:
     """The bearer token in ``--auth-token-file``: the file's first line, as ``neuropod serve`` reads its own."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(_TOKEN_FILE_LIMIT + 1)  # bounded: the path may be /dev/zero or a disk image
+        if len(data) > _TOKEN_FILE_LIMIT:
+            raise NeuropodError(f"--auth-token-file '{_short(path)}' is larger than {_TOKEN_FILE_LIMIT // 1024} KiB; "
+                                "it should hold the token on its first line")  # fmt: skip
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         reason = _describe_os_error(e) if isinstance(e, OSError) else f"not UTF-8 text ({e.reason})"
         raise NeuropodError(f"--auth-token-file '{_short(path)}' cannot be read: {reason}") from None
