@@ -437,7 +437,8 @@ def import_framework(
     Plugins import their framework only when a function needs it; this is
     that import, so a user who installed a plugin without its framework (e.g.
     ``neuropod-onnx`` without its ``[cpu]`` extra) reads what to install
-    instead of a ``ModuleNotFoundError``.
+    instead of a ``ModuleNotFoundError``. Call it first and then import as
+    usual (``import torch``) where the framework's types matter to a checker.
 
     :param module: the module to import, e.g. ``"onnxruntime"`` or ``"jax.export"``.
     :param platform: the platform it runs, for the install hint (``"onnx"``).

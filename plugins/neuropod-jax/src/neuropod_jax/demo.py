@@ -22,8 +22,9 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
 
     from neuropod.plugins import import_framework
 
-    jax = import_framework("jax", "jax", "neuropod demo jax")
-    jnp = jax.numpy
+    import_framework("jax", "jax", "neuropod demo jax")
+    import jax
+    import jax.numpy as jnp
 
     from neuropod_jax.packager import create_jax_neuropod
 

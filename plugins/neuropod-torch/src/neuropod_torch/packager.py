@@ -78,7 +78,8 @@ def create_torch_export_neuropod(
         specialized, or the package does not load and reproduce its test data.
     """
     packager = "create_torch_export_neuropod"
-    torch = import_framework("torch", TORCH_EXPORT, packager)
+    import_framework("torch", TORCH_EXPORT, packager)
+    import torch
     opts = package_options(packager, options)
     inputs = parse_spec(input_spec, "input_spec")
     program = _program(packager, model_name, inputs, module, exported_program, example_inputs, strict, opts, "cpu")
@@ -139,7 +140,8 @@ def create_aoti_neuropod(
         package does not load and reproduce its test data.
     """
     packager = "create_aoti_neuropod"
-    torch = import_framework("torch", AOTI, packager)
+    import_framework("torch", AOTI, packager)
+    import torch
     if sum(x is not None for x in (module, exported_program, compiled_package)) != 1:
         raise PackageError(f"{packager} needs exactly one of module=, exported_program= or compiled_package=")
     kind = _device_kind(packager, device)

@@ -23,7 +23,8 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     from neuropod.plugins import import_framework
     from neuropod_torchscript.packager import create_torchscript_neuropod
 
-    torch = import_framework("torch", "torchscript", "neuropod demo torchscript")
+    import_framework("torch", "torchscript", "neuropod demo torchscript")
+    import torch
 
     class AddTimesTwo(torch.nn.Module):
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:

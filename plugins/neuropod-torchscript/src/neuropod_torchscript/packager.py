@@ -69,7 +69,8 @@ def create_torchscript_neuropod(
 
 
 def _serialize(module: Any) -> bytes:
-    torch = import_framework("torch", PLATFORM, "create_torchscript_neuropod")
+    import_framework("torch", PLATFORM, "create_torchscript_neuropod")
+    import torch
 
     if not isinstance(module, torch.jit.ScriptModule):
         kind = type(module).__name__
