@@ -285,6 +285,68 @@ def test_manifest_holds_sha256_of_every_file(tmp_path: Path) -> None:
     assert read_package(dest).manifest == manifest["files"]
 
 
+# config.json as the original Neuropod's write_neuropod_config laid it out (json.dump with
+# indent=4 and sort_keys=True), written out by hand; exported_with is the one key it lacked.
+ORIGINAL_LAYOUT_CONFIG = """{
+    "custom_ops": [],
+    "exported_with": {
+        "framework": "onnxruntime",
+        "neuropod": "0.4.0",
+        "platform_version": "1.17.0"
+    },
+    "input_spec": [
+        {
+            "dtype": "float32",
+            "name": "x",
+            "shape": [
+                "batch_size",
+                3
+            ]
+        },
+        {
+            "dtype": "string",
+            "name": "words",
+            "shape": [
+                null
+            ]
+        }
+    ],
+    "input_tensor_device": {
+        "words": "GPU",
+        "x": "GPU"
+    },
+    "name": "adder",
+    "output_spec": [
+        {
+            "dtype": "float32",
+            "name": "out",
+            "shape": [
+                "batch_size",
+                3
+            ]
+        },
+        {
+            "dtype": "int64",
+            "name": "aux",
+            "shape": []
+        }
+    ],
+    "platform": "onnx",
+    "platform_version_semver": "^1.16"
+}"""
+
+
+def test_config_and_manifest_are_laid_out_as_the_original_wrote_them(tmp_path: Path) -> None:
+    config = _config(input_tensor_device={"x": "GPU", "words": "GPU"})
+    path = write_package(tmp_path / "p", config, {"0/data/model.bin": MODEL_BYTES})
+    assert (path / "config.json").read_text(encoding="ascii") == ORIGINAL_LAYOUT_CONFIG
+    files = {"0/data/model.bin": hashlib.sha256(MODEL_BYTES).hexdigest(),
+             "config.json": hashlib.sha256(ORIGINAL_LAYOUT_CONFIG.encode()).hexdigest()}  # fmt: skip
+    lines = ",\n".join(f'        "{rel}": "{digest}"' for rel, digest in files.items())
+    expected = '{\n    "files": {\n' + lines + '\n    },\n    "manifest_version": 1\n}'
+    assert (path / "manifest.json").read_text(encoding="ascii") == expected
+
+
 def test_write_zip_round_trip(tmp_path: Path, cache: Path) -> None:
     zpath = _write(tmp_path / "adder.zip", package_as_zip=True)
     assert zipfile.is_zipfile(zpath)

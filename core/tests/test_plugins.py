@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 import textwrap
 import warnings
@@ -188,7 +189,7 @@ def test_install_hint_when_the_plugin_is_there_but_its_framework_is_not(monkeypa
         assert plugins.register(NoFramework(), "tensorflow", "neuropod-tensorflow 0.4.0")
         assert plugins.install_hint("tensorflow") == (
             "neuropod-tensorflow 0.4.0 is installed, but its framework is not: "
-            "pip install neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)"
+            "pip install 'neuropod-tensorflow[cpu]' (or 'neuropod-tensorflow[gpu]', or any tensorflow distribution)"
         )
         assert plugins.install_hint("onnx") == "pip install neuropod-onnx"
     finally:
@@ -251,3 +252,32 @@ def test_core_range_from_requires_dist(tmp_path: Path, requires: str, expected: 
 )  # fmt: skip
 def test_core_satisfies(spec: str | None, ok: bool) -> None:
     assert plugins.core_satisfies(spec, "0.4.0") is ok
+
+
+def test_import_framework_says_what_installs_a_missing_framework() -> None:
+    """Run where the module is blocked, as it fails for a user who has not installed it."""
+    code = (
+        "import sys\n"
+        "sys.modules['onnxruntime'] = None\n"
+        "sys.modules['_sqlite3'] = None\n"
+        "from neuropod.errors import PluginNotInstalledError\n"
+        "from neuropod.plugins import import_framework\n"
+        "assert import_framework('json', 'onnx', 'x') is sys.modules['json']\n"
+        "for module in ('onnxruntime', 'sqlite3'):\n"
+        "    try:\n"
+        "        import_framework(module, 'onnx', 'create_onnx_neuropod')\n"
+        "    except PluginNotInstalledError as e:\n"
+        "        print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    missing, broken = done.stdout.splitlines()
+    assert missing == (
+        "create_onnx_neuropod needs onnxruntime, which is not installed: pip install 'neuropod-onnx[cpu]' "
+        "(or 'neuropod-onnx[gpu]' for NVIDIA GPUs; or install onnxruntime or onnxruntime-gpu yourself)"
+    )
+    # A module that is there but whose own import fails (here: sqlite3 without its C part) is not "not installed".
+    assert broken.startswith("create_onnx_neuropod needs sqlite3, which is installed but failed to import "
+                             "(ModuleNotFoundError: import of _sqlite3 halted")  # fmt: skip
+    assert broken.endswith("reinstall it: pip install 'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]' for NVIDIA GPUs; "
+                           "or install onnxruntime or onnxruntime-gpu yourself)")  # fmt: skip

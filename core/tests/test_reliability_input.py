@@ -591,7 +591,8 @@ def _argv(draw: st.DrawFn, paths: dict[str, str]) -> list[str]:
     elif command in ("inspect", "explain", "test", "infer"):
         argv.append(draw(st.one_of(real, _TEXT)))
     flags = ["--json", "--host", "--device", "--backend", "--no-verify", "--quiet-spec", "--trust-pickle",
-             "--rtol", "--atol", "-i", "--input", "-o", "--output-dir", "--name", "--bogus"]  # fmt: skip
+             "--rtol", "--atol", "-i", "--input", "-o", "--output-dir", "--name", "--auth-token-file",
+             "--bogus"]  # fmt: skip
     for _ in range(draw(st.integers(0, 5))):
         flag = draw(st.sampled_from(flags))
         argv.append(flag)

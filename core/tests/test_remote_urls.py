@@ -118,3 +118,15 @@ def test_explain_and_infer_of_a_url_from_another_plugin(
     assert main(["infer", "corp://h/m", "--input", f"x={tmp_path / 'x.npy'}"]) == 0
     out = capsys.readouterr().out
     assert "with corp==1 on cpu (remote: corp://h)" in out and "[2., 4.]" in out
+
+
+def test_a_mistyped_scheme_names_the_known_ones_instead_of_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    eps = {s: _EntryPoint(s, "neuropod_serving.client:load", None) for s in (*remote.CLIENT_SCHEMES, "corp")}
+    monkeypatch.setattr(remote, "_handlers", lambda: eps)
+    with pytest.raises(NeuropodError) as e:
+        neuropod.load_neuropod("grpcc://host:8001/m")
+    assert str(e.value) == ("Model URL 'grpcc://host:8001/m': unknown scheme grpcc://; the known schemes are "
+                            "corp, grpc, grpcs, http, https (did you mean grpc://?)")  # fmt: skip
+    assert isinstance(e.value, ValueError) and not isinstance(e.value, PluginNotInstalledError)
+    with pytest.raises(NeuropodError, match=r"unknown scheme s3://; the known schemes are corp, grpc, grpcs, http, https$"):
+        neuropod.load_neuropod(["grpc://a/m", "s3://bucket/m"])

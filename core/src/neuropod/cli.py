@@ -5,14 +5,17 @@ r"""The ``neuropod`` command.
     neuropod backends                 installed backends, devices, failed plugins
     neuropod inspect PKG|URL          name, platform, range, spec, files (a remote model: spec, servers)
     neuropod explain PKG|URL [--host F]  which backend would run it, and why not the others
-    neuropod test PKG                 run the package's bundled test data
-    neuropod infer PKG --input x=x.npy [--output-dir DIR]
-    neuropod demo                     package a small model, explain, run it
+    neuropod test PKG                 run the package's bundled test data (a URL has none: an error)
+    neuropod infer PKG|URL --input x=x.npy [--output-dir DIR]
+    neuropod demo [PLATFORM] [--dir DIR]  package a small model, explain, run it
     neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME,
                                       env prepare PACKAGE (build the environment its requirements need),
                                       env prune [--days N] (lock environments no package used for N days)
     neuropod cache verify [--repair]  re-hash every extracted zip package against its record
     neuropod serve PKG...             an Open Inference Protocol server (from neuropod-serving)
+
+A URL command (inspect, explain, infer) takes ``--auth-token-file FILE`` for
+a server that requires a bearer token (``neuropod serve --auth-token-file``).
 
 Every :class:`~neuropod.errors.NeuropodError` (and any ``OSError``,
 ``ValueError`` or other exception that escapes a command) ends the command
@@ -52,6 +55,8 @@ _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-
 _SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 # Paths in OSError messages are shortened to this many characters.
 _PATH_LIMIT = 200
+# The most of an --auth-token-file that is read.
+_TOKEN_FILE_LIMIT = 64 * 1024
 
 
 def _safe(text: object, keep: str = "") -> str:
@@ -227,10 +232,42 @@ def _print_spec(inputs: Sequence[Any], outputs: Sequence[Any], out: TextIO, devi
         print(f"Symbols:   {_safe(', '.join(symbols))} (one size per call across inputs and outputs)", file=out)
 
 
-def _load_remote(url: str) -> Any:
+def _read_token(path: str) -> str:
+    """The bearer token in ``--auth-token-file``: the file's first line, as ``neuropod serve`` reads its own."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_TOKEN_FILE_LIMIT + 1)  # bounded: the path may be /dev/zero or a disk image
+        if len(data) > _TOKEN_FILE_LIMIT:
+            raise NeuropodError(f"--auth-token-file '{_short(path)}' is larger than {_TOKEN_FILE_LIMIT // 1024} KiB; "
+                                "it should hold the token on its first line")  # fmt: skip
+        text = data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = _describe_os_error(e) if isinstance(e, OSError) else f"not UTF-8 text ({e.reason})"
+        raise NeuropodError(f"--auth-token-file '{_short(path)}' cannot be read: {reason}") from None
+    lines = text.strip().splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise NeuropodError(f"--auth-token-file '{_short(path)}' is empty; put the token on its first line")
+    return token
+
+
+def _remote_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``load_neuropod`` options from the URL commands' flags (``--auth-token-file``)."""
+    from neuropod.remote import is_remote
+
+    path = getattr(args, "auth_token_file", None)
+    if path is None:
+        return {}
+    if not is_remote(args.package):
+        raise NeuropodError(f"--auth-token-file applies to a remote model's URL (grpc://host:8001/model), "
+                            f"not to the package {_short(args.package)}")  # fmt: skip
+    return {"auth_token": _read_token(path)}
+
+
+def _load_remote(args: argparse.Namespace) -> Any:
     from neuropod.model import load_neuropod
 
-    return load_neuropod(url, check_ready=False)
+    return load_neuropod(args.package, check_ready=False, **_remote_options(args))
 
 
 def _server_line(state: dict[str, Any]) -> str:
@@ -246,28 +283,33 @@ def _server_line(state: dict[str, Any]) -> str:
 
 
 def _inspect_remote(args: argparse.Namespace, out: TextIO) -> int:
-    with _load_remote(args.package) as model:
-        status = model.status() if hasattr(model, "status") else []
-        if args.json:
-            data = {
-                "name": model.name,
-                "platform": model.platform,
-                "urls": list(getattr(model, "urls", [args.package])),
-                "backend": model.backend.id,
-                "input_spec": [s.to_dict() for s in model.inputs],
-                "output_spec": [s.to_dict() for s in model.outputs],
-                "servers": status,
-            }
-            print(json.dumps(data, indent=2, default=str), file=out)
-            return 0
-        print(f"Model:     {_safe(model.name)} at {_safe(args.package)}", file=out)
-        print(f"Platform:  {_safe(model.platform or '(the server does not say)')}", file=out)
-        print(f"Runs on:   {_safe(model.backend.id)} on {_safe(model.device)} ({_safe(model.backend.location)})", file=out)
-        _print_spec(model.inputs, model.outputs, out)
-        print("Servers:", file=out)
-        for state in status:
-            print(f"  {_server_line(state)}", file=out)
+    with _load_remote(args) as model:
+        _print_remote(model, args, out)
     return 0
+
+
+def _print_remote(model: Any, args: argparse.Namespace, out: TextIO) -> None:
+    """What ``inspect URL`` prints (``--json``: as JSON)."""
+    status = model.status() if hasattr(model, "status") else []
+    if args.json:
+        data = {
+            "name": model.name,
+            "platform": model.platform,
+            "urls": list(getattr(model, "urls", [args.package])),
+            "backend": model.backend.id,
+            "input_spec": [s.to_dict() for s in model.inputs],
+            "output_spec": [s.to_dict() for s in model.outputs],
+            "servers": status,
+        }
+        print(json.dumps(data, indent=2, default=str), file=out)
+        return
+    print(f"Model:     {_safe(model.name)} at {_safe(args.package)}", file=out)
+    print(f"Platform:  {_safe(model.platform or '(the server does not say)')}", file=out)
+    print(f"Runs on:   {_safe(model.backend.id)} on {_safe(model.device)} ({_safe(model.backend.location)})", file=out)
+    _print_spec(model.inputs, model.outputs, out)
+    print("Servers:", file=out)
+    for state in status:
+        print(f"  {_server_line(state)}", file=out)
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
@@ -277,6 +319,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
 
     if is_remote(args.package):
         return _inspect_remote(args, out)
+    _remote_options(args)  # refuses --auth-token-file for a package
     pkg = read_package(args.package, verify=not args.no_verify)
     cfg = pkg.config
     if args.json:
@@ -318,7 +361,12 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+#: RemoteError codes that mean no server could run a call to the model (``explain URL`` exits 1).
+_NOT_SERVED = ("unavailable", "not_found", "deadline_exceeded")
+
+
 def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod.errors import RemoteError
     from neuropod.model import plan
     from neuropod.package import read_package
     from neuropod.remote import is_remote
@@ -329,10 +377,20 @@ def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
         if given:
             raise NeuropodError(f"{', '.join(given)} apply to local packages; the server of {_short(args.package)} "
                                 "chooses how its model runs")  # fmt: skip
-        if not args.quiet_spec:
-            _inspect_remote(argparse.Namespace(package=args.package, json=False), out)
-            print(file=out)
-        with _load_remote(args.package) as model:
+        try:
+            model = _load_remote(args)
+        except RemoteError as e:
+            # No server could be asked for the model, or none knows it: explain's "nothing can run
+            # it" (exit 1). A refused token, TLS or a server that breaks the protocol stay errors.
+            if e.code not in _NOT_SERVED:
+                raise
+            print(_safe(e), file=out)
+            print("No server has the model ready: calls would fail.", file=out)
+            return EXIT_TEST_FAILED
+        with model:
+            if not args.quiet_spec:
+                _print_remote(model, argparse.Namespace(package=args.package, json=False), out)
+                print(file=out)
             if not hasattr(model, "status"):
                 print(f"Remote model {_safe(model.name)}: loaded; the handler of this URL's scheme reports "
                       "no per-server status", file=out)  # fmt: skip
@@ -346,6 +404,7 @@ def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
             print("No server has the model ready: calls would fail.", file=out)
         return 0 if ready else EXIT_TEST_FAILED
 
+    _remote_options(args)  # refuses --auth-token-file for a package
     pkg = read_package(args.package)
     if not args.quiet_spec:
         args_inspect = argparse.Namespace(package=args.package, no_verify=False, json=False)
@@ -358,7 +417,14 @@ def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_test(args: argparse.Namespace, out: TextIO) -> int:
     from neuropod.model import run_test_data
+    from neuropod.remote import is_remote
 
+    if is_remote(args.package):
+        raise NeuropodError(
+            f"{_short(args.package)} is a remote model; `neuropod test` runs the test data bundled in a package "
+            "file or directory, which a server does not send. Test the package where it is served "
+            "(neuropod test PKG), or run the remote model on your inputs: neuropod infer URL --input NAME=FILE.npy"
+        )
     report = run_test_data(
         args.package, trust_pickle=args.trust_pickle, device=args.device, backend=args.backend,
         rtol=args.rtol, atol=args.atol,
@@ -450,7 +516,7 @@ def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
 
     inputs = dict(_load_input(s) for s in args.input)
     out_dir = _output_dir(args.output_dir) if args.output_dir else None
-    with load_neuropod(args.package, device=args.device, backend=args.backend) as model:
+    with load_neuropod(args.package, device=args.device, backend=args.backend, **_remote_options(args)) as model:
         outputs = model.infer(inputs, requested_outputs=args.output or None)
         where = model.backend.location if model.backend.location.startswith("remote") else ""
         print(f"Model {model.name!r} with {_safe(model.backend.id)} on {model.device}"
@@ -501,6 +567,16 @@ def _build_demo(build: Any, work: Path, *, keep: bool, overwrite: bool) -> tuple
     return path, inputs, bad_inputs
 
 
+def _default_demo(demos: dict[str, Any]) -> str:
+    """The demo ``neuropod demo`` runs without a platform: onnx's, else the first, preferring a
+    plugin whose framework is installed (a plugin without it says what to install)."""
+    from neuropod import plugins
+
+    runnable = {b.plugin_distribution.split(" ")[0] for b in plugins.installed_backends()}
+    order = sorted(demos, key=lambda n: (n != "onnx", n))
+    return next((n for n in order if getattr(demos[n].dist, "name", None) in runnable), order[0])
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     import importlib_metadata
 
@@ -511,7 +587,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     demos = {ep.name: ep for ep in importlib_metadata.entry_points(group="neuropod.demos")}
     if not demos:
         raise PluginNotInstalledError("neuropod demo needs a backend plugin with a demo: pip install neuropod-onnx")
-    name = args.platform or ("onnx" if "onnx" in demos else sorted(demos)[0])
+    name = args.platform or _default_demo(demos)
     if name not in demos:
         raise NeuropodError(f"No demo for platform {name!r}; installed demos: {', '.join(sorted(demos))}")
     build = demos[name].load()
@@ -770,10 +846,15 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_backends)
 
+    def token_arg(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--auth-token-file", metavar="FILE", help="for a URL: send the bearer token on this file's "
+                       "first line (as `neuropod serve --auth-token-file` requires it)")  # fmt: skip
+
     s = sub.add_parser("inspect", help="show a package's name, platform, range, spec and files (or a remote model's)")
     s.add_argument("package", help="a package, or a remote model's URL (grpc://host:8001/model, http://...)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--no-verify", action="store_true", help="do not check the manifest")
+    token_arg(s)
     s.set_defaults(func=cmd_inspect)
 
     def resolution_args(s: argparse.ArgumentParser) -> None:
@@ -785,22 +866,24 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     s.add_argument("package", help="a package, or a remote model's URL (grpc://host:8001/model, http://...)")
     s.add_argument("--host", help="plan for the machine described in this JSON file")
     s.add_argument("--quiet-spec", action="store_true", help="print only the resolution")
+    token_arg(s)
     resolution_args(s)
     s.set_defaults(func=cmd_explain)
 
     s = sub.add_parser("test", help="run the package's bundled test data and compare")
-    s.add_argument("package")
+    s.add_argument("package", help="a package file or directory (a remote model has no bundled test data)")
     s.add_argument("--trust-pickle", action="store_true", help="allow reading an old test_data.pkl (runs code!)")
     s.add_argument("--rtol", type=float, default=1e-5)
     s.add_argument("--atol", type=float, default=1e-6)
     resolution_args(s)
     s.set_defaults(func=cmd_test)
 
-    s = sub.add_parser("infer", help="run a package on inputs from .npy files")
-    s.add_argument("package")
+    s = sub.add_parser("infer", help="run a package (or a remote model) on inputs from .npy files")
+    s.add_argument("package", help="a package, or a remote model's URL (grpc://host:8001/model, http://...)")
     s.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", required=True)
     s.add_argument("--output", "-o", action="append", default=[], metavar="NAME", help="only these outputs")
     s.add_argument("--output-dir", help="write each output to DIR/NAME.npy ('/' in a name as %%2F)")
+    token_arg(s)
     resolution_args(s)
     s.set_defaults(func=cmd_infer)
 
@@ -868,6 +951,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115
         return 0
     except NeuropodError as e:
+        if getattr(e, "code", None) == "unauthenticated" and getattr(args, "auth_token_file", None) is None:
+            return _fail(args, f"{e}; pass the token with --auth-token-file FILE")
         return _fail(args, str(e))
     except OSError as e:
         return _fail(args, _describe_os_error(e))

@@ -507,6 +507,19 @@ def _verify_manifest(
         )
 
 
+def _original_json(data: Mapping[str, Any]) -> str:
+    """``config.json`` and ``manifest.json`` text as the original Neuropod wrote them.
+
+    Its packagers wrote both with ``json.dump(..., indent=4, sort_keys=True)``:
+    keys sorted, four-space indent, ``", "``/``": "`` separators, ASCII escapes
+    and no final newline. Writing the same bytes means a package made here from
+    the same inputs differs from the original's only by what we add
+    (``exported_with``, test data as ``.npz``), so diffs and hashes of the two
+    line up.
+    """
+    return json.dumps(data, indent=4, sort_keys=True)
+
+
 def make_manifest(root: Path, known: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The manifest of every file under ``root`` except the manifest itself.
 
@@ -709,12 +722,12 @@ def write_package(
         if backend_config is not None:
             _write_text(staging / "0" / CONFIG, json.dumps(dict(backend_config), indent=2, sort_keys=True) + "\n")
         config = replace(config, custom_ops=tuple(op_names))
-        _write_text(staging / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
+        _write_text(staging / CONFIG, _original_json(config.to_dict()))
         if test_input_data is not None and persist_test_data:
             _write_npz(staging / TEST_INPUTS, test_input_data)
             if test_expected_out is not None:
                 _write_npz(staging / TEST_EXPECTED, test_expected_out)
-        _write_text(staging / MANIFEST, json.dumps(make_manifest(staging, hashes), indent=2, sort_keys=True) + "\n")
+        _write_text(staging / MANIFEST, _original_json(make_manifest(staging, hashes)))
         if package_as_zip:
             _write_zip(staging, dest, replace=False, compression=zip_compression)
         else:

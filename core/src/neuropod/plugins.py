@@ -19,6 +19,7 @@ with that reason, instead of failing at call time.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 import threading
@@ -51,14 +52,15 @@ KNOWN_PLATFORMS = {
 }
 #: What to install when a platform's plugin is there but its framework is not.
 KNOWN_FRAMEWORKS = {
-    "onnx": "neuropod-onnx[cpu] (or [gpu]; or install onnxruntime or onnxruntime-gpu yourself)",
+    "onnx": "'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]' for NVIDIA GPUs; or install onnxruntime or "
+            "onnxruntime-gpu yourself)",
     "torchscript": "torch",
-    "tensorflow": "neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)",
-    "keras": "neuropod-tensorflow[cpu] (or [gpu], or any tensorflow distribution)",
-    "tensorrt": "neuropod-tensorrt[tensorrt] (TensorRT needs an NVIDIA GPU)",
+    "tensorflow": "'neuropod-tensorflow[cpu]' (or 'neuropod-tensorflow[gpu]', or any tensorflow distribution)",
+    "keras": "'neuropod-tensorflow[cpu]' (or 'neuropod-tensorflow[gpu]', or any tensorflow distribution)",
+    "tensorrt": "'neuropod-tensorrt[tensorrt]' (TensorRT needs an NVIDIA GPU)",
     "torch_export": "torch",
     "aoti": "torch (the release the package was compiled with)",
-    "jax": "jax (jax[cuda12] or jax[cuda13] for NVIDIA GPUs)",
+    "jax": "jax ('jax[cuda12]' or 'jax[cuda13]' for NVIDIA GPUs)",
 }
 
 
@@ -427,6 +429,37 @@ def install_hint(platform: str) -> str:
     )
 
 
+def import_framework(
+    module: str, platform: str, needed_by: str, importer: Callable[[], Any] | None = None
+) -> Any:
+    """Import a backend's framework for a packager or demo, or say what installs it.
+
+    Plugins import their framework only when a function needs it; this is
+    that import, so a user who installed a plugin without its framework (e.g.
+    ``neuropod-onnx`` without its ``[cpu]`` extra) reads what to install
+    instead of a ``ModuleNotFoundError``. Call it first and then import as
+    usual (``import torch``) where the framework's types matter to a checker.
+
+    :param module: the module to import, e.g. ``"onnxruntime"`` or ``"jax.export"``.
+    :param platform: the platform it runs, for the install hint (``"onnx"``).
+    :param needed_by: what needs it, for the message (``"create_onnx_neuropod"``).
+    :param importer: imports it instead of :func:`importlib.import_module` (e.g. quietly).
+    :returns: the imported module.
+    :raises PluginNotInstalledError: the module is missing, or is installed and fails to import.
+    """
+    try:
+        return importer() if importer is not None else importlib.import_module(module)
+    except ImportError as e:
+        hint = KNOWN_FRAMEWORKS.get(platform, module)
+        top = module.split(".")[0]
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == top:
+            raise PluginNotInstalledError(f"{needed_by} needs {top}, which is not installed: pip install {hint}") from e
+        raise PluginNotInstalledError(
+            f"{needed_by} needs {top}, which is installed but failed to import ({type(e).__name__}: "
+            f"{' '.join(str(e).split())}); reinstall it: pip install {hint}"
+        ) from e
+
+
 def packager(name: str) -> Callable[..., Any]:
     """Find ``create_<platform>_neuropod`` among the installed plugins."""
     for ep in importlib_metadata.entry_points(group=PACKAGER_GROUP):
@@ -506,6 +539,7 @@ __all__ = [
     "core_range",
     "core_satisfies",
     "get_plugin_manager",
+    "import_framework",
     "install_hint",
     "installed_backends",
     "packager",

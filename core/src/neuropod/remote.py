@@ -10,11 +10,12 @@ says which distribution to install. The core gains no dependency.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from neuropod.errors import NeuropodError, PluginNotInstalledError
+from neuropod.errors import NeuropodError, PackageError, PluginNotInstalledError
 
 if TYPE_CHECKING:
     from neuropod.model import NeuropodModel
@@ -55,6 +56,8 @@ def load_remote(urls: str | Sequence[str], **arguments: Any) -> NeuropodModel:
     """Load a remote model through its scheme's handler (``load_neuropod`` calls this for URLs).
 
     :raises PluginNotInstalledError: no handler for the scheme is installed.
+    :raises PackageError: the scheme is unknown although neuropod-serving's schemes are installed
+        (a mistyped URL); the message lists the known schemes.
     :raises ValueError: an argument that only local models take was given.
     """
     for name, default in _LOCAL_ONLY.items():
@@ -70,6 +73,14 @@ def load_remote(urls: str | Sequence[str], **arguments: Any) -> NeuropodModel:
     schemes = sorted({scheme(u) or "" for u in url_list})
     handlers = _handlers()
     missing = [s for s in schemes if s not in handlers]
+    if missing and set(CLIENT_SCHEMES) <= set(handlers):
+        # Nothing to install: a scheme nobody handles is a mistyped URL (grpcc://, htp://).
+        url = next(u for u in url_list if scheme(u) == missing[0])
+        close = difflib.get_close_matches(missing[0], sorted(handlers), n=1)
+        raise PackageError(
+            f"Model URL {url!r:.200}: unknown scheme {missing[0]}://; the known schemes are "
+            f"{', '.join(sorted(handlers))}" + (f" (did you mean {close[0]}://?)" if close else "")
+        )
     if missing:
         known = [s for s in missing if s in CLIENT_SCHEMES]
         hint = INSTALL_HINT if known else (

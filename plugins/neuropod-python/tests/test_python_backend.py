@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import neuropod
-from neuropod.errors import BackendError, NeuropodError, PackageError
+from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.packagers import create_python_neuropod
 
 from conftest import write_code
@@ -63,6 +64,43 @@ def test_layout_is_the_originals(tmp_path: Path) -> None:
     config = json.loads((path / "config.json").read_text())
     assert config["platform"] == "python" and config["platform_version_semver"] == "*"
     assert not (path / "0" / "requirements.lock").exists()
+
+
+# The same test's expectation for the root config.json, from get_addition_model_spec (inputs and
+# output of shape ("batch_size",)) with the packager's defaults: written by the original's
+# write_neuropod_config, its sha256 as the original's own test pins it.
+ORIGINAL_CONFIG_SHA256 = "0309cf2117d887218e7edb4c918097a6a427fffcbf0a948115d32414b2b6e144"
+# What the original's config has that ours does not: the block we add, as indent=4 lays it out.
+EXPORTED_WITH_BLOCK = re.compile(r'\n    "exported_with": \{\n(?:        "[^"\n]*": "[^"\n]*",?\n)+    \},')
+
+
+def test_config_and_manifest_bytes_are_the_originals(tmp_path: Path) -> None:
+    code = write_code(tmp_path / "model_code", {"addition_model.py": ADDITION_MODEL_SOURCE})
+    vector = [{"name": "x", "dtype": "float32", "shape": ("batch_size",)},
+              {"name": "y", "dtype": "float32", "shape": ("batch_size",)}]  # fmt: skip
+    x = np.arange(5, dtype=np.float32)
+    path = create_python_neuropod(
+        neuropod_path=tmp_path / "test_neuropod", model_name="addition_model", data_paths=[],
+        code_path_spec=[{"python_root": code, "dirs_to_package": [""]}], entrypoint_package="addition_model",
+        entrypoint="get_model", input_spec=vector, output_spec=[{"name": "out", "dtype": "float32", "shape": ("batch_size",)}],
+        test_input_data={"x": x, "y": x}, test_expected_out={"out": x + x}, package_as_zip=False,
+        persist_test_data=False,
+    )  # fmt: skip
+    config_bytes = (path / "config.json").read_bytes()
+    assert json.loads(config_bytes)["exported_with"]["neuropod"] == neuropod.__version__
+    without_ours, removed = EXPORTED_WITH_BLOCK.subn("", config_bytes.decode("ascii"))
+    assert removed == 1
+    assert hashlib.sha256(without_ours.encode("ascii")).hexdigest() == ORIGINAL_CONFIG_SHA256
+    # The original's manifest layout, byte for byte: sorted keys, four spaces, no final newline.
+    hashes = {**ORIGINAL_HASHES, "config.json": hashlib.sha256(config_bytes).hexdigest()}
+    expected = (
+        '{\n    "files": {\n'
+        + ",\n".join(f'        "{rel}": "{hashes[rel]}"' for rel in sorted(hashes))
+        + '\n    },\n    "manifest_version": 1\n}'
+    )
+    assert (path / "manifest.json").read_text(encoding="ascii") == expected
+    with neuropod.load_neuropod(path) as model:  # and it still loads, its manifest checked
+        np.testing.assert_array_equal(model.infer({"x": x, "y": x})["out"], x + x)
 
 
 def test_code_path_spec_data_paths_and_zip(tmp_path: Path) -> None:
@@ -289,6 +327,37 @@ def test_an_original_package_loads_unchanged(tmp_path: Path) -> None:
     with neuropod.load_neuropod(root) as model:
         assert model.package.original_format
         np.testing.assert_array_equal(model.infer({"x": X, "y": Y})["out"], X + Y)
+
+
+@pytest.mark.parametrize("use_ope", [False, True], ids=["in-process", "worker"])
+def test_an_original_package_may_reuse_an_input_symbol_at_another_size(tmp_path: Path, use_ope: bool) -> None:
+    # The original checked a symbol within the inputs and within the outputs, never across:
+    # its packages may say "batch_size" for an output of another size. Ours bind it across both.
+    source = "import numpy as np\n\ndef get_model(_):\n    return lambda x, w: {'y': np.concatenate([x, w])}\n"
+    code = write_code(tmp_path / "code", {"joiner.py": source})
+    pair = [{"name": "x", "dtype": "float32", "shape": ["batch_size"]},
+            {"name": "w", "dtype": "float32", "shape": ["batch_size"]}]  # fmt: skip
+    joined = [{"name": "y", "dtype": "float32", "shape": ["batch_size"]}]
+    ours = create_python_neuropod(tmp_path / "ours", "joiner", [], [{"python_root": code, "dirs_to_package": [""]}],
+                                  "joiner", "get_model", pair, joined)  # fmt: skip
+    x, w = np.arange(3, dtype=np.float32), np.full(3, 7, np.float32)
+    shared = pytest.raises(SpecError, match="symbol 'batch_size' should be the same size.*but was of size 6")
+    with neuropod.load_neuropod(ours, use_ope=use_ope) as model, shared:
+        model.infer({"x": x, "w": w})
+    # The same model as the original wrote it: no exported_with, no manifest.
+    original = write_code(tmp_path / "original", {
+        "config.json": json.dumps({"name": "joiner", "platform": "python", "input_spec": pair, "output_spec": joined},
+                                  indent=4),
+        "0/config.json": '{"entrypoint": "get_model", "entrypoint_package": "joiner"}',
+        "0/code/__init__.py": "",
+        "0/code/joiner.py": source,
+    })  # fmt: skip
+    with neuropod.load_neuropod(original, use_ope=use_ope) as model:
+        assert model.package.original_format
+        np.testing.assert_array_equal(model.infer({"x": x, "w": w})["y"], [0, 1, 2, 7, 7, 7])
+        # Within the inputs the symbol still binds.
+        with pytest.raises(SpecError, match="symbol 'batch_size' should be the same size.*'w'.*but was of size 2"):
+            model.infer({"x": x, "w": w[:2]})
 
 
 VERSION_MODEL = """

@@ -282,6 +282,43 @@ def test_keras_node_name_mapping_and_the_original_call_styles(tmp_path: Path) ->
     assert json.loads((path / "config.json").read_text())["output_spec"][0]["name"] == "d"
 
 
+def test_keras_specs_keep_unknown_dims_and_dtypes(tmp_path: Path) -> None:
+    # Sequences of any length, integer ids and text: the spec says what each Keras input and
+    # output tensor says, the first dim named "batch_size" and every other unknown dim None.
+    seq = tf.keras.Input((None, 3), name="seq")
+    ids = tf.keras.Input((), dtype="int32", name="ids")
+    words = tf.keras.Input((2,), dtype="string", name="words")
+    pooled = tf.keras.layers.GlobalAveragePooling1D(name="pooled")(tf.keras.layers.Dense(4, name="proj")(seq))
+    same_ids = tf.keras.layers.Identity(name="same_ids")(ids)
+    model = tf.keras.Model([seq, ids, words], [pooled, same_ids])
+
+    def from_tensors(names: list[str], tensors: list[object]) -> list[dict[str, object]]:
+        return [{"name": n, "dtype": t.dtype, "shape": ("batch_size", *t.shape[1:])}  # type: ignore[attr-defined]
+                for n, t in zip(names, tensors)]  # fmt: skip
+
+    from neuropod.backends.keras.packager import infer_keras_input_spec as original_input_spec
+    from neuropod.backends.keras.packager import infer_keras_output_spec as original_output_spec
+
+    inferred_in, inferred_out = original_input_spec(model), original_output_spec(model)
+    assert inferred_in == from_tensors(["seq", "ids", "words"], model.inputs)
+    assert inferred_out == from_tensors(["pooled", "same_ids"], model.outputs)
+    assert [s["shape"] for s in inferred_in] == [("batch_size", None, 3), ("batch_size",), ("batch_size", 2)]
+    assert [s["dtype"] for s in inferred_in + inferred_out] == ["float32", "int32", "string", "float32", "int32"]
+    # Packaged with those specs, it takes sequences of any length.
+    numbers = tf.keras.Model([seq, ids], [pooled, same_ids])
+    path = create_keras_neuropod(tmp_path / "seq", "seq", None, numbers)
+    config = json.loads((path / "config.json").read_text())
+    assert config["input_spec"] == [{**s, "shape": list(s["shape"])} for s in inferred_in[:2]]
+    with neuropod.load_neuropod(path) as m:
+        for length in (1, 5):
+            x = np.random.default_rng(length).standard_normal((2, length, 3)).astype(np.float32)
+            i = np.array([3, -4], np.int32)
+            out = m.infer({"seq": x, "ids": i})
+            want = numbers([x, i], training=False)
+            np.testing.assert_allclose(out["pooled"], want[0].numpy(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(out["same_ids"], i)
+
+
 def test_sequential_keras_model(tmp_path: Path) -> None:
     model = tf.keras.Sequential([tf.keras.Input((3,), name="features"), tf.keras.layers.Dense(2, name="logits")])
     x = np.arange(6, dtype=np.float32).reshape(2, 3)

@@ -18,9 +18,13 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     :returns: the package path, inputs that fit, and inputs of the wrong
         width (for showing a spec error).
     """
+    import numpy as np
+
+    from neuropod.plugins import import_framework
+
+    import_framework("jax", "jax", "neuropod demo jax")
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from neuropod_jax.packager import create_jax_neuropod
 

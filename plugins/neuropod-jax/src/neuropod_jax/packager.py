@@ -21,8 +21,9 @@ import numpy as np
 from packaging.version import InvalidVersion, Version
 
 from neuropod.backend import installed_distribution
-from neuropod.errors import PackageError, PluginNotInstalledError
+from neuropod.errors import PackageError
 from neuropod.package import create_package, package_options
+from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_jax import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
@@ -216,14 +217,7 @@ def create_jax_neuropod(
 
 def _import_jax() -> Any:
     """``jax.export``, or a clear error when jax is not installed."""
-    try:
-        from jax import export as jax_export
-    except ImportError as e:
-        raise PluginNotInstalledError(
-            f"{PACKAGER} needs jax, which is not installed here ({e}): pip install jax flatbuffers "
-            "(jax[cuda12] or jax[cuda13] for GPUs)"
-        ) from e
-    return jax_export
+    return import_framework("jax.export", PLATFORM, PACKAGER)
 
 
 def _jax_version() -> str:

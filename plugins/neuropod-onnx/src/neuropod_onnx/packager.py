@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.package import create_package, package_options
+from neuropod.plugins import import_framework
 from neuropod.spec import parse_spec
 from neuropod_onnx import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
@@ -67,6 +68,7 @@ def _check_graph(
     source: Any, name: str, input_spec: Any, output_spec: Any, custom_ops: Sequence[str | os.PathLike[str]]
 ) -> None:
     """Open the model once so a spec that does not match fails before anything is written."""
+    import_framework("onnxruntime", PLATFORM, "create_onnx_neuropod")
     from neuropod_onnx._runtime import check_io, create_session
 
     where = f"Model {name!r}"

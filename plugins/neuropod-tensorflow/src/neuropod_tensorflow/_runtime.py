@@ -95,7 +95,7 @@ def _not_tensorflow(text: str) -> str:
 
 def import_tensorflow() -> Any:
     """Import TensorFlow quietly (see the module docstring), once."""
-    if "tensorflow" in sys.modules:
+    if sys.modules.get("tensorflow") is not None:  # None: an import of it was blocked
         return sys.modules["tensorflow"]
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with quiet_stderr("importing tensorflow"):

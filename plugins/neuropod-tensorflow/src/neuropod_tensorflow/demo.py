@@ -20,10 +20,11 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """
     import numpy as np
 
+    from neuropod.plugins import import_framework
     from neuropod_tensorflow._runtime import import_tensorflow
     from neuropod_tensorflow.packager import create_tensorflow_neuropod
 
-    tf = import_tensorflow()
+    tf = import_framework("tensorflow", "tensorflow", "neuropod demo tensorflow", import_tensorflow)
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 2], name="x")

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.package import FileSource, create_package
+from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_tensorflow import FRAMEWORK_DISTRIBUTIONS, PLATFORM
+from neuropod_tensorflow._runtime import import_tensorflow
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -143,7 +145,7 @@ def create_keras_neuropod(
     :returns: the path written.
     """
     model = _keras_call_style(sess, model)
-    import tensorflow as tf
+    tf = import_framework("tensorflow", "keras", "create_keras_neuropod", import_tensorflow)
 
     in_names, out_names = _keras_names(model)
     mapping = dict(node_name_mapping) if node_name_mapping else None

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from neuropod.backend import installed_distribution
 from neuropod.errors import BackendError, NeuropodError, PackageError
 from neuropod.package import create_package, package_options
+from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_tensorrt import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 from neuropod_tensorrt._engine import ENGINE_PATH, EngineInfo, check_io
@@ -181,10 +182,7 @@ def _build_from_onnx(
     cc = _gpu_here()
     if cc is None:
         raise NeuropodError("Building a TensorRT engine from ONNX needs an NVIDIA GPU and its driver; none is usable here")
-    try:
-        import tensorrt as trt
-    except ImportError as e:
-        raise NeuropodError(f"Building a TensorRT engine needs tensorrt: pip install neuropod-tensorrt[tensorrt] ({e})") from e
+    trt = import_framework("tensorrt", PLATFORM, "Building a TensorRT engine")
     from neuropod_tensorrt._runtime import _Logger, engine_io, load_plugins
 
     logger = _Logger(trt)

@@ -23,9 +23,12 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         width (for showing a spec error).
     """
     import numpy as np
-    import torch
 
+    from neuropod.plugins import import_framework
     from neuropod_torch.packager import create_torch_export_neuropod
+
+    import_framework("torch", "torch_export", "neuropod demo torch")
+    import torch
 
     class Classifier(torch.nn.Module):
         def __init__(self) -> None:

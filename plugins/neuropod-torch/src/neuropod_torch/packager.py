@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import PackageError, SpecError
 from neuropod.package import create_package, package_options
+from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_torch._hooks import AOTI, FRAMEWORK_DISTRIBUTIONS, TORCH_EXPORT
 
@@ -76,9 +77,9 @@ def create_torch_export_neuropod(
     :raises PackageError: the model does not export, a spec symbol was
         specialized, or the package does not load and reproduce its test data.
     """
-    import torch
-
     packager = "create_torch_export_neuropod"
+    import_framework("torch", TORCH_EXPORT, packager)
+    import torch
     opts = package_options(packager, options)
     inputs = parse_spec(input_spec, "input_spec")
     program = _program(packager, model_name, inputs, module, exported_program, example_inputs, strict, opts, "cpu")
@@ -138,9 +139,9 @@ def create_aoti_neuropod(
     :raises PackageError: the model does not export or compile, or the
         package does not load and reproduce its test data.
     """
-    import torch
-
     packager = "create_aoti_neuropod"
+    import_framework("torch", AOTI, packager)
+    import torch
     if sum(x is not None for x in (module, exported_program, compiled_package)) != 1:
         raise PackageError(f"{packager} needs exactly one of module=, exported_program= or compiled_package=")
     kind = _device_kind(packager, device)

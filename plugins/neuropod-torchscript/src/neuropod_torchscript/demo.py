@@ -19,9 +19,12 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         ``batch_size`` disagree (for showing a spec error).
     """
     import numpy as np
-    import torch
 
+    from neuropod.plugins import import_framework
     from neuropod_torchscript.packager import create_torchscript_neuropod
+
+    import_framework("torch", "torchscript", "neuropod demo torchscript")
+    import torch
 
     class AddTimesTwo(torch.nn.Module):
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import PackageError
 from neuropod.package import create_package
+from neuropod.plugins import import_framework
 from neuropod_torchscript import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def create_torchscript_neuropod(
 
 
 def _serialize(module: Any) -> bytes:
+    import_framework("torch", PLATFORM, "create_torchscript_neuropod")
     import torch
 
     if not isinstance(module, torch.jit.ScriptModule):

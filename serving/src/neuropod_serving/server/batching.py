@@ -21,6 +21,15 @@ may wait is bounded by the :class:`~neuropod_serving.server.engine.Engine`
 before they are submitted (its ``ModelLimits``): the same limit as unbatched
 requests, so a full queue is refused at once rather than left to grow.
 
+Packages the original Neuropod wrote check a symbol within the inputs and
+within the outputs separately (see :class:`neuropod.spec.SpecValidator`): an
+output may reuse the batch symbol's name at another size, which only shows
+once requests are merged. For such a model (``rows_promised=False``) the
+first merged run whose outputs lack the batch's rows is answered by running
+each of its requests alone, and the batcher stops merging that model's
+requests, with a warning; our packages promise the rows (the spec check
+fails otherwise), so for them it stays an error.
+
 The model always gets writable input arrays: a batch of several requests is a
 fresh concatenation, and a request that runs alone has its read-only inputs
 (views of request bytes) copied, as unbatched requests do.
@@ -128,6 +137,10 @@ class Batcher:
         request, the model's run seconds, rows, seconds preparing its inputs
         (concatenation, copies), seconds splitting its outputs back per request),
         for metrics and statistics.
+    :param rows_promised: the spec binds the outputs' batch dim to the inputs'
+        (our packages). False for packages the original Neuropod wrote: a
+        merged run whose outputs lack the batch's rows is then run request by
+        request, and merging stops for this model.
     """
 
     def __init__(
@@ -138,8 +151,12 @@ class Batcher:
         *,
         inflight: int = 1,
         observe: Callable[[list[float], float, int, float, float], None] | None = None,
+        rows_promised: bool = True,
     ) -> None:
         self.name = name
+        self._rows_promised = rows_promised
+        #: False once this model's outputs were found not to follow the batch's rows: each request runs alone.
+        self.merging = True
         self.policy = policy
         self._run = run
         self._observe = observe
@@ -194,7 +211,7 @@ class Batcher:
                     return
                 first = self._queue[0]
                 deadline = first.arrived + policy.max_queue_delay_s
-                while not self._closed and first.rows < policy.max_batch_size:
+                while not self._closed and self.merging and first.rows < policy.max_batch_size:
                     waiting = self._rows_waiting(first.key)
                     if waiting >= policy.max_batch_size or waiting in policy.preferred_batch_sizes:
                         break
@@ -217,7 +234,7 @@ class Batcher:
         limit = self.policy.max_batch_size
         batch: list[_Item] = [self._queue.popleft()]
         rows = batch[0].rows
-        if rows >= limit:
+        if rows >= limit or not self.merging:
             return batch
         kept: list[_Item] = []
         while self._queue:
@@ -256,23 +273,31 @@ class Batcher:
                 except Exception:  # metrics must never leave a batch unanswered
                     log.exception("recording metrics of model %r failed", self.name)
             for item, result in zip(batch, results):
-                if not item.future.done():
+                if item.future.done():
+                    continue
+                if isinstance(result, BaseException):  # a request run alone after a merge that did not split
+                    item.future.set_exception(result)
+                else:
                     item.future.set_result(result)
         finally:
             self._slots.release()
 
-    def _run_merged(self, batch: list[_Item], started: float) -> tuple[list[Arrays], tuple[float, float, float]]:
-        """Each request's outputs, and the seconds (from ``started``) spent preparing the
-        model's inputs, running it, and splitting its outputs back per request."""
+    def _run_alone(self, item: _Item) -> Arrays:
+        inputs = writable(item.inputs)
+        if item.parameters is not None:
+            return self._run(inputs, item.requested, parameters=item.parameters)  # type: ignore[call-arg]
+        return self._run(inputs, item.requested)
+
+    def _run_merged(
+        self, batch: list[_Item], started: float
+    ) -> tuple[list[Arrays | BaseException], tuple[float, float, float]]:
+        """Each request's outputs (or, for requests run one by one, its own failure), and the
+        seconds (from ``started``) spent preparing the model's inputs, running it, and
+        splitting its outputs back per request."""
         parameters = batch[0].parameters  # the same for the whole batch (part of its key)
         if len(batch) == 1:
-            item = batch[0]
-            inputs = writable(item.inputs)
             ready = time.perf_counter()
-            if parameters is not None:
-                outputs = self._run(inputs, item.requested, parameters=parameters)  # type: ignore[call-arg]
-            else:
-                outputs = self._run(inputs, item.requested)
+            outputs = self._run_alone(batch[0])
             return [outputs], (ready - started, time.perf_counter() - ready, 0.0)
         names = list(batch[0].inputs)
         merged = {n: np.concatenate([item.inputs[n] for item in batch]) for n in names}
@@ -292,17 +317,39 @@ class Batcher:
         total = sum(item.rows for item in batch)
         for n, arr in outputs.items():
             if arr.ndim == 0 or arr.shape[0] != total:
+                if not self._rows_promised:
+                    return self._unmerge(batch, n, arr, total, started)
                 raise BackendError(
                     f"model {self.name!r} returned output {n!r} with shape {list(arr.shape)} for a batch of "
                     f"{total} rows; its spec promises the batch dimension first"
                 )
         bounds = np.cumsum([item.rows for item in batch])[:-1]
         parts = {n: np.split(arr, bounds) for n, arr in outputs.items()}
-        results: list[Arrays] = []
+        results: list[Arrays | BaseException] = []
         for i, item in enumerate(batch):
             names_i = item.requested if item.requested is not None else list(outputs)
             results.append({n: parts[n][i] for n in names_i})
         return results, (ready - started, ran - ready, time.perf_counter() - ran)
+
+    def _unmerge(
+        self, batch: list[_Item], name: str, arr: np.ndarray, total: int, started: float
+    ) -> tuple[list[Arrays | BaseException], tuple[float, float, float]]:
+        """Stop merging this model's requests and answer ``batch`` by running each alone."""
+        if self.merging:
+            self.merging = False
+            log.warning(
+                "model %r returned output %r with shape %s for a batch of %d rows: its package, written by the "
+                "original Neuropod, does not bind outputs to the inputs' batch size, so its requests now run one "
+                "at a time (no batching)", self.name, name, list(arr.shape), total,
+            )  # fmt: skip
+        ready = time.perf_counter()
+        results: list[Arrays | BaseException] = []
+        for item in batch:
+            try:
+                results.append(self._run_alone(item))
+            except Exception as e:  # noqa: BLE001 - each request gets its own failure
+                results.append(e)
+        return results, (ready - started, time.perf_counter() - ready, 0.0)
 
     @staticmethod
     def _fail(batch: list[_Item], error: BaseException) -> None:

@@ -334,6 +334,8 @@ class Engine:
     def batched(self, name: str) -> tuple[bool, str]:
         """Whether requests to model ``name`` are batched, and if not, why (for the start-up table)."""
         runner = self._runners[name]
+        if runner.batcher is not None and not runner.batcher.merging:
+            return False, "batching off: its outputs did not keep the batch's rows (a package the original Neuropod wrote)"
         if runner.batcher is not None:
             return True, ""
         if runner.unbatched_reason:
@@ -366,7 +368,9 @@ class Engine:
                     metrics.queued(name, w)
                 metrics.computed(name, seconds, rows, len(waited), prepared, extracted)
 
-            batcher = Batcher(name, model.infer, policy, inflight=workers, observe=observe)
+            batcher = Batcher(
+                name, model.infer, policy, inflight=workers, observe=observe, rows_promised=_shared_symbols(model)
+            )
         concurrent_runs = max_concurrent
         queued = f"--max-queued-requests {self.limits.max_queued}"
         limits = f"neuropod serve --max-concurrent-runs {concurrent_runs} {queued}"
