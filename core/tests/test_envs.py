@@ -219,7 +219,8 @@ def test_failed_creation_leaves_nothing(home: Path, tmp_path: Path) -> None:
     with pytest.raises(NeuropodError, match=r"(?s)failed \(exit status 3\).*this python is broken"):
         envs.create_environment("onnx==1.20.1", python=str(bad), out=out)
     # The step and its time; the interpreter's own output only in the error.
-    assert re.fullmatch(rf"  creating the virtual environment \({re.escape(str(bad))}\) \.\.\. failed after [0-9.]+ s\n",
+    assert re.fullmatch(rf"Creating a backend environment for onnx==1\.20\.1 named 'onnx-1\.20\.1':\n"
+                        rf"  creating the virtual environment \({re.escape(str(bad))}\) \.\.\. failed after [0-9.]+ s\n",
                         out.getvalue()), out.getvalue()  # fmt: skip
     assert os.listdir(home / "envs") == []
     out = io.StringIO()

@@ -602,7 +602,7 @@ def create_environment(
     :raises NeuropodError: a bad spec, an existing name, pip or the
         environment's plugins failed; nothing is left behind.
     """
-    out = out or sys.stderr
+    out = sys.stderr if out is None else out
     platform, version = parse_spec(spec)
     spec = f"{platform}=={version}"
     if name is not None:
@@ -618,6 +618,7 @@ def create_environment(
     reqs = install_requirements(platform, version)
     links = [arg for d in find_links for arg in ("--find-links", str(d))]
     step = f"installing the neuropod core, {_plugin_distribution(platform)[0]} and {reqs[-1]}"
+    print(f"Creating a backend environment for {spec}{f' named {name!r}' if name else ''}:", file=out, flush=True)
     return _build(
         name, base_python, spec, platform,
         [([*links, *reqs], f"pip install of {spec} into the new environment", step)],
@@ -856,7 +857,7 @@ def lock_environment(
     :raises NeuropodError: the build failed (the end of pip's output is in
         the message); nothing is left behind.
     """
-    out = out or sys.stderr
+    out = sys.stderr if out is None else out
     lines = lock_lines(lock, f"requirements.lock of model {package_name!r}" if package_name else "requirements.lock")
     name = lock_environment_name(lock, backend)
     base_python, xy = _base_interpreter(backend)
