@@ -26,6 +26,7 @@ pytest.importorskip("onnxruntime")
 from onnx import helper  # noqa: E402
 
 from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry  # noqa: E402
+from neuropod_serving.server.model_config import model_config  # noqa: E402
 
 from conftest import onnx_package  # noqa: E402
 
@@ -72,6 +73,7 @@ def test_original_package_whose_outputs_do_not_keep_the_rows_runs_unbatched(
     engine = Engine(registry, batching=BatchPolicy(8))
     try:
         assert engine.batched("doubler") == (True, "")  # "batch_size" leads every input and output
+        assert model_config(engine, served)["max_batch_size"] == 8
         requests = [np.arange(i + 1, dtype=np.float32) + 10 * i for i in range(3)]
         with caplog.at_level(logging.WARNING, logger="neuropod_serving.server"), ThreadPoolExecutor(3) as pool:
             first = pool.submit(engine.infer_blocking, served, {"x": requests[0]})
@@ -88,6 +90,10 @@ def test_original_package_whose_outputs_do_not_keep_the_rows_runs_unbatched(
         assert "does not bind outputs to the inputs' batch size" in caplog.text
         assert engine.batched("doubler")[0] is False
         assert "did not keep the batch's rows" in engine.batched("doubler")[1]
+        # Its model configuration says so too: no batching, the batch dimension back in the dims.
+        config = model_config(engine, served)
+        assert config["max_batch_size"] == 0 and "dynamic_batching" not in config, config
+        assert config["input"][0]["dims"] == [-1], config["input"]
         # From now on requests are never merged.
         held.rows.clear()
         with ThreadPoolExecutor(4) as pool:

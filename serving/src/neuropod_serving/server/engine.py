@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -329,6 +329,10 @@ class Engine:
         runner = self._runners.get(name)
         if runner is None:
             raise UnknownModelError(f"Request for unknown model: {name!r} is not found")
+        if runner.batcher is not None and not runner.batcher.merging:
+            # Its requests run one at a time now (a package the original Neuropod wrote, whose
+            # outputs did not keep the batch's rows): described as a model without batching.
+            return replace(runner.serving, batching=None)
         return runner.serving
 
     def batched(self, name: str) -> tuple[bool, str]:
