@@ -69,6 +69,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_below_ephemeral() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (now), below the kernel's ephemeral range:
+    for a server started only after other processes start (Ray's), whose outgoing connections
+    take ephemeral ports and could take one :func:`free_port` returned before it is bound."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(10_000, max(low, 10_001)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 @contextlib.contextmanager
 def private_caches(root: Path) -> Iterator[None]:
     """A package cache and XDG_CACHE_HOME (onnxruntime's telemetry files) under ``root``, for a module's fixtures."""

@@ -33,7 +33,7 @@ from neuropod_serving import ray as neuropod_ray
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ray_support import adder_inputs, adder_package, check_adder, http, replica_infos, rest_body, rest_outputs
 
-from conftest import free_port, private_caches
+from conftest import free_port_below_ephemeral, private_caches
 
 
 @dataclass
@@ -65,7 +65,7 @@ def two_nodes() -> Iterator[TwoNodes]:
             )
             ray.init(address=cluster.address)
             cluster.wait_for_nodes()
-            nodes = TwoNodes(root, ray.get_runtime_context().get_node_id(), far.node_id, free_port(), free_port())
+            nodes = TwoNodes(root, ray.get_runtime_context().get_node_id(), far.node_id, free_port_below_ephemeral(), free_port_below_ephemeral())
             assert nodes.head_id != nodes.far_id
             neuropod_ray.start(http_port=nodes.http_port, grpc_port=nodes.grpc_port, proxy_location="HeadOnly")
             yield nodes

@@ -56,7 +56,7 @@ from ray_support import (
     wait_running,
 )
 
-from conftest import free_port, private_caches, serve_in_thread
+from conftest import free_port_below_ephemeral, private_caches, serve_in_thread
 
 APP = "adder"  # the application, named after its model as `neuropod serve --ray` names them
 GRPC_APP = (("application", APP),)  # Ray's gRPC proxy routes by it once several applications run
@@ -78,7 +78,7 @@ def served() -> Iterator[Served]:
     root = Path(tempfile.mkdtemp(prefix="neuropod-ray-"))
     with private_caches(root):  # before ray.init: Ray's workers inherit the environment
         package = adder_package(root / "adder.neuropod")
-        ports = Served(root, package, free_port(), free_port(), free_port())
+        ports = Served(root, package, free_port_below_ephemeral(), free_port_below_ephemeral(), free_port_below_ephemeral())
         if ray.is_initialized():  # another module's cluster in this process
             serve.shutdown()
             ray.shutdown()
