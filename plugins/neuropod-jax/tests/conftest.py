@@ -36,20 +36,25 @@ def spec(*entries: tuple[str, str, Sequence[Any]]) -> list[dict[str, Any]]:
     return [{"name": n, "dtype": t, "shape": list(s)} for n, t, s in entries]
 
 
-@functools.cache
-def jax_sees_a_gpu() -> bool:
-    """Whether JAX here has a CUDA device (tests of what a CPU-only host does are skipped where it has)."""
+def jax_cuda_missing() -> str | None:
+    """Why JAX here cannot run on a GPU (no CUDA plugin, or no CUDA device), or None when it can."""
+    import jax
+
     from neuropod_jax import cuda_plugin
 
     if cuda_plugin() is None:
-        return False
-    import jax
-
+        return f"jax {jax.__version__} has no CUDA plugin installed (pip install jax[cuda12]=={jax.__version__})"
     try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
+        jax.devices("cuda")
+    except RuntimeError as e:
+        return f"jax {jax.__version__} sees no CUDA device: {e}"
+    return None
 
+
+@functools.cache
+def jax_sees_a_gpu() -> bool:
+    """Whether JAX here has a CUDA device (tests of what a CPU-only host does are skipped where it has)."""
+    return jax_cuda_missing() is None
 
 
 def skip_on_a_gpu_host() -> None:

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 import pytest
 
@@ -22,20 +21,9 @@ from neuropod.packagers import create_jax_neuropod
 from neuropod_jax import cuda_plugin
 
 import models
-from conftest import spec
+from conftest import jax_cuda_missing, spec
 
-
-def _no_cuda_jax() -> str | None:
-    if cuda_plugin() is None:
-        return f"jax {jax.__version__} has no CUDA plugin installed (pip install jax[cuda12]=={jax.__version__})"
-    try:
-        jax.devices("cuda")
-    except RuntimeError as e:
-        return f"jax {jax.__version__} sees no CUDA device: {e}"
-    return None
-
-
-pytestmark = pytest.mark.gpu(needs=_no_cuda_jax)
+pytestmark = pytest.mark.gpu(needs=jax_cuda_missing)
 
 X_SPEC = spec(("x", "float32", ["batch", 3]))
 MLP_OUT = spec(("y", "float32", ["batch", 2]), ("norm", "float32", ["batch"]))
