@@ -20,6 +20,7 @@
     nox -s tests_ray               neuropod_serving.ray on local Ray clusters: replicas, two nodes, a killed replica,
                                    autoscaling, neuropod serve's errors, serve run / --ray; tritonclient (~4 min)
     nox -s lint types              ruff, mypy
+    nox -s docs                    every code block of docs/ and the READMEs run, the site built (warnings are errors)
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~12 min)
     nox -s bench_remote            remote models' latency against in-process, tritonclient and the transport floor
@@ -389,6 +390,54 @@ def types(session: nox.Session) -> None:
                     f"torch=={TORCH_DEFAULT}", f"jax=={JAX_DEFAULT}", f"jaxlib=={JAX_DEFAULT}")  # fmt: skip
     session.run("mypy", "core/src/neuropod", *[str(next((p / "src").iterdir())) for p in PLUGINS],
                 "serving/src/neuropod_serving")  # fmt: skip
+
+
+# --- documentation ----------------------------------------------------------
+
+DOCS_TOOLS = ["sphinx==9.0.4", "myst-parser==5.2.0", "furo==2025.12.19", "sybil==10.1.0"]
+
+
+def _markdown_files() -> list[str]:
+    """The site's pages and every README: each is a Sybil document."""
+    pages = sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)
+    readmes = [ROOT / "README.md", CORE / "README.md", *(p / "README.md" for p in PLUGINS), SERVING / "README.md",
+               EXAMPLE / "README.md"]  # fmt: skip
+    return [str(p.relative_to(ROOT)) for p in [*pages, *readmes] if p.is_file()]
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # about 6 min, most of it installing the frameworks
+def docs(session: nox.Session) -> None:
+    """The documentation: every code block of docs/ and the READMEs run (Sybil; one pytest process
+    per page, as torch and TensorFlow must not share one), the reference meta-tests, then the site
+    built with every warning (a broken link or anchor, a missing page) an error, into build/docs.
+    ``nox -s docs -- PAGE.md ...`` runs those pages only; ``-- --linkcheck`` also checks external links
+    (needs the network)."""
+    session.install(
+        *DOCS_TOOLS, f"{CORE}[test]", *[f"{p}" for p in PLUGINS], f"{SERVING}[server,client]",
+        f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", f"torch=={TORCH_DEFAULT}", f"jax=={JAX_DEFAULT}",
+        f"jaxlib=={JAX_DEFAULT}", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}", "tritonclient[http,grpc]>=2.73",
+    )  # fmt: skip
+    linkcheck = "--linkcheck" in session.posargs
+    pages = [a for a in session.posargs if a.endswith(".md")] or _markdown_files()
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="neuropod-docs-home-") as home:
+        env = {"NEUROPOD_CACHE_DIR": f"{home}/cache", "NEUROPOD_HOME": f"{home}/home", "XDG_CACHE_HOME": f"{home}/xdg"}
+        for page in pages:
+            try:
+                session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--no-header", page,
+                            env=env, success_codes=[0, 5])  # fmt: skip  (5: a page with no code block)
+            except nox.command.CommandFailed:
+                failed.append(page)
+    if not [a for a in session.posargs if a.endswith(".md")]:
+        _pytest(session, "docs/tests")
+        out = ROOT / "build" / "docs"
+        shutil.rmtree(out, ignore_errors=True)
+        session.run("sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out / "html"))
+        if linkcheck:
+            session.run("sphinx-build", "-q", "-b", "linkcheck", "docs", str(out / "linkcheck"))
+        session.log(f"the site: {out / 'html' / 'index.html'}")
+    if failed:
+        session.error(f"examples failed on {len(failed)} page(s): {', '.join(failed)}")
 
 
 @nox.session(python=DEFAULT_PYTHON)

@@ -14,7 +14,7 @@ from neuropod import hookspecs
 from neuropod.testing import hooks_covered
 
 ROOT = Path(__file__).resolve().parents[2]
-HOOK_DOCS = ROOT / "docs" / "hooks"
+HOOK_DOCS = ROOT / "docs" / "reference" / "hooks"
 HOOKS = sorted(name for name, f in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(f, "neuropod_spec"))
 
 pytestmark = pytest.mark.skipif(not HOOK_DOCS.is_dir(), reason=f"docs not found at {HOOK_DOCS} (an installed core)")
@@ -28,7 +28,7 @@ def rendered_signature(name: str) -> str:
 
 
 def test_every_hook_has_a_page_and_no_page_is_stale() -> None:
-    pages = {p.stem for p in HOOK_DOCS.glob("*.md") if p.name != "README.md"}
+    pages = {p.stem for p in HOOK_DOCS.glob("*.md") if p.name != "index.md"}
     assert pages == set(HOOKS)
 
 
@@ -52,7 +52,7 @@ def test_page_names_the_conformance_tests_of_its_hook(hook: str) -> None:
 
 
 def test_index_links_every_page() -> None:
-    index = (HOOK_DOCS / "README.md").read_text()
+    index = (HOOK_DOCS / "index.md").read_text()
     for hook in HOOKS:
         assert f"({hook}.md)" in index
 
@@ -66,7 +66,7 @@ def test_example_blocks_compile() -> None:
 
 def test_tutorial_files_are_the_example_project() -> None:
     """Every file the tutorial has you create is, byte for byte, the example's."""
-    tutorial = (ROOT / "docs" / "plugin-tutorial.md").read_text()
+    tutorial = (ROOT / "docs" / "how-to" / "write-a-backend.md").read_text()
     example = ROOT / "examples" / "neuropod-numpy-backend"
     found = re.findall(r"Create `([^`]+)`:\n\n(````|```)\w*\n(.*?)\2\n", tutorial, re.S)
     blocks = {rel: body for rel, _fence, body in found}

@@ -755,6 +755,7 @@ def cmd_cache_verify(args: argparse.Namespace, out: TextIO) -> int:
 #: Commands other distributions add through the ``neuropod.commands`` entry
 #: point group, and what to install when one is missing.
 KNOWN_PLUGIN_COMMANDS = {"serve": "'neuropod-serving[server]'"}
+KNOWN_PLUGIN_HELP = {"serve": "serve packages over the Open Inference Protocol (Triton's and KServe's clients)"}
 
 
 def _plugin_commands() -> dict[str, Any]:
@@ -781,12 +782,13 @@ def _add_plugin_commands(sub: Any, argv: Sequence[str]) -> None:
             continue
         ep = found.get(name)
         if ep is None:
-            s = sub.add_parser(name, help=f"(needs: pip install {KNOWN_PLUGIN_COMMANDS[name]})")
+            s = sub.add_parser(name, help=f"{KNOWN_PLUGIN_HELP[name]} (needs: pip install {KNOWN_PLUGIN_COMMANDS[name]})")
             s.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             s.set_defaults(func=_missing_command(name))
             continue
         dist = getattr(ep.dist, "name", None) or "a plugin"
-        s = sub.add_parser(name, help=f"(from {dist})", description=f"neuropod {name}, from {dist}")
+        about = f"{KNOWN_PLUGIN_HELP[name]} " if name in KNOWN_PLUGIN_HELP else ""
+        s = sub.add_parser(name, help=f"{about}(from {dist})", description=f"neuropod {name}, {about}from {dist}")
         if name != invoked:
             continue
         try:
@@ -873,14 +875,15 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     s = sub.add_parser("test", help="run the package's bundled test data and compare")
     s.add_argument("package", help="a package file or directory (a remote model has no bundled test data)")
     s.add_argument("--trust-pickle", action="store_true", help="allow reading an old test_data.pkl (runs code!)")
-    s.add_argument("--rtol", type=float, default=1e-5)
-    s.add_argument("--atol", type=float, default=1e-6)
+    s.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance of the comparison (default 1e-5)")
+    s.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance of the comparison (default 1e-6)")
     resolution_args(s)
     s.set_defaults(func=cmd_test)
 
     s = sub.add_parser("infer", help="run a package (or a remote model) on inputs from .npy files")
     s.add_argument("package", help="a package, or a remote model's URL (grpc://host:8001/model, http://...)")
-    s.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", required=True)
+    s.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", required=True,
+                   help="an input tensor from a .npy file")
     s.add_argument("--output", "-o", action="append", default=[], metavar="NAME", help="only these outputs")
     s.add_argument("--output-dir", help="write each output to DIR/NAME.npy ('/' in a name as %%2F)")
     token_arg(s)
@@ -909,7 +912,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_env_list)
     e = env_sub.add_parser("prepare", help="build the lock environments packages need, without loading them "
                            "(e.g. while building a container image)")
-    e.add_argument("packages", nargs="+", metavar="PACKAGE")
+    e.add_argument("packages", nargs="+", metavar="PACKAGE", help="a package whose requirements.lock to build")
     e.add_argument("--verbose", "-v", action="store_true", help="show pip's output, not only a line per step")
     e.set_defaults(func=cmd_env_prepare)
     e = env_sub.add_parser("prune", help="remove the lock environments no package has used for --days days")
@@ -917,7 +920,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     e.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     e.set_defaults(func=cmd_env_prune)
     e = env_sub.add_parser("remove", help="delete an environment")
-    e.add_argument("name", metavar="NAME")
+    e.add_argument("name", metavar="NAME", help="the environment's name, as `neuropod env list` shows it")
     e.set_defaults(func=cmd_env_remove)
 
     s = sub.add_parser("cache", help="the cache of extracted zip packages")

@@ -1,0 +1,182 @@
+"""Runs every code block of the documentation and the READMEs (``nox -s docs``).
+
+Sybil collects the Markdown files pytest is given: ``docs/`` and the README files. Each document runs in a
+fresh temporary directory, top to bottom, in one namespace:
+
+- ```` ```python ```` blocks are executed;
+- ```` ```console ```` blocks run each ``$ command`` with bash; the lines
+  after a command are its expected output, matched line by line in order
+  (``...`` matches any text, and unmatched output lines in between are
+  allowed); a command exits 0 unless it ends with ``# exits N``; a command
+  ending with ``&`` starts in the background (a server), is waited for on the
+  port of its ``--http-port``/``--grpc-port`` (or 8000), and is stopped when
+  the document ends;
+- ```` ```bash ```` blocks run as one ``bash -euo pipefail`` script;
+- ``<!-- skip: next "reason" -->`` skips the next block, with the reason
+  printed (a GPU, a Ray cluster, a second machine, an install command);
+  ``<!-- invisible-code-block: python -->`` runs setup code readers do not see.
+
+Other nox sessions do not install Sybil, and this file then collects nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+
+try:
+    from sybil import Example, Sybil
+    from sybil.parsers.myst import CodeBlockParser, PythonCodeBlockParser, SkipParser
+except ImportError:  # every session but docs
+    Sybil = None  # type: ignore[assignment,misc]
+
+
+# --- one temporary directory per document ------------------------------------
+
+
+def _setup(namespace: dict[str, Any]) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="neuropod-docs-"))
+    namespace["__docs_tmp__"] = tmp
+    namespace["__docs_cwd__"] = os.getcwd()
+    namespace["__docs_background__"] = []
+    namespace["__docs_root__"] = ROOT
+    os.chdir(tmp)
+
+
+def _teardown(namespace: dict[str, Any]) -> None:
+    for proc in namespace.get("__docs_background__", []):
+        _stop(proc)
+    for value in list(namespace.values()):  # models and clients the page left open
+        close = getattr(value, "close", None)
+        if callable(close) and type(value).__module__.startswith(("neuropod", "tritonclient")):
+            try:
+                close()
+            except Exception:
+                pass
+    os.chdir(namespace["__docs_cwd__"])
+    shutil.rmtree(namespace["__docs_tmp__"], ignore_errors=True)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# --- console blocks ------------------------------------------------------------
+
+
+def _commands(text: str) -> list[tuple[str, list[str]]]:
+    """``[(command, expected output lines)]``; a trailing backslash continues a command."""
+    out: list[tuple[str, list[str]]] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if not line.startswith("$ "):
+            if out:
+                out[-1][1].append(line)
+            elif line.strip():
+                raise ValueError(f"console block: text before the first '$ ' command: {line!r}")
+            continue
+        command = line[2:]
+        while command.endswith("\\") and i < len(lines):
+            command = command[:-1] + " " + lines[i].strip()
+            i += 1
+        out.append((command, []))
+    return out
+
+
+def _line_pattern(expected: str) -> re.Pattern[str]:
+    parts = [re.escape(" ".join(p.split())) for p in expected.strip().split("...")]
+    return re.compile(".*".join(parts))
+
+
+def _check_output(command: str, expected: list[str], output: str) -> None:
+    wanted = [line for line in expected if line.strip() and line.strip() != "..."]
+    actual = [" ".join(line.split()) for line in output.splitlines()]
+    at = 0
+    for line in wanted:
+        pattern = _line_pattern(line)
+        while at < len(actual) and not pattern.fullmatch(actual[at]):
+            at += 1
+        if at == len(actual):
+            raise AssertionError(f"$ {command}\nexpected a line matching:\n  {line.strip()}\nin the output:\n{output}")
+        at += 1
+
+
+def _wait_for_port(command: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    flag = re.search(r"--(?:http-port|port)[= ](\d+)", command)
+    port = int(flag.group(1)) if flag else 8000
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"$ {command}\nexited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"$ {command}\nnot listening on port {port} after 120 s:\n{log.read_text(errors='replace')}")
+
+
+def run_console(example: Example) -> None:
+    namespace = example.namespace
+    for command, expected in _commands(example.parsed):
+        exits = re.search(r"#\s*exits (\d+)\s*$", command)
+        want_rc = int(exits.group(1)) if exits else 0
+        if command.rstrip().endswith("&"):
+            log = Path(tempfile.mkstemp(prefix="background-", suffix=".log", dir=namespace["__docs_tmp__"])[1])
+            proc = subprocess.Popen(  # noqa: S603
+                ["bash", "-c", command.rstrip()[:-1]], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            namespace["__docs_background__"].append(proc)
+            _wait_for_port(command, proc, log)
+            continue
+        done = subprocess.run(  # noqa: S603
+            ["bash", "-c", command], capture_output=True, text=True, timeout=900, check=False
+        )
+        output = done.stdout + done.stderr
+        if done.returncode != want_rc:
+            raise AssertionError(f"$ {command}\nexited with {done.returncode}, not {want_rc}:\n{output}")
+        _check_output(command, expected, output)
+
+
+def run_bash(example: Example) -> None:
+    done = subprocess.run(  # noqa: S603
+        ["bash", "-euo", "pipefail", "-c", example.parsed], capture_output=True, text=True, timeout=900, check=False
+    )
+    if done.returncode:
+        raise AssertionError(f"{example.parsed}\nexited with {done.returncode}:\n{done.stdout}{done.stderr}")
+
+
+if Sybil is not None:
+    pytest_collect_file = Sybil(
+        parsers=[
+            PythonCodeBlockParser(),
+            CodeBlockParser(language="console", evaluator=run_console),
+            CodeBlockParser(language="bash", evaluator=run_bash),
+            SkipParser(),
+        ],
+        patterns=["*.md"],  # nox -s docs passes docs/ and the README files
+        setup=_setup,
+        teardown=_teardown,
+    ).pytest()
+
+__all__ = ["run_bash", "run_console", "shlex"]
