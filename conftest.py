@@ -11,7 +11,12 @@ fresh temporary directory, top to bottom, in one namespace:
   ending with ``&`` starts in the background (a server), is waited for on the
   port of its ``--http-port``/``--grpc-port`` (or 8000), and is stopped when
   the document ends;
-- ```` ```bash ```` blocks run as one ``bash -euo pipefail`` script;
+- ```` ```bash ```` blocks run as one ``bash -euo pipefail`` script; a page's
+  shell blocks share their working directory and exported variables, as in a
+  terminal (``cd``, ``source venv/bin/activate``), and ``$NEUROPOD_SRC`` is
+  the checkout;
+- a block right after a line ``Create `path`:`` is written to that file (in
+  the shell's working directory) instead of being run;
 - ``<!-- skip: next "reason" -->`` skips the next block, with the reason
   printed (a GPU, a Ray cluster, a second machine, an install command);
   ``<!-- invisible-code-block: python -->`` runs setup code readers do not see.
@@ -36,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent
 
 try:
-    from sybil import Example, Sybil
+    from sybil import Example, Region, Sybil
     from sybil.parsers.myst import CodeBlockParser, PythonCodeBlockParser, SkipParser
 except ImportError:  # every session but docs
     Sybil = None  # type: ignore[assignment,misc]
@@ -62,7 +67,7 @@ def _teardown(namespace: dict[str, Any]) -> None:
         if callable(close) and type(value).__module__.startswith(("neuropod", "tritonclient")):
             try:
                 close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - a page's leftovers must not fail its teardown
                 pass
     os.chdir(namespace["__docs_cwd__"])
     shutil.rmtree(namespace["__docs_tmp__"], ignore_errors=True)
@@ -135,6 +140,26 @@ def _wait_for_port(command: str, proc: subprocess.Popen[bytes], log: Path) -> No
     raise AssertionError(f"$ {command}\nnot listening on port {port} after 120 s:\n{log.read_text(errors='replace')}")
 
 
+def _shell_state(namespace: dict[str, Any]) -> tuple[Path, Path]:
+    """The files one page's shell blocks share: its working directory and exported variables, so
+    that ``cd DIR`` and ``source venv/bin/activate`` in one block hold in the next, as in a terminal."""
+    return namespace["__docs_tmp__"] / ".shell-cwd", namespace["__docs_tmp__"] / ".shell-env"
+
+
+def _shell_cwd(namespace: dict[str, Any]) -> Path:
+    cwd_file, _ = _shell_state(namespace)
+    return Path(cwd_file.read_text().strip()) if cwd_file.is_file() else namespace["__docs_tmp__"]
+
+
+def _bash(namespace: dict[str, Any], script: str, *, strict: bool, keep_state: bool = True) -> list[str]:
+    cwd_file, env_file = _shell_state(namespace)
+    q = shlex.quote
+    prelude = f"[ -f {q(str(env_file))} ] && source {q(str(env_file))} 2>/dev/null; cd {q(str(_shell_cwd(namespace)))}\n"
+    if keep_state:
+        prelude += f"trap 'pwd > {q(str(cwd_file))}; export -p > {q(str(env_file))}' EXIT\n"
+    return ["bash", "-c", prelude + ("set -euo pipefail\n" if strict else "") + script]
+
+
 def run_console(example: Example) -> None:
     namespace = example.namespace
     for command, expected in _commands(example.parsed):
@@ -142,15 +167,15 @@ def run_console(example: Example) -> None:
         want_rc = int(exits.group(1)) if exits else 0
         if command.rstrip().endswith("&"):
             log = Path(tempfile.mkstemp(prefix="background-", suffix=".log", dir=namespace["__docs_tmp__"])[1])
-            proc = subprocess.Popen(  # noqa: S603
-                ["bash", "-c", command.rstrip()[:-1]], stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            proc = subprocess.Popen(
+                _bash(namespace, command.rstrip()[:-1], strict=False, keep_state=False),
+                stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
             namespace["__docs_background__"].append(proc)
             _wait_for_port(command, proc, log)
             continue
-        done = subprocess.run(  # noqa: S603
-            ["bash", "-c", command], capture_output=True, text=True, timeout=900, check=False
+        done = subprocess.run(
+            _bash(namespace, command, strict=False), capture_output=True, text=True, timeout=900, check=False
         )
         output = done.stdout + done.stderr
         if done.returncode != want_rc:
@@ -159,24 +184,58 @@ def run_console(example: Example) -> None:
 
 
 def run_bash(example: Example) -> None:
-    done = subprocess.run(  # noqa: S603
-        ["bash", "-euo", "pipefail", "-c", example.parsed], capture_output=True, text=True, timeout=900, check=False
-    )
+    done = subprocess.run(
+        _bash(example.namespace, example.parsed, strict=True), capture_output=True, text=True, timeout=900,
+        check=False,
+    )  # fmt: skip
     if done.returncode:
         raise AssertionError(f"{example.parsed}\nexited with {done.returncode}:\n{done.stdout}{done.stderr}")
 
 
+# --- "Create `path`:" blocks: files a tutorial has the reader write -------------
+
+# The same pattern core/tests/test_docs.py reads the backend tutorial's files with.
+CREATE = re.compile(r"^Create `([^`]+)`:\n\n(````|```)[\w-]*\n(.*?)\2\n", re.M | re.S)
+
+
+def write_file(example: Example) -> None:
+    relative, body = example.parsed
+    path = _shell_cwd(example.namespace) / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(body, encoding="utf-8")
+
+
+def _create_blocks(document: Any) -> Any:
+    for match in CREATE.finditer(document.text):
+        yield Region(match.start(), match.end(), (match.group(1), match.group(3)), write_file)
+
+
+def _outside_created_files(parser: Any) -> Any:
+    """A parser that leaves alone what lies inside a "Create `path`:" block (a README's own examples)."""
+
+    def parse(document: Any) -> Any:
+        spans = [(m.start(), m.end()) for m in CREATE.finditer(document.text)]
+        for region in parser(document):
+            if not any(start <= region.start < end for start, end in spans):
+                yield region
+
+    return parse
+
+
 if Sybil is not None:
+    os.environ.setdefault("NEUROPOD_SRC", str(ROOT))  # the checkout, as the backend tutorial installs the core from it
     pytest_collect_file = Sybil(
         parsers=[
-            PythonCodeBlockParser(),
-            CodeBlockParser(language="console", evaluator=run_console),
-            CodeBlockParser(language="bash", evaluator=run_bash),
-            SkipParser(),
+            _create_blocks,
+            *map(_outside_created_files, [
+                PythonCodeBlockParser(future_imports=["annotations"]),
+                CodeBlockParser(language="console", evaluator=run_console),
+                CodeBlockParser(language="bash", evaluator=run_bash),
+                SkipParser(),
+            ]),
         ],
         patterns=["*.md"],  # nox -s docs passes docs/ and the README files
         setup=_setup,
         teardown=_teardown,
     ).pytest()
 
-__all__ = ["run_bash", "run_console", "shlex"]

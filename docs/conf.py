@@ -3,17 +3,11 @@ example of the same files; ``nox -s docs`` builds it with warnings as errors."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "_ext"))
-
-import neuropod  # noqa: E402
+import neuropod
 
 project = "Neuropod for Python"
 author = "the Neuropod for Python authors"
-copyright = "2026, the Neuropod for Python authors"  # noqa: A001
+copyright = "2026, the Neuropod for Python authors"
 release = neuropod.__version__
 version = release
 
@@ -21,10 +15,9 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
-    "cli_reference",
 ]
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "_ext", "tests"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 4  # [text](page.md#a-heading) links resolve, and a wrong anchor is a warning
 suppress_warnings: list[str] = []

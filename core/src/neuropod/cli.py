@@ -168,6 +168,7 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
     host = load_host(args.host) if args.host else local_host()
     failures = plugins.plugin_failures()
     warnings_ = [f"{b.id}: {caps[b].warning}" for b in backends if caps[b].warning]
+    builds = _framework_builds({b.framework for b in backends})
     if args.json:
         data = {
             "neuropod": __version__,
@@ -179,6 +180,7 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
             "plugins": [h.to_dict() for h in plugins.plugin_health()],
             # Backends of the backend environments (neuropod.envs), apart from this environment's own.
             "environments": [e.to_dict() for e in list_environments()],
+            "framework_builds": builds,
         }
         print(json.dumps(data, indent=2), file=out)
         return 0
@@ -188,6 +190,8 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
         rows = [("backend", "framework", "plugin", "devices")]
         rows += [(b.id, b.framework, b.plugin_distribution, caps[b].describe()) for b in backends]
         _print_table(rows, out)
+        for name, build in builds.items():
+            print(f"  {name} {build['version']}: {build['build']}", file=out)
     else:
         print("Backends: none installed (for example: pip install neuropod-onnx)", file=out)
     for text in warnings_:
@@ -205,6 +209,31 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
         for f in failures:
             print(f"  {f}", file=out)
     return 0
+
+
+def _framework_builds(frameworks: set[str]) -> dict[str, dict[str, str]]:
+    """Which build of a framework is installed, where that decides whether it can use a GPU: for
+    torch, ``"CPU build"`` or ``"CUDA 13.0 build"``, read from ``torch/version.py`` without importing torch."""
+    import importlib.util
+    from importlib import metadata
+
+    builds: dict[str, dict[str, str]] = {}
+    if "torch" in frameworks:
+        try:
+            spec = importlib.util.find_spec("torch")
+            text = Path(spec.origin).with_name("version.py").read_text() if spec and spec.origin else ""
+            version = metadata.version("torch")
+        except (OSError, ImportError, ValueError, metadata.PackageNotFoundError):
+            return builds
+        found = {k: v for k, v in re.findall(r"^(cuda|hip)\s*(?::[^=]*)?=\s*'([^']+)'", text, re.M)}
+        if "cuda" in found:
+            build = f"CUDA {found['cuda']} build"
+        elif "hip" in found:
+            build = f"ROCm (HIP {found['hip']}) build"
+        else:
+            build = "CPU build (it cannot use a GPU; a CUDA build can)"
+        builds["torch"] = {"version": version, "build": build}
+    return builds
 
 
 def _print_plugin_health(out: TextIO) -> None:

@@ -68,6 +68,17 @@ def test_device_caps_match_the_build() -> None:
     assert caps.cpu and caps.cuda == torch.version.cuda
 
 
+def test_neuropod_backends_says_which_torch_build_is_installed() -> None:
+    """A CPU build cannot use a GPU: `neuropod backends` says which build pip installed."""
+    out = subprocess.run([sys.executable, "-m", "neuropod", "backends"], check=True, capture_output=True,
+                         text=True).stdout  # fmt: skip
+    build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+    assert f"  torch {TORCH_VERSION}: {build}" in out, out
+    data = json.loads(subprocess.run([sys.executable, "-m", "neuropod", "backends", "--json"], check=True,
+                                     capture_output=True, text=True).stdout)  # fmt: skip
+    assert data["framework_builds"]["torch"]["build"].startswith(build)
+
+
 # --- calling conventions --------------------------------------------------
 
 
