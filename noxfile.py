@@ -586,9 +586,10 @@ print("smoke test passed:", model.backend.id, out["out"].tolist())
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # about 30 s
 def wheels(session: nox.Session) -> None:
     """Wheels for the core and every plugin into dist/, checked, and installed
-    alone into a fresh venv (our packages from dist/ only, third-party
-    dependencies from the index) for a smoke test: package, load, infer,
-    ``neuropod backends``."""
+    into a fresh venv with the documentation's line, ``pip install
+    --find-links dist neuropod 'neuropod-onnx[cpu]'`` (our wheels from dist/,
+    third-party dependencies from the index), for a smoke test: package, load,
+    infer, ``neuropod backends``."""
     import zipfile
     from email.parser import Parser
 
@@ -600,7 +601,6 @@ def wheels(session: nox.Session) -> None:
     session.run("twine", "check", "--strict", *sorted(str(p) for p in dist.glob("*.whl")))
 
     # Metadata: name, version, license, readme, classifiers, and every plugin's core range.
-    third_party: set[str] = set()
     for whl in sorted(dist.glob("*.whl")):
         with zipfile.ZipFile(whl) as zf:
             meta_name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
@@ -612,24 +612,25 @@ def wheels(session: nox.Session) -> None:
             problems.append(f"Requires-Dist has no 'neuropod<0.5,>=0.4' ({requires})")
         if problems:
             session.error(f"{whl.name}: metadata lacks {', '.join(problems)}")
-        if name in ("neuropod", "neuropod-onnx"):
-            third_party.update(r for r in requires if not r.startswith("neuropod") and "extra ==" not in r)
         session.log(f"ok: {whl.name}: {name} {meta['Version']}, requires {[r for r in requires if 'extra' not in r]}")
 
     venv = Path(tempfile.mkdtemp(prefix="neuropod-wheels-")) / "venv"
     session.run("python", "-m", "venv", str(venv))
     bindir = venv / ("Scripts" if os.name == "nt" else "bin")
     py = str(bindir / "python")
-    pip = [py, "-m", "pip", "install", "--quiet"]
-    # Ours only from dist/ (never PyPI's unrelated neuropod 0.2), then their
-    # third-party requirements from the index, then pip check ties them up.
-    session.run(*pip, "--no-index", "--no-deps", "--find-links", str(dist), "neuropod==0.4.0", "neuropod-onnx==0.4.0",
+    # The install line of the documentation, as written: our wheels from dist/, their third-party
+    # requirements from the index, and pip picking our neuropod 0.4 over PyPI's unrelated 0.2.
+    session.run(py, "-m", "pip", "install", "--quiet", "--find-links", str(dist), "neuropod", "neuropod-onnx[cpu]",
                 external=True)  # fmt: skip
-    session.run(*pip, *sorted(third_party), f"onnxruntime=={ONNXRUNTIME_DEFAULT}", external=True)
     session.run(py, "-m", "pip", "check", external=True)
+    installed = session.run(py, "-m", "pip", "list", "--format=freeze", external=True, silent=True)
+    for wanted in ("neuropod==0.4.0", "neuropod-onnx==0.4.0", "onnxruntime=="):
+        if wanted not in str(installed):
+            session.error(f"pip install --find-links dist neuropod 'neuropod-onnx[cpu]' did not install {wanted}")
+    onnxruntime = next(line.split("==")[1] for line in str(installed).splitlines() if line.startswith("onnxruntime=="))
     with session.chdir(tempfile.gettempdir()):  # away from the source tree
         session.run(py, "-c", _WHEEL_SMOKE, external=True, env={"NEUROPOD_CACHE_DIR": str(venv.parent / "cache")})
         out = session.run(str(bindir / "neuropod"), "backends", external=True, silent=True)
-    if f"onnx=={ONNXRUNTIME_DEFAULT}" not in str(out) or "neuropod-onnx 0.4.0" not in str(out):
+    if f"onnx=={onnxruntime}" not in str(out) or "neuropod-onnx 0.4.0" not in str(out):
         session.error(f"neuropod backends does not list the ONNX backend from the wheels:\n{out}")
-    session.log(f"ok: neuropod backends lists onnx=={ONNXRUNTIME_DEFAULT} from neuropod-onnx 0.4.0")
+    session.log(f"ok: neuropod backends lists onnx=={onnxruntime} from neuropod-onnx 0.4.0")
