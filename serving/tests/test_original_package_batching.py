@@ -104,3 +104,16 @@ def test_original_package_whose_outputs_do_not_keep_the_rows_runs_unbatched(
     finally:
         held.release.set()
         engine.close()
+
+
+def test_remote_model_of_an_original_package_checks_its_answers_by_the_original_rule(tmp_path: Path) -> None:
+    """The server says the package binds symbols per side; the client's output check follows it."""
+    import neuropod
+    from neuropod.testing import served
+
+    _original_doubler(tmp_path / "models")
+    x = np.arange(3, dtype=np.float32)
+    with served(tmp_path / "models") as server:
+        for url in (f"grpc://{server.grpc}/doubler", f"{server.http}/doubler"):
+            with neuropod.load_neuropod(url, timeout=10) as remote:
+                np.testing.assert_array_equal(remote.infer({"x": x})["y"], np.concatenate([x, x]))

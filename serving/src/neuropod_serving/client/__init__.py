@@ -53,6 +53,9 @@ DEFAULT_RETRIES = 2
 #: gRPC carries them in the ``neuropod-shapes`` trailer).
 BACKEND_PARAMETER = "neuropod_backend"
 DEVICE_PARAMETER = "neuropod_device"
+#: ``"separate"`` for a package the original Neuropod wrote: spec symbols are bound within the
+#: inputs and within the outputs, not across both (see :class:`neuropod.spec.SpecValidator`).
+SYMBOLS_PARAMETER = "neuropod_symbols"
 
 _INSTALL = "pip install 'neuropod-serving[client]'"
 
@@ -123,7 +126,8 @@ class RemoteModel(NeuropodModel):
         # that asks `model.device` works alike for local and remote models; "remote" otherwise.
         self.device = str(self._server_params.get(DEVICE_PARAMETER) or "remote")
         self._handle = pool
-        self._validator = SpecValidator(self._name, inputs, outputs)
+        shared = self._server_params.get(SYMBOLS_PARAMETER) != "separate"
+        self._validator = SpecValidator(self._name, inputs, outputs, shared_symbols=shared)
         self._validator.device_policy = self._device_policy()
         self._all_outputs = [s.name for s in outputs] or None
         self._bind_infer()

@@ -91,6 +91,10 @@ class ServedModel:
         # Which backend and device run it, for remote clients (`neuropod explain URL`).
         # MLServer's metadata has model-level parameters too; other clients ignore them.
         self.metadata["parameters"] = {"neuropod_backend": self.model.backend.id, "neuropod_device": self.model.device}
+        if getattr(getattr(self.model, "package", None), "original_format", False):
+            # A package the original Neuropod wrote: its spec symbols hold within the inputs and
+            # within the outputs separately, and a remote client must check its answers that way.
+            self.metadata["parameters"]["neuropod_symbols"] = "separate"
         self.name = self.model.name
         self.input_specs = {s.name: s for s in self.model.inputs}
 
