@@ -73,7 +73,7 @@ def test_unknown_platform(tmp_path: Path) -> None:
         neuropod.load_neuropod(path)
     text = str(info.value)
     assert "needs platform 'caffe'" in text
-    assert "no known Neuropod plugin runs platform 'caffe' (known: aoti, jax, keras, onnx, python, tensorflow, tensorrt, torch_export, torchscript)" in text
+    assert "no known Neuropod plugin runs platform 'caffe' (known: aoti, jax, onnx, python, tensorflow, tensorrt, torch_export, torchscript)" in text
     assert "runs platform 'toy', not 'caffe'" in text
 
 

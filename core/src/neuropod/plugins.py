@@ -50,6 +50,8 @@ KNOWN_PLATFORMS = {
     "aoti": "neuropod-torch",
     "jax": "neuropod-jax",
 }
+#: Platforms a package can name ("keras" above is a packager's name; its packages say "tensorflow").
+_RUNNABLE_PLATFORMS = sorted(set(KNOWN_PLATFORMS) - {"keras"})
 #: What to install when a platform's plugin is there but its framework is not.
 KNOWN_FRAMEWORKS = {
     "onnx": "'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]' for NVIDIA GPUs; or install onnxruntime or "
@@ -424,7 +426,7 @@ def install_hint(platform: str) -> str:
     if dist:
         return f"pip install {dist}"
     return (
-        f"no known Neuropod plugin runs platform {platform!r} (known: {', '.join(sorted(KNOWN_PLATFORMS))}); "
+        f"no known Neuropod plugin runs platform {platform!r} (known: {', '.join(sorted(_RUNNABLE_PLATFORMS))}); "
         "install the plugin that provides it"
     )
 
