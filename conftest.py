@@ -8,9 +8,10 @@ fresh temporary directory, top to bottom, in one namespace:
   after a command are its expected output, matched line by line in order
   (``...`` matches any text, and unmatched output lines in between are
   allowed); a command exits 0 unless it ends with ``# exits N``; a command
-  ending with ``&`` starts in the background (a server), is waited for on the
-  port of its ``--http-port``/``--grpc-port`` (or 8000), and is stopped when
-  the document ends;
+  ending with ``&`` starts in the background (a server), is waited for until
+  every port it names (``--http-port``, ``--grpc-port``, ``--metrics-port``;
+  ``neuropod serve``'s defaults otherwise) accepts connections, and is
+  stopped when the document ends;
 - ```` ```bash ```` blocks run as one ``bash -euo pipefail`` script; a page's
   shell blocks share their working directory and exported variables, as in a
   terminal (``cd``, ``source venv/bin/activate``), and ``$NEUROPOD_SRC`` is
@@ -126,18 +127,25 @@ def _check_output(command: str, expected: list[str], output: str) -> None:
         at += 1
 
 
-def _wait_for_port(command: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    flag = re.search(r"--(?:http-port|port)[= ](\d+)", command)
-    port = int(flag.group(1)) if flag else 8000
+def _wait_for_ports(command: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until every port the command names (``--http-port``, ``--grpc-port``, ``--metrics-port``, ``--port``;
+    ``neuropod serve``'s defaults where it names none) accepts connections."""
+    named = dict(re.findall(r"--(http-port|grpc-port|metrics-port|port)[= ](\d+)", command))
+    if "neuropod serve" in command:
+        named = {"http-port": "8000", "grpc-port": "8001", "metrics-port": "8002", **named}
+    ports = sorted({int(p) for p in named.values() if int(p)} or {8000})
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    waiting = list(ports)
+    while waiting:
         if proc.poll() is not None:
             raise AssertionError(f"$ {command}\nexited with {proc.returncode}:\n{log.read_text(errors='replace')}")
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"$ {command}\nnot listening on port {port} after 120 s:\n{log.read_text(errors='replace')}")
+            if s.connect_ex(("127.0.0.1", waiting[0])) == 0:
+                waiting.pop(0)
+                continue
+        if time.monotonic() > deadline:
+            raise AssertionError(f"$ {command}\nnot listening on {waiting} after 120 s:\n{log.read_text(errors='replace')}")
+        time.sleep(0.1)
 
 
 def _shell_state(namespace: dict[str, Any]) -> tuple[Path, Path]:
@@ -172,7 +180,7 @@ def run_console(example: Example) -> None:
                 stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
             namespace["__docs_background__"].append(proc)
-            _wait_for_port(command, proc, log)
+            _wait_for_ports(command, proc, log)
             continue
         done = subprocess.run(
             _bash(namespace, command, strict=False), capture_output=True, text=True, timeout=900, check=False

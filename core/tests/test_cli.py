@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from neuropod import plugins
 from neuropod.cli import main
 
 from _toy_backend import toy_plugin, write_toy
@@ -45,7 +46,7 @@ def test_explain_original_packages(name: str, monkeypatch: pytest.MonkeyPatch) -
     for entry in config["input_spec"] + config["output_spec"]:
         assert entry["name"] in out
     wheel = {"tensorflow": "neuropod-tensorflow", "torchscript": "neuropod-torchscript"}[config["platform"]]
-    assert f"No backend for platform '{config['platform']}' is installed: pip install {wheel}" in out
+    assert f"No backend for platform '{config['platform']}' is installed: {plugins.pip_install(wheel)}" in out
     assert "Manifest:  none (a Neuropod 0.3 package)" in out
 
 
@@ -203,4 +204,4 @@ def test_serve_without_neuropod_serving_says_what_to_install(
 
     monkeypatch.setattr(neuropod.cli, "_plugin_commands", dict)
     assert main(["serve", "model.neuropod", "--http-port", "9000"]) == 2
-    assert "pip install 'neuropod-serving[server]'" in capsys.readouterr().err
+    assert plugins.pip_install("'neuropod-serving[server]'") in capsys.readouterr().err

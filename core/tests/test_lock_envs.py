@@ -172,8 +172,13 @@ def test_prune_skips_an_environment_a_running_process_was_started_from(
     monkeypatch.setenv("NEUROPOD_HOME", str(tmp_path))
     path = _fake_lock_env(tmp_path, "lock-py3.11-busy00000000", used=_ago(90))
     (path / "bin" / "python").symlink_to(sys.executable)
-    worker = subprocess.Popen([str(path / "bin" / "python"), "-c", "import time; time.sleep(60)"])
+    worker = subprocess.Popen(
+        [str(path / "bin" / "python"), "-c", "import time; print('up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
+        # Once it prints, it is the environment's interpreter (not the fork before exec) that runs.
+        assert worker.stdout is not None and worker.stdout.readline() == "up\n"
         assert envs.prune_environments(30) == [] and path.is_dir()
     finally:
         worker.kill()

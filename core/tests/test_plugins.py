@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -145,7 +147,7 @@ def test_every_hook_is_documented_and_exercised() -> None:
 
 
 def test_packager_for_a_missing_plugin() -> None:
-    with pytest.raises(PluginNotInstalledError, match="create_tensorflow_neuropod needs.*pip install neuropod-tensorflow"):
+    with pytest.raises(PluginNotInstalledError, match=re.escape(plugins.pip_install("neuropod-tensorflow"))):
         from neuropod.packagers import create_tensorflow_neuropod  # noqa: F401
     with pytest.raises(ImportError):  # it is an ImportError too
         from neuropod.packagers import create_foo_neuropod  # noqa: F401
@@ -156,7 +158,7 @@ def test_packager_for_a_missing_plugin() -> None:
 
 
 def test_install_hints() -> None:
-    assert plugins.install_hint("torchscript") == "pip install neuropod-torchscript"
+    assert plugins.install_hint("torchscript") == plugins.pip_install("neuropod-torchscript")
     assert "no known Neuropod plugin runs platform 'caffe'" in plugins.install_hint("caffe")
 
 
@@ -187,11 +189,10 @@ def test_install_hint_when_the_plugin_is_there_but_its_framework_is_not(monkeypa
 
     try:
         assert plugins.register(NoFramework(), "tensorflow", "neuropod-tensorflow 0.4.0")
-        assert plugins.install_hint("tensorflow") == (
-            "neuropod-tensorflow 0.4.0 is installed, but its framework is not: "
-            "pip install 'neuropod-tensorflow[cpu]' (or 'neuropod-tensorflow[gpu]', or any tensorflow distribution)"
+        assert plugins.install_hint("tensorflow") == "neuropod-tensorflow 0.4.0 is installed, but its framework is not: " + (
+            plugins.pip_install("'neuropod-tensorflow[cpu]' (or 'neuropod-tensorflow[gpu]', or any tensorflow distribution)")
         )
-        assert plugins.install_hint("onnx") == "pip install neuropod-onnx"
+        assert plugins.install_hint("onnx") == plugins.pip_install("neuropod-onnx")
     finally:
         plugins.reset()
 
@@ -272,12 +273,31 @@ def test_import_framework_says_what_installs_a_missing_framework() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     missing, broken = done.stdout.splitlines()
-    assert missing == (
-        "create_onnx_neuropod needs onnxruntime, which is not installed: pip install 'neuropod-onnx[cpu]' "
-        "(or 'neuropod-onnx[gpu]' for NVIDIA GPUs; or install onnxruntime or onnxruntime-gpu yourself)"
-    )
+    hint = plugins.pip_install(plugins.KNOWN_FRAMEWORKS["onnx"])
+    assert missing == f"create_onnx_neuropod needs onnxruntime, which is not installed: {hint}"
     # A module that is there but whose own import fails (here: sqlite3 without its C part) is not "not installed".
     assert broken.startswith("create_onnx_neuropod needs sqlite3, which is installed but failed to import "
                              "(ModuleNotFoundError: import of _sqlite3 halted")  # fmt: skip
-    assert broken.endswith("reinstall it: pip install 'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]' for NVIDIA GPUs; "
-                           "or install onnxruntime or onnxruntime-gpu yourself)")  # fmt: skip
+    assert broken.endswith(f"reinstall it: {hint}")
+
+
+def test_install_hints_name_the_checkout_the_core_was_installed_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our wheels are not on an index yet: from a checkout, a hint names the checkout's folders."""
+    record = importlib_metadata.distribution("neuropod").read_text("direct_url.json")
+    if record and json.loads(record).get("url", "").startswith("file:"):  # pip install ./core, as the tests are
+        assert plugins.source_checkout() == Path(__file__).resolve().parents[2]
+    (tmp_path / "plugins" / "neuropod-onnx").mkdir(parents=True)
+    (tmp_path / "plugins" / "neuropod-onnx" / "pyproject.toml").write_text("")
+    (tmp_path / "serving").mkdir()
+    (tmp_path / "serving" / "pyproject.toml").write_text("")
+    monkeypatch.setattr(plugins, "source_checkout", lambda: tmp_path)
+    assert plugins.pip_install("'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]' for NVIDIA GPUs)") == (
+        f"pip install '{tmp_path}/plugins/neuropod-onnx[cpu]' (or '{tmp_path}/plugins/neuropod-onnx[gpu]' for NVIDIA GPUs)"
+    )
+    assert plugins.pip_install("'neuropod-serving[client]'") == f"pip install '{tmp_path}/serving[client]'"
+    assert plugins.pip_install("neuropod-jax") == "pip install neuropod-jax", "no such folder: the name stays"
+    assert plugins.pip_install("torch") == "pip install torch"
+    monkeypatch.setattr(plugins, "source_checkout", lambda: None)  # installed from wheels
+    assert plugins.pip_install("'neuropod-onnx[cpu]'") == "pip install 'neuropod-onnx[cpu]'"

@@ -3,12 +3,13 @@ scheme (the ``neuropod.remotes`` entry points); without one, loading says what t
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
 import neuropod
-from neuropod import remote
+from neuropod import plugins, remote
 from neuropod.errors import NeuropodError, PluginNotInstalledError
 
 
@@ -44,7 +45,7 @@ class _EntryPoint:
 def test_without_a_handler_loading_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(remote, "_handlers", dict)
     for url in ("grpc://127.0.0.1:8001/adder", "https://gpu-pool/adder"):
-        with pytest.raises(PluginNotInstalledError, match=r"pip install 'neuropod-serving\[client\]'"):
+        with pytest.raises(PluginNotInstalledError, match=re.escape(plugins.pip_install("'neuropod-serving[client]'"))):
             neuropod.load_neuropod(url)
     with pytest.raises(PluginNotInstalledError, match="No handler for s3:// model URLs.*installed schemes: none"):
         neuropod.load_neuropod("s3://bucket/model")

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from neuropod import plugins
 from neuropod.backend import Backend, DeviceCaps
 from neuropod.devices import Host, load_host
 from neuropod.errors import NeuropodError, NoBackendError, VersionRangeError
@@ -66,7 +67,7 @@ def test_nothing_fits_lists_all_and_says_what_to_install() -> None:
     assert "Install a onnx version in '>=2' (>=2.0.0)" in text
     assert text.count("is not in") == 3
     r = resolve(config(platform="tensorflow"), ALL, CAPS, CPU_HOST)
-    assert "No backend for platform 'tensorflow' is installed: pip install neuropod-tensorflow" in r.summary()
+    assert f"No backend for platform 'tensorflow' is installed: {plugins.pip_install('neuropod-tensorflow')}" in r.summary()
     r = resolve(config(platform="tensorflow"), [], {}, CPU_HOST)
     assert "(no backends are installed)" in r.table()
 

@@ -321,7 +321,7 @@ def test_original_import_paths() -> None:
     try:
         from neuropod.backends.keras.packager import infer_keras_input_spec
     except ImportError as e:  # neuropod-tensorflow is not installed: the error says what to install
-        assert "pip install neuropod-tensorflow" in str(e)
+        assert neuropod.plugins.pip_install("neuropod-tensorflow") in str(e)
     else:
         assert callable(infer_keras_input_spec)
     with pytest.raises(AttributeError):

@@ -193,7 +193,10 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
         for name, build in builds.items():
             print(f"  {name} {build['version']}: {build['build']}", file=out)
     else:
-        print("Backends: none installed (for example: pip install neuropod-onnx)", file=out)
+        from neuropod.plugins import pip_install
+
+        install = pip_install("'neuropod-onnx[cpu]'")
+        print(f"Backends: none installed (for example: {install})", file=out)
     for text in warnings_:
         print(f"warning: {text}", file=out)
     infos = {i.name for i in plugins.plugin_infos()}
@@ -615,7 +618,10 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 
     demos = {ep.name: ep for ep in importlib_metadata.entry_points(group="neuropod.demos")}
     if not demos:
-        raise PluginNotInstalledError("neuropod demo needs a backend plugin with a demo: pip install neuropod-onnx")
+        from neuropod.plugins import pip_install
+
+        install = pip_install("'neuropod-onnx[cpu]'")
+        raise PluginNotInstalledError(f"neuropod demo needs a backend plugin with a demo: {install}")
     name = args.platform or _default_demo(demos)
     if name not in demos:
         raise NeuropodError(f"No demo for platform {name!r}; installed demos: {', '.join(sorted(demos))}")
@@ -833,9 +839,10 @@ def _add_plugin_commands(sub: Any, argv: Sequence[str]) -> None:
 def _missing_command(name: str) -> Any:
     def fail(args: argparse.Namespace, out: TextIO) -> int:
         from neuropod.errors import PluginNotInstalledError
+        from neuropod.plugins import pip_install
 
         raise PluginNotInstalledError(
-            f"`neuropod {name}` comes with another distribution: pip install {KNOWN_PLUGIN_COMMANDS[name]}"
+            f"`neuropod {name}` comes with another distribution: {pip_install(KNOWN_PLUGIN_COMMANDS[name])}"
         )
 
     return fail

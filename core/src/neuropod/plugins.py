@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import re
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import importlib_metadata
@@ -416,15 +418,56 @@ def backend_caps(backend: Backend) -> DeviceCaps:
     return caps if isinstance(caps, DeviceCaps) else DeviceCaps(cpu=True)
 
 
+@functools.cache
+def source_checkout() -> Path | None:
+    """The Neuropod checkout the core was installed from (``pip install ./core``), or None."""
+    import urllib.parse
+    import urllib.request
+
+    try:
+        text = importlib_metadata.distribution("neuropod").read_text("direct_url.json")
+        url = json.loads(text or "{}").get("url", "")
+    except Exception:  # noqa: BLE001 - no record, or not one we understand: no checkout
+        return None
+    if not isinstance(url, str) or not url.startswith("file:"):
+        return None
+    core = Path(urllib.request.url2pathname(urllib.parse.urlparse(url).path))
+    root = core.parent
+    return root if (core / "pyproject.toml").is_file() and (root / "plugins").is_dir() else None
+
+
+_OUR_REQUIREMENT = re.compile(r"'?\b(neuropod-[a-z]+)(\[[a-z0-9,]+\])?'?(?=[\s,;)]|$)")
+
+
+def pip_install(requirements: str) -> str:
+    """``pip install REQUIREMENTS``, for an error's hint.
+
+    Our wheels are named as on a package index, except when the core was
+    installed from a checkout of the Neuropod repository: then each of ours
+    is that checkout's folder (``pip install '/src/neuropod/plugins/neuropod-onnx[cpu]'``),
+    which works as written where a bare name would not.
+    """
+    root = source_checkout()
+    if root is not None:
+
+        def local(match: re.Match[str]) -> str:
+            name, extras = match.group(1), match.group(2) or ""
+            folder = root / ("serving" if name == "neuropod-serving" else f"plugins/{name}")
+            return f"'{folder}{extras}'" if (folder / "pyproject.toml").is_file() else match.group(0)
+
+        requirements = _OUR_REQUIREMENT.sub(local, requirements)
+    return f"pip install {requirements}"
+
+
 def install_hint(platform: str) -> str:
     """What to install to run a platform."""
     dist = KNOWN_PLATFORMS.get(platform)
     plugin = _state.infos.get(platform)  # plugins are named for the platform they run
     idle = plugin is not None and not any(b.plugin == platform for b in installed_backends())
     if plugin is not None and idle and platform in KNOWN_FRAMEWORKS:
-        return f"{plugin.distribution} is installed, but its framework is not: pip install {KNOWN_FRAMEWORKS[platform]}"
+        return f"{plugin.distribution} is installed, but its framework is not: {pip_install(KNOWN_FRAMEWORKS[platform])}"
     if dist:
-        return f"pip install {dist}"
+        return pip_install(dist)
     return (
         f"no known Neuropod plugin runs platform {platform!r} (known: {', '.join(sorted(_RUNNABLE_PLATFORMS))}); "
         "install the plugin that provides it"
@@ -455,10 +498,10 @@ def import_framework(
         hint = KNOWN_FRAMEWORKS.get(platform, module)
         top = module.split(".")[0]
         if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == top:
-            raise PluginNotInstalledError(f"{needed_by} needs {top}, which is not installed: pip install {hint}") from e
+            raise PluginNotInstalledError(f"{needed_by} needs {top}, which is not installed: {pip_install(hint)}") from e
         raise PluginNotInstalledError(
             f"{needed_by} needs {top}, which is installed but failed to import ({type(e).__name__}: "
-            f"{' '.join(str(e).split())}); reinstall it: pip install {hint}"
+            f"{' '.join(str(e).split())}); reinstall it: {pip_install(hint)}"
         ) from e
 
 
@@ -543,6 +586,8 @@ __all__ = [
     "get_plugin_manager",
     "import_framework",
     "install_hint",
+    "pip_install",
+    "source_checkout",
     "installed_backends",
     "packager",
     "plugin_failures",

@@ -82,9 +82,12 @@ def load_remote(urls: str | Sequence[str], **arguments: Any) -> NeuropodModel:
             f"{', '.join(sorted(handlers))}" + (f" (did you mean {close[0]}://?)" if close else "")
         )
     if missing:
+        from neuropod.plugins import pip_install
+
         known = [s for s in missing if s in CLIENT_SCHEMES]
-        hint = INSTALL_HINT if known else (
-            "installed schemes: " + (", ".join(sorted(handlers)) or "none") + f"; for {', '.join(CLIENT_SCHEMES)}: {INSTALL_HINT}"
+        install = pip_install("'neuropod-serving[client]'")
+        hint = install if known else (
+            "installed schemes: " + (", ".join(sorted(handlers)) or "none") + f"; for {', '.join(CLIENT_SCHEMES)}: {install}"
         )  # fmt: skip
         raise PluginNotInstalledError(f"No handler for {missing[0]}:// model URLs is installed: {hint}")
     targets = {handlers[s].value for s in schemes}

@@ -11,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from neuropod import plugins
+
 BLOCK = "import sys\nsys.modules['onnxruntime'] = None\n"
-HINT = "pip install 'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]'"
+HINT = plugins.pip_install(plugins.KNOWN_FRAMEWORKS["onnx"])
 
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:

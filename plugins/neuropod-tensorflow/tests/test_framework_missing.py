@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from neuropod import plugins
+
 CODE = """
 import sys
 sys.modules["tensorflow"] = None
@@ -33,7 +35,7 @@ def test_packager_and_demo_say_tensorflow_is_missing(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", CODE, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "neuropod demo tensorflow needs tensorflow, which is not installed: pip install 'neuropod-tensorflow[cpu]' "
-        "(or 'neuropod-tensorflow[gpu]', or any tensorflow distribution)",
+        "neuropod demo tensorflow needs tensorflow, which is not installed: "
+        + plugins.pip_install(plugins.KNOWN_FRAMEWORKS["tensorflow"]),
     ]
     assert list(tmp_path.iterdir()) == []

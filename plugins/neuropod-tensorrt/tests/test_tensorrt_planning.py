@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import importlib_metadata
@@ -122,7 +123,7 @@ def test_packaging_arguments(tmp_path: Path) -> None:
         create_tensorrt_neuropod(tmp_path / "p", "m", IN, OUT, onnx_path=onnx)
     if _installed_trt() is None:
         # Without a GPU the builder says so first; with a GPU but no TensorRT, that TensorRT is missing.
-        missing = "needs an NVIDIA GPU" if _gpu_here() is None else r"needs tensorrt, which is not installed: pip install 'neuropod-tensorrt\[tensorrt\]'"
+        missing = "needs an NVIDIA GPU" if _gpu_here() is None else re.escape("needs tensorrt, which is not installed: " + plugins.pip_install("'neuropod-tensorrt[tensorrt]'"))
         with pytest.raises(NeuropodError, match=missing):
             create_tensorrt_neuropod(tmp_path / "p", "m", IN, OUT, onnx_path=onnx,
                                      optimization_profile={"batch_size": (1, 8, 32)})  # fmt: skip
@@ -210,7 +211,8 @@ def test_loading_on_this_machine_says_what_is_missing(tmp_path: Path) -> None:
     path = package(tmp_path)
     with pytest.raises(NoBackendError) as info:
         neuropod.load_neuropod(path)
-    assert "neuropod-tensorrt 0.4.0 is installed, but its framework is not: pip install 'neuropod-tensorrt[tensorrt]'" in str(info.value)
+    framework = plugins.pip_install("'neuropod-tensorrt[tensorrt]'")
+    assert f"neuropod-tensorrt 0.4.0 is installed, but its framework is not: {framework}" in str(info.value)
 
 
 # --- tensor names with '/', ':' and '.' (TensorRT names tensors as the ONNX graph did) ------------

@@ -259,10 +259,11 @@ def _check_server_libraries() -> None:
             missing.append(module)
     if missing:
         from neuropod.errors import PluginNotInstalledError
+        from neuropod.plugins import pip_install
 
+        install = pip_install("'neuropod-serving[server]'")
         raise PluginNotInstalledError(
-            f"`neuropod serve` needs the server's libraries ({', '.join(missing)} not installed): "
-            "pip install 'neuropod-serving[server]'"
+            f"`neuropod serve` needs the server's libraries ({', '.join(missing)} not installed): {install}"
         )
 
 
@@ -334,9 +335,11 @@ def run_ray(args: argparse.Namespace, out: TextIO) -> int:
         from neuropod_serving import ray as neuropod_ray
     except ImportError as e:
         from neuropod.errors import PluginNotInstalledError
+        from neuropod.plugins import pip_install
 
+        install = pip_install("'neuropod-serving[ray]'")
         raise PluginNotInstalledError(
-            f"`neuropod serve --ray` needs Ray Serve ({e.name} is not installed): pip install 'neuropod-serving[ray]'"
+            f"`neuropod serve --ray` needs Ray Serve ({e.name} is not installed): {install}"
         ) from None
     from neuropod_serving.server import find_packages
 

@@ -26,10 +26,11 @@ def forward(module: str, target: str, names: tuple[str, ...], distribution: str)
             if e.name is None or not target.startswith(e.name):
                 raise
             from neuropod.errors import PluginNotInstalledError
+            from neuropod.plugins import pip_install
 
             raise PluginNotInstalledError(
                 f"{module}.{name} is part of the {distribution} plugin, which is not installed: "
-                f"pip install {distribution}"
+                f"{pip_install(distribution)}"
             ) from None
         return getattr(found, name)
 

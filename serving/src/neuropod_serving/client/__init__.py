@@ -57,7 +57,7 @@ DEVICE_PARAMETER = "neuropod_device"
 #: inputs and within the outputs, not across both (see :class:`neuropod.spec.SpecValidator`).
 SYMBOLS_PARAMETER = "neuropod_symbols"
 
-_INSTALL = "pip install 'neuropod-serving[client]'"
+_INSTALL_EXTRA = "'neuropod-serving[client]'"
 
 
 class PlainTextTokenWarning(UserWarning):
@@ -354,7 +354,11 @@ def _transports(targets: list[Target], auth_token: str | None, ca_cert: Any, ser
         try:
             from neuropod_serving.client._grpc import GrpcTransport
         except ImportError as e:
-            raise PluginNotInstalledError(f"gRPC remote models need grpcio and protobuf ({e}): {_INSTALL}") from None
+            from neuropod.plugins import pip_install
+
+            raise PluginNotInstalledError(
+                f"gRPC remote models need grpcio and protobuf ({e}): {pip_install(_INSTALL_EXTRA)}"
+            ) from None
     root: bytes | None = None
     context = None
     if ca_cert is not None:
