@@ -137,6 +137,9 @@ def test_env_list_shows_lock_environments_with_their_users(tmp_path: Path, monke
     assert cli.main(["env", "list", "--json"], out) == 0
     (record,) = json.loads(out.getvalue())["environments"]
     assert record["kind"] == "lock" and record["used_by"][0]["source"] == "/models/a"
+    out = io.StringIO()
+    assert cli.main(["env", "remove", "lock-py3.11-bbbbbbbbbbbb"], out) == 0
+    assert out.getvalue().startswith("Removed lock environment 'lock-py3.11-bbbbbbbbbbbb'")
 
 
 def test_inspect_shows_the_locked_requirements(tmp_path: Path) -> None:

@@ -762,7 +762,7 @@ def cmd_env_remove(args: argparse.Namespace, out: TextIO) -> int:
 
     env = get_environment(args.name)
     remove_environment(args.name)
-    print(f"Removed backend environment {env.name!r} ({env.path})", file=out)
+    print(f"Removed {env.kind} environment {env.name!r} ({env.path})", file=out)
     return 0
 
 
