@@ -94,7 +94,7 @@ def chart_tiny(plt: Any, docs: dict[str, dict[str, Any]], out: Path) -> str | No
     if not rows:
         return None
     used = list({id(d): d for _, d, _, _ in rows}.values())
-    fig, ax = _figure(plt, len(rows) * 2, used)
+    fig, ax = _figure(plt, int(len(rows) * 1.4), used)
     ys = range(len(rows))
     raw = [r[2]["raw"] * 1e6 for r in rows]
     ours = [r[2]["neuropod"] * 1e6 for r in rows]
@@ -137,7 +137,7 @@ def chart_large(plt: Any, docs: dict[str, dict[str, Any]], out: Path) -> str | N
         ax.text(q + 0.02, y, f"{q:.3f}  (raw {ms:.3g} ms; target ≤ {t:g})", va="center", fontsize=8)
     ax.set_yticks(ys, [r[0] for r in rows], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(1.2, max(ratios) + 0.5))
+    ax.set_xlim(0, max(1.8, max(ratios) * 1.6))
     ax.set_xlabel("time through neuropod / time of the framework alone (median of per-round ratios)")
     ax.set_title("Larger models: ratio against the raw framework (1.0 = no cost)", fontsize=11)
     path = out / "large-ratio.svg"
@@ -162,7 +162,7 @@ def chart_ope(plt: Any, docs: dict[str, dict[str, Any]], out: Path) -> str | Non
         if t is not None:
             note += f", target ≤ {t:g}"
             ax.plot([t, t], [y - 0.35, y + 0.35], color="black", lw=1.2)
-        ax.text(a + max(added) * 0.02, y, note, va="center", fontsize=8)
+        ax.text(max(a, t or 0) + max(added) * 0.02, y, note, va="center", fontsize=8)
     start = result(doc, "start")
     title = "Out-of-process execution: latency a worker adds per call"
     if start is not None:
