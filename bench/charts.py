@@ -134,7 +134,7 @@ def chart_large(plt: Any, docs: dict[str, dict[str, Any]], out: Path) -> str | N
     ax.axvline(1.0, color="black", lw=0.8)
     for y, q, (_, _, r, t) in zip(ys, ratios, rows):
         ms = r["raw"] * 1e3
-        ax.text(q + 0.02, y, f"{q:.3f}  (raw {ms:.3g} ms; target ≤ {t:g})", va="center", fontsize=8)
+        ax.text(max(q, 1.0) + 0.02, y, f"{q:.3f}  (raw {ms:.3g} ms; target ≤ {t:g})", va="center", fontsize=8)
     ax.set_yticks(ys, [r[0] for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, max(1.8, max(ratios) * 1.6))
