@@ -22,6 +22,8 @@
     nox -s lint types              ruff, mypy
     nox -s docs                    every code block of docs/ and the READMEs run, the site built (warnings are errors)
     nox -s bench                   benchmarks (print ratios against the raw framework)
+    nox -s charts                  docs/performance.md's charts: quick benches with --json, then bench/charts.py
+                                   (-- --from-data: only redraw from docs/_static/perf/data/)
     nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~12 min)
     nox -s bench_remote            remote models' latency against in-process, tritonclient and the transport floor
     nox -s bench_ray               the Ray Serve deployment (1, 2 replicas, Ray's floor) against neuropod serve (~4 min)
@@ -515,6 +517,31 @@ def bench_ray(session: nox.Session) -> None:
     session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[ray]", "ray[serve]==2.60.0",
                     f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx")  # fmt: skip
     session.run("python", "bench/bench_ray.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def charts(session: nox.Session) -> None:
+    """The charts of docs/performance.md: the quick in-process benches (ONNX, TorchScript, torch.export
+    and AOTInductor, JAX, TensorFlow, OPE) write --json into docs/_static/perf/data/, then
+    bench/charts.py draws docs/_static/perf/*.svg from it (about 10 min on two cores, most of it
+    AOTInductor compiling). `nox -s charts -- --from-data` only redraws from the committed JSON."""
+    session.install("matplotlib==3.11.2")
+    data = Path("docs/_static/perf/data")
+    if "--from-data" not in session.posargs:
+        session.install(
+            f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx",
+            f"{ROOT / 'plugins/neuropod-torchscript'}", f"torch=={TORCH_DEFAULT}",
+            f"{ROOT / 'plugins/neuropod-tensorflow'}", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}",
+            f"{ROOT / 'plugins/neuropod-torch'}", f"{ROOT / 'plugins/neuropod-jax'}", f"jax=={JAX_DEFAULT}",
+            f"jaxlib=={JAX_DEFAULT}",
+        )
+        benches = ["onnx", "torchscript", "torch", "jax", "tensorflow", "ope"]
+        if not (ROOT.parent / "shared/fixtures/uber-neuropod-0.3").is_dir():  # bench_tensorflow's packages
+            session.warn("no ../shared/fixtures/uber-neuropod-0.3: the TensorFlow figures keep their committed JSON")
+            benches.remove("tensorflow")
+        for name in benches:  # one process each: torch and TensorFlow do not share one
+            session.run("python", f"bench/bench_{name}.py", "--quick", "--json", str(data / f"{name}.json"))
+    session.run("python", "bench/charts.py", "--data", str(data), "--out", "docs/_static/perf")
 
 
 @nox.session(python=DEFAULT_PYTHON)

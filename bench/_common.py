@@ -1,11 +1,27 @@
-"""Timing helpers shared by the benchmarks: interleaved rounds, medians, ratios."""
+"""Timing helpers shared by the benchmarks: interleaved rounds, medians, ratios.
+
+Every :func:`compare`, :func:`compare_per_call` and :func:`verdict` is also
+recorded; a bench given ``--json PATH`` (see :func:`add_json_option`) writes
+those records with the machine, the versions and the command line to PATH
+through :func:`write_json`, which ``bench/charts.py`` draws.
+"""
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
+import os
+import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+RESULTS: list[dict[str, Any]] = []  # one per compare / compare_per_call / record, in order
+TARGETS: list[dict[str, Any]] = []  # one per verdict
 
 
 def per_call(fn: Callable[[], Any], n: int) -> float:
@@ -16,7 +32,9 @@ def per_call(fn: Callable[[], Any], n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def compare(name: str, raw: Callable[[], Any], ours: Callable[[], Any], calls: int, rounds: int) -> dict[str, float]:
+def compare(
+    name: str, raw: Callable[[], Any], ours: Callable[[], Any], calls: int, rounds: int, key: str | None = None
+) -> dict[str, float]:
     """Time ``raw`` (the framework alone) against ``ours`` (through neuropod).
 
     Calls are interleaved in rounds (raw first in even rounds, ours first in
@@ -42,14 +60,24 @@ def compare(name: str, raw: Callable[[], Any], ours: Callable[[], Any], calls: i
         f"{name:<34} raw {raw_med * 1e6:9.2f} us   neuropod {np_med * 1e6:9.2f} us   "
         f"ratio {ratio:6.3f}   overhead {overhead * 1e6:6.2f} us/call   ({rounds} rounds x {calls} calls)"
     )
-    return {"raw": raw_med, "neuropod": np_med, "ratio": ratio, "overhead": overhead}
+    result = {"raw": raw_med, "neuropod": np_med, "ratio": ratio, "overhead": overhead}
+    record(name, key, method=f"median of {rounds} interleaved rounds of {calls} calls", **result)
+    return result
 
 
-def verdict(label: str, ok: bool, figure: str) -> None:
+def verdict(label: str, ok: bool, figure: str, key: str | None = None) -> None:
     print(f"target {label}: {'met' if ok else 'NOT met'} ({figure})")
+    TARGETS.append({"key": key, "target": label, "met": bool(ok), "figure": figure})
 
 
-def compare_per_call(name: str, raw: Callable[[], Any], ours: Callable[[], Any], calls: int) -> dict[str, float]:
+def record(name: str, key: str | None = None, **fields: Any) -> None:
+    """Keep one result for ``--json`` (seconds for times); ``key`` is the name charts look it up by."""
+    RESULTS.append({"key": key, "name": name, **fields})
+
+
+def compare_per_call(
+    name: str, raw: Callable[[], Any], ours: Callable[[], Any], calls: int, key: str | None = None
+) -> dict[str, float]:
     """Like :func:`compare`, for latency: every call timed on its own, the two sides alternating call by call.
 
     Returns the median of each side and the median of the per-pair
@@ -76,4 +104,64 @@ def compare_per_call(name: str, raw: Callable[[], Any], ours: Callable[[], Any],
         f"{name:<44} raw {raw_med * 1e6:9.2f} us   neuropod {np_med * 1e6:9.2f} us   "
         f"added {overhead * 1e6:7.2f} us/call (median of {calls} alternating pairs)"
     )
-    return {"raw": raw_med, "neuropod": np_med, "ratio": np_med / raw_med, "overhead": overhead}
+    result = {"raw": raw_med, "neuropod": np_med, "ratio": np_med / raw_med, "overhead": overhead}
+    record(name, key, method=f"medians of {calls} alternating call pairs", **result)
+    return result
+
+
+def add_json_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--json", metavar="PATH", help="also write the results, the machine and the versions to PATH (JSON)")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """What ran the bench: CPU model and count, OS, Python."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "arch": platform.machine(),
+        "system": platform.platform(terse=True),
+        "python": platform.python_version(),
+    }
+
+
+def write_json(path: str | None, bench: str, versions: dict[str, str], **extra: Any) -> None:
+    """Write what this run recorded to ``path`` (nothing when ``path`` is None)."""
+    if not path:
+        return
+    import numpy
+
+    import neuropod
+
+    script = os.path.relpath(sys.argv[0]) if os.path.isabs(sys.argv[0]) else sys.argv[0]
+    args = list(sys.argv[1:])
+    if "--json" in args:  # the command that reproduces the figures, less where this copy went
+        i = args.index("--json")
+        del args[i : i + 2]
+    data = {
+        "bench": bench,
+        "command": " ".join(["python", script, *args]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "versions": {"neuropod": neuropod.__version__, "numpy": numpy.__version__, **versions},
+        "results": RESULTS,
+        "targets": TARGETS,
+        **extra,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path}")

@@ -1,6 +1,6 @@
 """Neuropod's JAX path against calling the jitted exported program directly, in one run.
 
-    python bench/bench_jax.py [--rounds 41] [--quick]
+    python bench/bench_jax.py [--rounds 41] [--quick] [--json PATH]
 
 The raw side is the very jitted program neuropod loaded (``jax.jit`` over
 ``Exported.call``), called with the same numpy inputs and the parameters
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 import neuropod
-from _common import compare, compare_per_call, verdict
+from _common import add_json_option, compare, compare_per_call, verdict, write_json
 from neuropod.packagers import create_jax_neuropod
 
 
@@ -59,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and a smaller MLP, for a smoke test")
+    add_json_option(ap)
     args = ap.parse_args()
     rounds = 7 if args.quick else args.rounds
     print(f"neuropod {neuropod.__version__}, jax {jax.__version__} ({jax.devices()[0].platform}), "
@@ -76,7 +77,7 @@ def main() -> None:
             np.testing.assert_allclose(model.infer({"x": x, "y": y})["out"], x + 2 * y, rtol=1e-6)
             tiny = compare_per_call(
                 "tiny (two 2x2 adds), raw np.asarray(out)", lambda: np.asarray(call(x, y)[0]),
-                lambda: model.infer({"x": x, "y": y}), calls=20000,
+                lambda: model.infer({"x": x, "y": y}), calls=20000, key="tiny",
             )  # fmt: skip
             compare_per_call(
                 "  same, raw also copies (np.array)", lambda: np.array(call(x, y)[0]),
@@ -88,9 +89,9 @@ def main() -> None:
             # call, then the core (spec checks of inputs and outputs, dispatch) against run().
             inputs, run = {"x": x, "y": y}, model._handle.run
             compare_per_call("  of which the plugin's run()", lambda: np.asarray(call(x, y)[0]),
-                             lambda: run(inputs, None), calls=20000)  # fmt: skip
+                             lambda: run(inputs, None), calls=20000, key="tiny_plugin")  # fmt: skip
             compare_per_call("  of which the core (infer vs run())", lambda: run(inputs, None),
-                             lambda: model.infer(inputs), calls=20000)  # fmt: skip
+                             lambda: model.infer(inputs), calls=20000, key="tiny_core")  # fmt: skip
 
         layers, width, batch = (8, 1024, 64) if args.quick else (8, 4096, 256)
         params = mlp_params(layers, width)
@@ -105,10 +106,12 @@ def main() -> None:
             call = raw_call(model)
             np.testing.assert_array_equal(np.asarray(call(xb)[0]), model.infer({"x": xb})["out"])
             heavy = compare(f"MLP {layers}x{width} (Linear+ReLU), batch {batch}", lambda: np.asarray(call(xb)[0]),
-                            lambda: model.infer({"x": xb}), calls=3, rounds=max(5, rounds // 4))  # fmt: skip
+                            lambda: model.infer({"x": xb}), calls=3, rounds=max(5, rounds // 4), key="mlp")  # fmt: skip
     print()
-    verdict("tiny added latency <= 3 us", tiny["overhead"] <= 3e-6, f"{tiny['overhead'] * 1e6:.2f} us")
-    verdict(f"MLP {layers}x{width} batch {batch} ratio <= 1.01", heavy["ratio"] <= 1.01, f"{heavy['ratio']:.4f}")
+    verdict("tiny added latency <= 3 us", tiny["overhead"] <= 3e-6, f"{tiny['overhead'] * 1e6:.2f} us", key="tiny")
+    verdict(f"MLP {layers}x{width} batch {batch} ratio <= 1.01", heavy["ratio"] <= 1.01, f"{heavy['ratio']:.4f}",
+            key="mlp")  # fmt: skip
+    write_json(args.json, "jax", {"jax": jax.__version__}, mlp={"layers": layers, "width": width, "batch": batch})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Neuropod's ONNX path against onnxruntime called directly, in one run.
 
-    python bench/bench_onnx.py [--rounds 41] [--quick]
+    python bench/bench_onnx.py [--rounds 41] [--quick] [--json PATH]
 
 Prints, for a tiny model (two 2x2 float32 adds) and for a model calibrated
 to take about a millisecond:
@@ -27,7 +27,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 import neuropod
-from _common import compare, per_call, verdict
+from _common import add_json_option, compare, per_call, verdict, write_json
 from neuropod.packagers import create_onnx_neuropod
 
 
@@ -73,18 +73,21 @@ def heavy_model(layers: int, width: int = 256) -> tuple[bytes, list[dict[str, An
     return data, spec_in, spec_out
 
 
-def compare_session(name: str, model: neuropod.NeuropodModel, inputs: dict[str, np.ndarray], calls: int, rounds: int) -> dict[str, float]:
+def compare_session(
+    name: str, model: neuropod.NeuropodModel, inputs: dict[str, np.ndarray], calls: int, rounds: int, key: str
+) -> dict[str, float]:
     session = model._handle.session  # the very session neuropod runs
     raw = lambda: session.run(None, inputs)  # noqa: E731
     ours = lambda: model.infer(inputs)  # noqa: E731
     np.testing.assert_array_equal(raw()[0], ours()["out"])
-    return compare(name, raw, ours, calls, rounds)
+    return compare(name, raw, ours, calls, rounds, key=key)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--quick", action="store_true", help="fewer rounds, for a smoke test")
+    add_json_option(ap)
     args = ap.parse_args()
     rounds = 7 if args.quick else args.rounds
     import onnxruntime
@@ -95,7 +98,7 @@ def main() -> None:
         data, spec_in, spec_out, inputs = tiny_model()
         path = create_onnx_neuropod(Path(tmp) / "tiny", "tiny", spec_in, spec_out, onnx_model=data)
         with neuropod.load_neuropod(path) as model:
-            tiny = compare_session("tiny (two 2x2 adds)", model, inputs, calls=2000, rounds=rounds)
+            tiny = compare_session("tiny (two 2x2 adds)", model, inputs, calls=2000, rounds=rounds, key="tiny")
 
         # Calibrate the heavy model's batch to about a millisecond per call.
         layers, batch = 8, 16
@@ -109,10 +112,12 @@ def main() -> None:
                 if t >= 0.9e-3 or batch >= 4096:
                     break
                 batch = int(batch * max(1.2, min(4.0, 1e-3 / t)))
-            heavy = compare_session(f"~1 ms ({layers}x MatMul, batch {batch})", model, {"x": x}, calls=50, rounds=rounds)
+            heavy = compare_session(f"~1 ms ({layers}x MatMul, batch {batch})", model, {"x": x}, calls=50, rounds=rounds,
+                                   key="1ms")
     print()
-    verdict("tiny overhead <= 3 us", tiny["overhead"] <= 3e-6, f"{tiny['overhead'] * 1e6:.2f} us")
-    verdict("~1 ms ratio <= 1.02", heavy["ratio"] <= 1.02, f"{heavy['ratio']:.3f}")
+    verdict("tiny overhead <= 3 us", tiny["overhead"] <= 3e-6, f"{tiny['overhead'] * 1e6:.2f} us", key="tiny")
+    verdict("~1 ms ratio <= 1.02", heavy["ratio"] <= 1.02, f"{heavy['ratio']:.3f}", key="1ms")
+    write_json(args.json, "onnx", {"onnxruntime": onnxruntime.__version__})
 
 
 if __name__ == "__main__":

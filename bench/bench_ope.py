@@ -1,6 +1,6 @@
 """Out-of-process execution: the latency a worker adds, against the same model in-process.
 
-    python bench/bench_ope.py [--rounds 31] [--quick]
+    python bench/bench_ope.py [--rounds 31] [--quick] [--json PATH]
 
 Cases (the original Neuropod's OPE benchmark cases, as ONNX models of the
 same shapes so that only onnxruntime is needed):
@@ -32,7 +32,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 import neuropod
-from _common import compare_per_call, verdict
+from _common import add_json_option, compare_per_call, record, verdict, write_json
 from neuropod.packagers import create_onnx_neuropod
 
 
@@ -72,12 +72,13 @@ def measure(name: str, path: Path, inputs: dict[str, np.ndarray], rounds: int) -
     calls = rounds * (100 if "image" in name else 1000)
     with neuropod.load_neuropod(path) as local, neuropod.load_neuropod(path, use_ope=True) as remote:
         if "image" not in name:
-            return compare_per_call(name, lambda: local.infer(inputs), lambda: remote.infer(inputs), calls)
+            return compare_per_call(name, lambda: local.infer(inputs), lambda: remote.infer(inputs), calls, key=name)
         shared = remote.empty("image", inputs["image"].shape)
         shared[...] = inputs["image"]
         result = compare_per_call(f"{name}, zero-copy input", lambda: local.infer(inputs),
-                                  lambda: remote.infer({"image": shared}), calls)  # fmt: skip
-        compare_per_call(f"{name}, copied input", lambda: local.infer(inputs), lambda: remote.infer(inputs), calls)
+                                  lambda: remote.infer({"image": shared}), calls, key="image zero-copy")  # fmt: skip
+        compare_per_call(f"{name}, copied input", lambda: local.infer(inputs), lambda: remote.infer(inputs), calls,
+                         key="image copied")  # fmt: skip
         return result
 
 
@@ -85,6 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10, help="thousands of alternating call pairs per case")
     ap.add_argument("--quick", action="store_true", help="fewer rounds, for a smoke test")
+    add_json_option(ap)
     args = ap.parse_args()
     rounds = 1 if args.quick else args.rounds
     import onnxruntime
@@ -102,12 +104,14 @@ def main() -> None:
             model.close()
         print(f"{'worker start + model load':<44} median {statistics.median(starts) * 1e3:7.1f} ms "
               f"(python -m neuropod.ope.worker, plugins, onnxruntime import, session)")  # fmt: skip
+        record("worker start + model load", "start", seconds=statistics.median(starts), runs=len(starts))
         for name, (path, inputs) in cases.items():
             results[name] = measure(name, path, inputs, rounds)
     print()
     for name, limit in (("tiny", 50e-6), ("100 small inputs", 100e-6), ("image 1200x1920x3 uint8", 100e-6)):
         added = results[name]["overhead"]
-        verdict(f"{name} added latency <= {limit * 1e6:.0f} us", added <= limit, f"{added * 1e6:.1f} us")
+        verdict(f"{name} added latency <= {limit * 1e6:.0f} us", added <= limit, f"{added * 1e6:.1f} us", key=name)
+    write_json(args.json, "ope", {"onnxruntime": onnxruntime.__version__})
 
 
 if __name__ == "__main__":

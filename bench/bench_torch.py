@@ -1,7 +1,7 @@
 """Neuropod's torch.export and AOTInductor paths against calling torch directly, in one run; then one
 model through every PyTorch format neuropod runs (TorchScript, torch.export, AOTInductor, ONNX).
 
-    python bench/bench_torch.py [--rounds 41] [--quick]
+    python bench/bench_torch.py [--rounds 41] [--quick] [--json PATH]
 
 Raw sides, with tensors made from the same numpy inputs by ``torch.from_numpy``
 and outputs read with ``.numpy()``: for ``torch_export`` the very
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 import neuropod
-from _common import compare, compare_per_call, per_call, verdict
+from _common import add_json_option, compare, compare_per_call, per_call, record, verdict, write_json
 from neuropod.packagers import create_aoti_neuropod, create_torch_export_neuropod
 
 
@@ -146,6 +146,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and a smaller MLP, for a smoke test")
+    add_json_option(ap)
     args = ap.parse_args()
     rounds = 7 if args.quick else args.rounds
     print(f"neuropod {neuropod.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
@@ -169,9 +170,9 @@ def main() -> None:
             np.testing.assert_array_equal(module(f(x), f(y))["out"].numpy(), model.infer(inputs)["out"])
             print("\ntorch_export (ExportedProgram.module())")
             compare_per_call("tiny, raw module(x, y)", lambda: module(f(x), f(y))["out"].numpy(),
-                             lambda: model.infer(inputs), calls=20000)  # fmt: skip
+                             lambda: model.infer(inputs), calls=20000, key="torch_export tiny module")  # fmt: skip
             tiny_e = compare_per_call("tiny, raw module.forward(x, y)", lambda: forward(f(x), f(y))["out"].numpy(),
-                                      lambda: model.infer(inputs), calls=20000)  # fmt: skip
+                                      lambda: model.infer(inputs), calls=20000, key="torch_export tiny")  # fmt: skip
             compare("  same, in rounds", lambda: forward(f(x), f(y))["out"].numpy(), lambda: model.infer(inputs),
                     calls=2000, rounds=rounds)  # fmt: skip
             compare_per_call("  of which the plugin's run()", lambda: forward(f(x), f(y))["out"].numpy(),
@@ -188,9 +189,9 @@ def main() -> None:
             np.testing.assert_array_equal(runner(f(x), f(y))["out"].numpy(), model.infer(inputs)["out"])
             print("\naoti (AOTInductor runner)")
             compare_per_call("tiny, raw runner(x, y) (AOTICompiledModel)", lambda: runner(f(x), f(y))["out"].numpy(),
-                             lambda: model.infer(inputs), calls=20000)  # fmt: skip
+                             lambda: model.infer(inputs), calls=20000, key="aoti tiny runner")  # fmt: skip
             tiny_a = compare_per_call("tiny, raw loader.run([x, y])", lambda: loader_run([f(x), f(y)])[0].numpy(),
-                                      lambda: model.infer(inputs), calls=20000)  # fmt: skip
+                                      lambda: model.infer(inputs), calls=20000, key="aoti tiny")  # fmt: skip
             compare("  same, in rounds", lambda: loader_run([f(x), f(y)])[0].numpy(), lambda: model.infer(inputs),
                     calls=2000, rounds=rounds)  # fmt: skip
             compare_per_call("  of which the plugin's run()", lambda: loader_run([f(x), f(y)])[0].numpy(),
@@ -224,7 +225,7 @@ def main() -> None:
 
                 np.testing.assert_allclose(raw(), model.infer({"x": xb})["out"], rtol=1e-4, atol=1e-4)
                 heavy[label] = compare(f"  {label} (packaged in {packaged:.0f} s)", raw, lambda: model.infer({"x": xb}),
-                                       calls=3, rounds=max(5, rounds // 4))  # fmt: skip
+                                       calls=3, rounds=max(5, rounds // 4), key=f"{label} mlp")  # fmt: skip
 
         print("\nOne model, every PyTorch format (through neuropod; median per call)")
         print(f"{'format':<20} {'tiny us/call':>13} {f'MLP {width} ms/call':>18} {'MLP package MB':>15} "
@@ -255,13 +256,19 @@ def main() -> None:
                 np.testing.assert_allclose(model.infer({"x": xb})["out"], want, rtol=1e-3, atol=1e-3)
                 mlp_ms = _median_call(lambda model=model: model.infer({"x": xb}), 2, 5) * 1e3
             results[fmt] = {"tiny": tiny_us, "mlp": mlp_ms}
+            record(fmt, f"format {fmt}", tiny_us=tiny_us, mlp_ms=mlp_ms, mlp_package_mb=size, mlp_packaging_s=packaging,
+                   mlp_load_ms=load_ms)  # fmt: skip
             print(f"{fmt:<20} {tiny_us:>13.1f} {mlp_ms:>18.1f} {size:>15.0f} {packaging:>16.1f} {load_ms:>12.0f}")
     print()
-    verdict("torch_export tiny added latency <= 3 us (vs module.forward)", tiny_e["overhead"] <= 3e-6, f"{tiny_e['overhead'] * 1e6:.2f} us")
+    verdict("torch_export tiny added latency <= 3 us (vs module.forward)", tiny_e["overhead"] <= 3e-6,
+            f"{tiny_e['overhead'] * 1e6:.2f} us", key="torch_export tiny")  # fmt: skip
     verdict("aoti tiny added latency <= 3 us (vs loader.run)", tiny_a["overhead"] <= 3e-6,
-            f"{tiny_a['overhead'] * 1e6:.2f} us")  # fmt: skip
+            f"{tiny_a['overhead'] * 1e6:.2f} us", key="aoti tiny")  # fmt: skip
     for label, res in heavy.items():
-        verdict(f"{label} MLP {layers}x{width} batch {batch} ratio <= 1.01", res["ratio"] <= 1.01, f"{res['ratio']:.4f}")
+        verdict(f"{label} MLP {layers}x{width} batch {batch} ratio <= 1.01", res["ratio"] <= 1.01, f"{res['ratio']:.4f}",
+                key=f"{label} mlp")  # fmt: skip
+    write_json(args.json, "torch", {"torch": torch.__version__, "torch_threads": str(torch.get_num_threads())},
+               mlp={"layers": layers, "width": width, "batch": batch})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Neuropod's TorchScript path against calling the scripted module directly, in one run.
 
-    python bench/bench_torchscript.py [--rounds 41] [--quick]
+    python bench/bench_torchscript.py [--rounds 41] [--quick] [--json PATH]
 
 The raw side calls the very module neuropod loaded, with tensors made from
 the same numpy inputs by ``torch.from_numpy``; the neuropod side is
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 import neuropod
-from _common import compare, per_call, verdict
+from _common import add_json_option, compare, per_call, verdict, write_json
 from neuropod.packagers import create_torchscript_neuropod
 
 
@@ -44,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--quick", action="store_true", help="fewer rounds, for a smoke test")
+    add_json_option(ap)
     args = ap.parse_args()
     rounds = 7 if args.quick else args.rounds
     print(f"neuropod {neuropod.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
@@ -61,7 +62,7 @@ def main() -> None:
             module = model._handle.module  # the very module neuropod runs
             np.testing.assert_array_equal(module(f(x), f(y))["out"].numpy(), model.infer({"x": x, "y": y})["out"])
             tiny = compare("tiny (two 2x2 adds)", lambda: module(f(x), f(y)), lambda: model.infer({"x": x, "y": y}),
-                           calls=2000, rounds=rounds)  # fmt: skip
+                           calls=2000, rounds=rounds, key="tiny")  # fmt: skip
             compare("  same, raw also takes .numpy()", lambda: module(f(x), f(y))["out"].numpy(),
                     lambda: model.infer({"x": x, "y": y}), calls=2000, rounds=rounds)  # fmt: skip
 
@@ -80,10 +81,11 @@ def main() -> None:
                     break
                 batch = int(batch * max(1.2, min(4.0, 1e-3 / t)))
             heavy = compare(f"~1 ms (8x Linear+ReLU, batch {batch})", lambda: module(f(xb)),
-                            lambda: model.infer({"x": xb}), calls=50, rounds=rounds)  # fmt: skip
+                            lambda: model.infer({"x": xb}), calls=50, rounds=rounds, key="1ms")  # fmt: skip
     print()
-    verdict("tiny overhead <= 5 us", tiny["overhead"] <= 5e-6, f"{tiny['overhead'] * 1e6:.2f} us")
-    verdict("~1 ms ratio <= 1.02", heavy["ratio"] <= 1.02, f"{heavy['ratio']:.3f}")
+    verdict("tiny overhead <= 5 us", tiny["overhead"] <= 5e-6, f"{tiny['overhead'] * 1e6:.2f} us", key="tiny")
+    verdict("~1 ms ratio <= 1.02", heavy["ratio"] <= 1.02, f"{heavy['ratio']:.3f}", key="1ms")
+    write_json(args.json, "torchscript", {"torch": torch.__version__, "torch_threads": str(torch.get_num_threads())})
 
 
 if __name__ == "__main__":
