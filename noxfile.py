@@ -407,7 +407,7 @@ def _markdown_files() -> list[str]:
     return [str(p.relative_to(ROOT)) for p in [*pages, *readmes] if p.is_file()]
 
 
-@nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # about 7 min: 2 installing the frameworks, 4 running the pages
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # about 5 min: installing the frameworks, then every page
 def docs(session: nox.Session) -> None:
     """The documentation: every code block of docs/ and the READMEs run (Sybil; one pytest process
     per page, as torch and TensorFlow must not share one), the reference meta-tests, then the site
