@@ -7,6 +7,9 @@ uvicorn (uvloop + httptools, no access log) that reads the body, parses the
 JSON header and makes numpy arrays of the binary tensors (Triton's binary
 tensor extension), and answers with a binary response of the same size and
 shape as neuropod serve's (the first input's bytes as the model's output).
+A request without that header is plain OIP JSON: orjson parses it, numpy makes
+an array of each input's ``data`` (:func:`json_inputs`), and the answer is the
+first input as JSON ``data`` (:func:`json_response`).
 The gRPC side does the same on grpcio with the project's generated
 ``inference.*`` messages: parse ``ModelInferRequest``, arrays from
 ``raw_input_contents``, reply with ``raw_output_contents``; by default on
@@ -30,6 +33,29 @@ HEADER_LENGTH = "inference-header-content-length"
 _DTYPES = {"FP32": np.float32, "FP64": np.float64, "INT32": np.int32, "INT64": np.int64, "UINT8": np.uint8}
 
 
+def json_inputs(body: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """A plain JSON request's header and its inputs as arrays: orjson, then one numpy conversion per input."""
+    import orjson
+
+    header = orjson.loads(body)
+    arrays = [np.asarray(t["data"], dtype=_DTYPES[t["datatype"]]).reshape(t["shape"]) for t in header["inputs"]]
+    return header, arrays
+
+
+def json_response(model: str, output: str, header: dict[str, Any], arrays: list[np.ndarray]) -> bytes:
+    """The JSON answer to a plain JSON request: the first input as the model's output, as JSON ``data``."""
+    import orjson
+
+    first = header["inputs"][0]
+    out = {
+        "model_name": model,
+        "model_version": "1",
+        "outputs": [{"name": output, "datatype": first["datatype"], "shape": list(arrays[0].shape),
+                     "data": arrays[0].ravel().tolist()}],
+    }  # fmt: skip
+    return orjson.dumps(out)
+
+
 def rest_app(outputs: dict[str, str]) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -42,7 +68,11 @@ def rest_app(outputs: dict[str, str]) -> Any:
     async def infer(request: Request) -> Response:
         model = request.path_params["model"]
         body = await request.body()
-        n = int(request.headers[HEADER_LENGTH])
+        length = request.headers.get(HEADER_LENGTH)
+        if length is None:
+            header, arrays = json_inputs(body)
+            return Response(json_response(model, outputs[model], header, arrays), media_type="application/json")
+        n = int(length)
         header = json.loads(body[:n])
         view = memoryview(body)[n:]
         arrays, offset = [], 0
