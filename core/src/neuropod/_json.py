@@ -34,7 +34,18 @@ def check_bounds(text: str, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_
     """Raise ``ValueError`` when ``text`` is larger or nests deeper than the bounds."""
     if len(text) > max_bytes:
         raise ValueError(f"it is {len(text):,} characters long, more than the {max_bytes:,} allowed")
-    if text.count("[") + text.count("{") <= max_depth:
+    if len(text) >= _LONG and text.isascii():
+        # A long ASCII document (a request body of numbers): its quotes and brackets, picked
+        # out by one bytes.translate (a C loop, 5x faster than str.translate's dict), and
+        # when no string holds an escape, the depth from them with numpy.
+        marks = text.encode("ascii").translate(None, _NOT_MARKS)
+        if marks.count(b"[") + marks.count(b"{") <= max_depth:
+            return
+        if b"\\" not in marks and len(marks) <= _SLICE:
+            if _marks_depth(marks) > max_depth:
+                raise ValueError(f"it nests more than {max_depth} levels deep")
+            return
+    elif text.count("[") + text.count("{") <= max_depth:
         return  # the common case (a manifest opens two objects): no scan needed
     # The brackets alone, as bytes of "(" and ")": the depth after each is a running sum,
     # taken by numpy in slices (each pass of a C loop, never a Python step per bracket), so
@@ -51,6 +62,24 @@ def check_bounds(text: str, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_
 
 #: Brackets summed per numpy pass in :func:`check_bounds` (bounds its scratch memory).
 _SLICE = 1 << 20
+#: ASCII texts from this long on are screened by :func:`_marks_depth`'s way; shorter ones by counting brackets.
+_LONG = 4096
+# Every byte but quotes, brackets and backslashes (deleted by bytes.translate).
+_NOT_MARKS = bytes(c for c in range(256) if c not in b'"[]{}\\')
+# +1 for an opening bracket, -1 for a closing one, 0 for the rest (a quote), by byte.
+_STEPS = np.zeros(256, np.int64)
+_STEPS[[ord("["), ord("{")]] = 1
+_STEPS[[ord("]"), ord("}")]] = -1
+
+
+def _marks_depth(marks: bytes) -> int:
+    """The deepest nesting of the quotes and brackets ``marks`` (those of a document without
+    escapes, in order): strings run from each odd quote to the next, and their brackets do not count."""
+    codes = np.frombuffer(marks, np.uint8)
+    quotes = codes == ord('"')
+    outside = (np.cumsum(quotes) & 1) == 0  # a closing quote itself is outside, and steps 0
+    levels = np.cumsum(np.where(outside, _STEPS[codes], 0))
+    return int(levels.max(initial=0))
 
 
 def loads(text: str, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_BYTES) -> Any:

@@ -719,7 +719,7 @@ def _loads(raw: memoryview, text: str) -> Any:
     """The JSON ``text`` (whose bounds were checked), by orjson when it takes it: about 5x
     Python's json on a body of numbers (100 tensors of [10, 5]: 2.0 -> 0.4 ms)."""
     orjson = _orjson_module()
-    if orjson is not None and not _long_integer(text):
+    if orjson is not None and not _long_integer(raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -731,22 +731,24 @@ def _loads(raw: memoryview, text: str) -> Any:
 
 # A run of 19 digits or more can be an integer past 64 bits, which orjson reads
 # as a float (rounded): such documents go to Python's json, which keeps it exact.
-_DIGITS_AS_D = str.maketrans("0123456789", "dddddddddd")
-_LONG_RUN = "d" * 19
+_LONG_RUN = b"\x01" * 19
+_DOT = ord(".")
 
 
-def _long_integer(text: str) -> bool:
-    """Whether ``text`` may hold an integer of 19 digits or more (a fraction's digits,
-    after a '.', do not count). str methods only: a regex takes 10x longer on 100 kB."""
-    masked = text.translate(_DIGITS_AS_D)
-    at = masked.find(_LONG_RUN)
+def _long_integer(raw: bytes | bytearray | memoryview) -> bool:
+    """Whether the UTF-8 JSON ``raw`` may hold an integer of 19 digits or more (a fraction's
+    digits, after a '.', do not count). Its ASCII digits are marked with numpy (one vector
+    pass) and the runs found with bytes.find: 10x less than a str.translate of 100 kB."""
+    codes = np.frombuffer(raw, np.uint8)
+    digits = ((codes - 48) < 10).tobytes()  # uint8 wraps below '0': one comparison
+    at = digits.find(_LONG_RUN)
     while at >= 0:
-        if at == 0 or masked[at - 1] != ".":
+        if at == 0 or codes[at - 1] != _DOT:
             return True
-        end = at + len(_LONG_RUN)
-        while end < len(masked) and masked[end] == "d":
-            end += 1
-        at = masked.find(_LONG_RUN, end)
+        end = digits.find(b"\x00", at + len(_LONG_RUN))
+        if end < 0:
+            return False
+        at = digits.find(_LONG_RUN, end)
     return False
 
 
