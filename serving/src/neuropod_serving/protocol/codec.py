@@ -65,6 +65,11 @@ _NATIVE_DTYPES: dict[str, np.dtype[Any]] = {
 }
 # Datatypes whose binary form numpy reads as it is (BOOL needs its 0/1 check).
 _FAST_DECODE: dict[object, np.dtype[Any]] = {d: w for d, w in _WIRE_DTYPES.items() if d != "BOOL"}
+# Numeric datatypes -> their native dtype and the numpy kinds of data each takes from JSON
+# (as :func:`_numbers_from_json` checks: true/false for BOOL, integers for integer types).
+_JSON_TARGETS: dict[object, tuple[np.dtype[Any], str]] = {
+    d: (n, "b" if d == "BOOL" else "iu" if n.kind in "iu" else "iuf") for d, n in _NATIVE_DTYPES.items()
+}
 # numpy 1.x allows 32 dims (2.x allows 64); the lower bound keeps both working.
 _MAX_DIMS = 32
 # An element count must fit the int64 every OIP implementation stores it in.
@@ -589,6 +594,24 @@ def _numbers_from_json(data: object, datatype: str, shape: list[int], count: int
     return parsed.astype(target, copy=False).reshape(shape)
 
 
+def _json_numbers(data: object, target: tuple[np.dtype[Any], str], shape: list[int]) -> np.ndarray[Any, Any] | None:
+    """:func:`_numbers_from_json` for data that converts cleanly (the same array), else None
+    (the full way then words what is wrong). ``target``: the dtype and the numpy kinds it takes."""
+    try:
+        parsed = np.array(data)
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        return None
+    dtype, kinds = target
+    kind = parsed.dtype.kind
+    if kind not in kinds or parsed.size != math.prod(shape) or not parsed.size:
+        return None
+    if kinds == "iu" and not np.can_cast(parsed.dtype, dtype):
+        info = np.iinfo(dtype)
+        if parsed.min() < info.min or parsed.max() > info.max:
+            return None
+    return parsed.astype(dtype, copy=False).reshape(shape)
+
+
 def _big_ints(data: object, target: np.dtype[Any], datatype: str, shape: list[int], name: str) -> np.ndarray[Any, Any]:
     values = _flatten(data, name)
     if not all(_is_int(v) for v in values):
@@ -834,10 +857,24 @@ def _decode_tensors(
             params = obj.get("parameters")
             datatype: Any = obj.get("datatype")
             shape = obj.get("shape")
-            if (
-                type(name) is str and type(params) is dict and type(datatype) is str and type(shape) is list
-                and name and name not in arrays and "data" not in obj
-            ):  # fmt: skip
+            if type(name) is not str or type(datatype) is not str or type(shape) is not list or not name or name in arrays:
+                pass
+            elif "data" in obj:
+                # The common JSON case: numbers without parameters, one numpy conversion; anything
+                # else, and any data that does not convert cleanly, goes the full way below.
+                json_target = _JSON_TARGETS.get(datatype)
+                if (
+                    json_target is not None and (params is None or (type(params) is dict and not params))
+                    and (not shared or name not in shared) and len(shape) <= _MAX_DIMS and _plain_dims(shape)
+                ):  # fmt: skip
+                    spec = specs.get(name) if specs is not None else None
+                    if specs is None or (spec is not None and spec.dtype == DATATYPES[datatype]):
+                        array = _json_numbers(obj["data"], json_target, shape)
+                        if array is not None:
+                            arrays[name] = array
+                            fast = None  # a JSON tensor: the header is not planned
+                            continue
+            elif type(params) is dict:
                 spec = specs.get(name) if specs is not None else None
                 wire = _FAST_DECODE.get(datatype)
                 size = params.get("binary_data_size")
