@@ -956,7 +956,20 @@ def _build(header: dict[str, Any], key: str, tensors: Mapping[str, np.ndarray[An
                                            for a in tensors.values())]), len(known))  # fmt: skip
     parts: list[str] = []
     raws: list[Any] = []
+    orjson = _orjson_module()
     for name, array in tensors.items():
+        if orjson is not None and type(array) is np.ndarray and type(name) is str and name not in binary:
+            datatype = _FAST_ENCODE.get(array.dtype)
+            if datatype is not None:
+                # A numeric tensor as JSON data: its numbers by orjson (the same shortest digits that
+                # round-trip as Python's repr, written in a few µs instead of ~0.3 µs a number).
+                data = orjson.dumps(array.ravel().tolist())
+                if b"null" not in data:  # orjson writes NaN and infinities as null: the full way writes them
+                    parts.append(
+                        f'{{"name":{_encode_str(name)},"datatype":"{datatype}",'
+                        f'"shape":[{",".join(map(str, array.shape))}],"data":{data.decode("ascii")}}}'
+                    )
+                    continue
         datatype = _FAST_ENCODE.get(array.dtype) if type(array) is np.ndarray and name in binary else None
         if datatype is not None and type(name) is str and array.flags.c_contiguous:
             # The common case, formatted directly: a binary numeric tensor whose
