@@ -65,10 +65,10 @@ _NATIVE_DTYPES: dict[str, np.dtype[Any]] = {
 }
 # Datatypes whose binary form numpy reads as it is (BOOL needs its 0/1 check).
 _FAST_DECODE: dict[object, np.dtype[Any]] = {d: w for d, w in _WIRE_DTYPES.items() if d != "BOOL"}
-# Numeric datatypes -> their native dtype and the numpy kinds of data each takes from JSON
-# (as :func:`_numbers_from_json` checks: true/false for BOOL, integers for integer types).
-_JSON_TARGETS: dict[object, tuple[np.dtype[Any], str]] = {
-    d: (n, "b" if d == "BOOL" else "iu" if n.kind in "iu" else "iuf") for d, n in _NATIVE_DTYPES.items()
+# Numeric datatypes -> (native dtype, the numpy kinds of JSON data it takes, the spec dtype), the
+# kinds as :func:`_numbers_from_json` checks them: true/false for BOOL, integers for integer types.
+_JSON_TARGETS: dict[object, tuple[np.dtype[Any], str, str]] = {
+    d: (n, "b" if d == "BOOL" else "iu" if n.kind in "iu" else "iuf", DATATYPES[d]) for d, n in _NATIVE_DTYPES.items()
 }
 # numpy 1.x allows 32 dims (2.x allows 64); the lower bound keeps both working.
 _MAX_DIMS = 32
@@ -594,22 +594,12 @@ def _numbers_from_json(data: object, datatype: str, shape: list[int], count: int
     return parsed.astype(target, copy=False).reshape(shape)
 
 
-def _json_numbers(data: object, target: tuple[np.dtype[Any], str], shape: list[int]) -> np.ndarray[Any, Any] | None:
-    """:func:`_numbers_from_json` for data that converts cleanly (the same array), else None
-    (the full way then words what is wrong). ``target``: the dtype and the numpy kinds it takes."""
-    try:
-        parsed = np.array(data)
-    except (ValueError, TypeError, OverflowError, RecursionError):
-        return None
-    dtype, kinds = target
-    kind = parsed.dtype.kind
-    if kind not in kinds or parsed.size != math.prod(shape) or not parsed.size:
-        return None
-    if kinds == "iu" and not np.can_cast(parsed.dtype, dtype):
-        info = np.iinfo(dtype)
-        if parsed.min() < info.min or parsed.max() > info.max:
-            return None
-    return parsed.astype(dtype, copy=False).reshape(shape)
+def _in_range(parsed: np.ndarray[Any, Any], dtype: np.dtype[Any]) -> bool:
+    """Whether the integers ``parsed`` all fit ``dtype`` (an integer dtype)."""
+    if np.can_cast(parsed.dtype, dtype):
+        return True
+    info = np.iinfo(dtype)
+    return not (parsed.min() < info.min or parsed.max() > info.max)
 
 
 def _big_ints(data: object, target: np.dtype[Any], datatype: str, shape: list[int], name: str) -> np.ndarray[Any, Any]:
@@ -856,18 +846,26 @@ def _decode_tensors(
             if type(name) is not str or type(datatype) is not str or type(shape) is not list or not name or name in arrays:
                 pass
             elif "data" in obj:
-                # The common JSON case: numbers without parameters, one numpy conversion; anything
-                # else, and any data that does not convert cleanly, goes the full way below.
-                json_target = _JSON_TARGETS.get(datatype)
+                # The common JSON case: numbers without parameters, one numpy conversion, the checks of
+                # _numbers_from_json; anything else, and any data that does not convert cleanly, goes
+                # the full way below, which words what is wrong.
+                target = _JSON_TARGETS.get(datatype)
                 if (
-                    json_target is not None and (params is None or (type(params) is dict and not params))
-                    and (not shared or name not in shared) and len(shape) <= _MAX_DIMS and _plain_dims(shape)
+                    target is not None and (params is None or (type(params) is dict and not params))
+                    and (not shared or name not in shared) and len(shape) <= _MAX_DIMS
                 ):  # fmt: skip
                     spec = specs.get(name) if specs is not None else None
-                    if specs is None or (spec is not None and spec.dtype == DATATYPES[datatype]):
-                        array = _json_numbers(obj["data"], json_target, shape)
-                        if array is not None:
-                            arrays[name] = array
+                    count = _count(shape) if specs is None or (spec is not None and spec.dtype == target[2]) else 0
+                    if count:
+                        try:
+                            parsed = np.array(obj["data"])
+                        except (ValueError, TypeError, OverflowError, RecursionError):
+                            parsed = None
+                        if (
+                            parsed is not None and parsed.size == count and parsed.dtype.kind in target[1]
+                            and (target[1] != "iu" or _in_range(parsed, target[0]))
+                        ):  # fmt: skip
+                            arrays[name] = parsed.astype(target[0], copy=False).reshape(shape)
                             fast = None  # a JSON tensor: the header is not planned
                             continue
             elif type(params) is dict:
@@ -1005,6 +1003,18 @@ def _plain_dims(shape: list[Any]) -> bool:
             return False
         span *= d or 1
     return span <= _MAX_SPAN
+
+
+def _count(shape: list[Any]) -> int:
+    """The element count of ``shape`` when every dim is an int >= 0 (not a bool, float or -1) and
+    numpy can make an array of it (:func:`_plain_dims`), else 0."""
+    count = span = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return 0
+        count *= d
+        span *= d or 1
+    return count if span <= _MAX_SPAN else 0
 
 
 def _spannable(shape: Sequence[int]) -> bool:
