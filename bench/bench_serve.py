@@ -20,6 +20,8 @@ Servers (all on 127.0.0.1, free ports, pinned to CPU core 0 with taskset):
   process); ``debug: false``, so no access log either;
 * the floor (serve_floor.py): bare Starlette+uvicorn and grpcio endpoints that
   parse the same request and return a response of the same bytes, no model.
+  On REST it is measured with the JSON body too (``floor (JSON)``: orjson and one
+  numpy conversion per input, the first input answered as JSON).
   Its gRPC side is grpcio's threaded server, as neuropod serve's; a second
   floor on grpc.aio (what MLServer uses) is shown beside it for comparison.
 
@@ -600,7 +602,7 @@ def main() -> int:
                 m, b = models[name], bodies[name]
                 if "rest" in protocols and s.kind != "mlserver":
                     check_rest(s, m, b.binary, b.binary_header)
-                if "rest" in protocols and s.kind != "floor":
+                if "rest" in protocols:
                     check_rest(s, m, b.json, None)
                 if grpc:
                     check_grpc(s, m)
@@ -640,6 +642,8 @@ def main() -> int:
                             add(protocol, model, c, s.label + (" (JSON)" if protocol == "rest" else ""), s,
                                 "json" if protocol == "rest" else "binary")  # fmt: skip
                     add(protocol, model, c, "floor", floor)
+                    if protocol == "rest":
+                        add(protocol, model, c, "floor (JSON)", floor, "json")
                     if protocol == "grpc" and aio_floor is not None:
                         add(protocol, model, c, aio_floor.label, aio_floor)
                     if model == TINY and c == max(concurrencies):
@@ -712,6 +716,9 @@ def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], ha
                         notes.append(f"neuropod JSON / faster mlserver: {js.over(best):.2f}x")
                 frac = np_cell.over(fl)
                 notes.append(f"neuropod / floor: {frac:.2f}")
+                js, fl_js = get(protocol, model, c, "neuropod (JSON)"), get(protocol, model, c, "floor (JSON)")
+                if js is not None and fl_js is not None:
+                    notes.append(f"neuropod JSON / floor JSON: {js.over(fl_js):.2f}")
                 if model == TINY:
                     vs_floor.append((frac, where))
                 for x in group:
