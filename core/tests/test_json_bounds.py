@@ -102,3 +102,17 @@ def test_depth_is_one_linear_scan_across_slices() -> None:
     _json.check_bounds(wide + "[" * 62 + "]" * 62 + "[]]")
     with pytest.raises(ValueError, match="nests more than 64 levels deep"):
         _json.check_bounds(wide + "[" * 64 + "]" * 64 + "[]]")
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_VALUES, extra=st.integers(0, 12), max_depth=st.integers(1, 12), pad=st.sampled_from(["x", "[", "}", '"']))
+def test_long_ascii_documents_get_the_same_verdict(value: Any, extra: int, max_depth: int, pad: str) -> None:
+    """ASCII documents of _LONG characters or more are scanned as bytes: the verdict is still the depth."""
+    doc = [_nest(value, extra), pad * _json._LONG]  # brackets and quotes inside a string are not structure
+    text = json.dumps(doc, ensure_ascii=True)
+    assert len(text) >= _json._LONG and text.isascii()
+    if _depth(doc) > max_depth:
+        with pytest.raises(ValueError, match=f"nests more than {max_depth} levels deep"):
+            _json.check_bounds(text, max_depth=max_depth)
+    else:
+        _json.check_bounds(text, max_depth=max_depth)

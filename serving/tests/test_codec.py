@@ -520,6 +520,43 @@ def test_request_json_reads_as_pythons_json_does(text: str) -> None:
         assert math.isnan(got["nan"])
 
 
+@pytest.mark.parametrize("text", _JSON_DOCS)
+def test_long_request_json_reads_as_pythons_json_does(text: str) -> None:
+    """Bodies of 4 kB and more are screened for long integers with numpy: the same reading."""
+    import json
+
+    from neuropod_serving.protocol import codec
+
+    fractions = ", ".join(["0.00012299999798415229", "-1.0000000000000000000001"] * 100)  # long runs after a '.'
+    text = f'{{"pad": [{fractions}], "doc": {text}}}'
+    assert len(text) >= codec._LONG_TEXT
+    got, want = codec._loads(memoryview(text.encode("utf-8", "surrogatepass")), text), json.loads(text)
+    assert repr(got) == repr(want)
+
+
+def test_json_output_numbers_read_back_as_the_same_values() -> None:
+    """Numeric JSON outputs (written by orjson) hold the same numbers as Python's json writes;
+    NaN and infinities are still written NaN, Infinity and -Infinity."""
+    rng = np.random.default_rng(0)
+    outputs = {
+        "f32": (rng.standard_normal(200) * 10.0 ** rng.integers(-30, 30, 200)).astype(np.float32),
+        "f64": rng.standard_normal((4, 5)) * 1e-5,
+        "f16": np.array([0.1, 65504, -2.5e-7], np.float16),
+        "u64": np.array([0, 2**64 - 1], np.uint64),
+        "i64": np.array([-(2**63), 2**63 - 1], np.int64),
+        "b": np.array([[True, False]]),
+        "scalar": np.array(3.25),
+    }
+    body = build_infer_response("m", outputs)
+    got = {o["name"]: o for o in json.loads(body.content)["outputs"]}
+    for name, array in outputs.items():
+        assert got[name]["shape"] == list(array.shape)
+        assert got[name]["data"] == array.ravel().tolist()
+        assert [type(v) for v in got[name]["data"]] == [type(v) for v in array.ravel().tolist()]
+    special = build_infer_response("m", {"y": np.array([np.nan, np.inf, -np.inf, 1.5], np.float32)})
+    assert b'"data":[NaN,Infinity,-Infinity,1.5]' in special.content
+
+
 # --- known headers: a binary body's header parsed once per form ------------------------------
 
 
