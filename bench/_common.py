@@ -113,14 +113,15 @@ def add_json_option(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the results, the machine and the versions to PATH (JSON)")
 
 
-def _cpu_model() -> str:
+def cpu_model(fallback: str | None = None) -> str:
+    """The CPU's model name from /proc/cpuinfo; elsewhere what ``platform`` says, then ``fallback``, then the machine type."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return platform.processor() or fallback or platform.machine()
 
 
 def machine() -> dict[str, Any]:
@@ -130,7 +131,7 @@ def machine() -> dict[str, Any]:
     except AttributeError:
         usable = os.cpu_count()
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
         "arch": platform.machine(),

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from _common import cpu_model
 from bench_serve import (
     HERE,
     LOAD_CORE,
@@ -341,7 +342,7 @@ def report(
     cells: dict[tuple, Cell], phases: list[Phase], args: argparse.Namespace, replica_pids: dict[str, list[int]]
 ) -> None:
     print()
-    print(f"machine: {os.cpu_count()} cores ({_cpu_model()}), {platform.system()} {platform.release()}, "
+    print(f"machine: {os.cpu_count()} cores ({cpu_model('unknown CPU')}), {platform.system()} {platform.release()}, "
           f"Python {platform.python_version()}")  # fmt: skip
     print("versions: " + ", ".join(f"{k} {v}" for k, v in _versions().items()))
     print(f"model: {APP} (the quick start's), x and y float32 [2, 2] per request; {args.rounds} rounds x "
@@ -420,16 +421,6 @@ def _merged(cells: dict[tuple, Cell], protocol: str, c: int) -> Cell:
         if key[1:] == (protocol, c, NP):
             merged.rounds += cell.rounds
     return merged
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _versions() -> dict[str, str]:
