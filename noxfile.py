@@ -461,12 +461,29 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=DEFAULT_PYTHON)
 def bench_serve(session: nox.Session) -> None:
-    """neuropod serve against MLServer 1.7 and a bare Starlette/grpcio floor, REST and gRPC (about 12 min;
-    needs wrk and taskset, two cores). MLServer runs from its own venv (_mlserver_venv)."""
+    """neuropod serve against MLServer 1.7, LitServe and a bare Starlette/grpcio floor, REST and gRPC, and
+    --processes 1 and 2 against the floor forked as many times (about 20 min; needs wrk and taskset, two
+    cores). MLServer and LitServe run from venvs of their own (_mlserver_venv, _litserve_venv)."""
     session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
                     f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx")  # fmt: skip
     mlserver = _mlserver_venv(session, f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
-    session.run("python", "bench/bench_serve.py", "--mlserver-venv", str(mlserver), *session.posargs)
+    litserve = _litserve_venv(session, f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
+    session.run("python", "bench/bench_serve.py", "--mlserver-venv", str(mlserver), "--litserve-venv", str(litserve),
+                *session.posargs)  # fmt: skip
+
+
+#: LitServe for bench_serve: the release measured (its API moves between minor releases).
+LITSERVE = "litserve==0.2.19"
+
+
+def _litserve_venv(session: nox.Session, *packages: str) -> Path:
+    """LitServe and ``packages`` in a venv of their own in the session's folder (it pins FastAPI and
+    uvicorn releases of its own), made once and reused."""
+    venv = Path(session.virtualenv.location) / "litserve-venv"
+    if not (venv / "bin" / "python").exists():
+        session.run("python", "-m", "venv", str(venv))
+    session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", LITSERVE, *packages, external=True)
+    return venv
 
 
 @nox.session(python=DEFAULT_PYTHON)

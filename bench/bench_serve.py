@@ -1,7 +1,7 @@
-"""neuropod serve against MLServer and against a bare floor, side by side in one run (issue 12).
+"""neuropod serve against MLServer, LitServe and a bare floor, side by side in one run.
 
-    python bench/bench_serve.py --mlserver-venv VENV [--duration 2] [--repeats 3] [--json out.json]
-        [--baseline-python OTHER_VENV/bin/python [--baseline-only]]
+    python bench/bench_serve.py --mlserver-venv VENV [--litserve-venv VENV] [--duration 2] [--repeats 3]
+        [--processes 1,2] [--json out.json] [--baseline-python OTHER_VENV/bin/python [--baseline-only]]
 
 With ``--baseline-python``, ``neuropod serve`` from that interpreter (another
 release, e.g. the previous commit installed in a venv of its own) joins the
@@ -18,6 +18,9 @@ Servers (all on 127.0.0.1, free ports, pinned to CPU core 0 with taskset):
   and ``uvloop<0.22``) running our onnxruntime runtime (serve_mlserver_onnx.py),
   once with ``parallel_workers: 0`` and once with its default (one worker
   process); ``debug: false``, so no access log either;
+* LitServe from its own venv (``--litserve-venv``, with litserve and onnxruntime)
+  running serve_litserve_onnx.py: its defaults (an inference worker process fed
+  through queues) and its own JSON API (``{"x": [[...]], ...}``), REST only;
 * the floor (serve_floor.py): bare Starlette+uvicorn and grpcio endpoints that
   parse the same request and return a response of the same bytes, no model.
   On REST it is measured with the JSON body too (``floor (JSON)``: orjson and one
@@ -35,6 +38,16 @@ Load (pinned to core 1), closed loop at each concurrency:
   built with our generated ``inference.*`` messages, tensors in
   ``raw_input_contents``.
 
+Scaling cells (``--processes``, default 1,2): ``neuropod serve --processes N`` against
+the floor forked into N processes sharing its socket (what ``uvicorn --workers N``
+does), servers and ``wrk`` free on every core, REST binary on the tiny model at the
+highest concurrency. Beside requests/s, the CPU time per request (the server's process
+group, user+sys from /proc, over the requests served), so the comparison does not hang
+on the clock speed of the minute.
+
+Every cell shows the server's CPU per request (``CPU us/req``: the core share it used over
+its requests/s).
+
 Models: ``tiny`` (out = x + y, float32 [batch_size, 2], one row per request),
 ``small_inputs_100``: the original Neuropod's many-small-tensors case
 (dummy_small_input_model: 100 float32 inputs of [10, 5]), here their sum, and
@@ -46,10 +59,13 @@ Each measurement is a warm-up then ``--duration`` seconds; every round measures
 every (protocol, model, concurrency, server) once, servers in a rotating order,
 and the table shows medians over ``--repeats`` rounds; a ratio is the median of
 the rounds' ratios (each round measures a group's servers seconds apart).
-Targets (issue 12):
-neuropod >= 2x the faster MLServer's requests/s with a lower p99 in every cell;
->= 0.7 of the floor's requests/s on the tiny model; batching >= 3x requests/s on
-the tiny model at concurrency 32.
+Targets: neuropod >= 2x the faster MLServer's requests/s with a lower p99 in every
+cell; >= 0.7 of the floor's requests/s on the tiny model; plain JSON >= 0.9 of the
+floor's JSON on both models and >= 2x MLServer on the 100-input one, every
+concurrency; batching (no delay) >= 0.95 of unbatched on the tiny model at every
+concurrency, and >= 3x on the MLP at the highest; ``--processes 2`` keeps >= 0.9 of
+one process's requests per CPU second and gains at least what the floor gains from
+a second process.
 """
 
 from __future__ import annotations
@@ -183,15 +199,19 @@ class Bodies:
     binary_header: int
     json: Path
     grpc: Path
+    litserve: Path
 
 
 def write_bodies(model: Model, tmp: Path) -> Bodies:
     binary = build_infer_request(model.inputs, binary=True, binary_outputs=True)
     plain = build_infer_request(model.inputs, binary=False, binary_outputs=False)
     assert binary.json_length is not None and plain.json_length is None
-    out = Bodies(tmp / f"{model.name}.bin", binary.json_length, tmp / f"{model.name}.json", tmp / f"{model.name}.grpc")
+    out = Bodies(tmp / f"{model.name}.bin", binary.json_length, tmp / f"{model.name}.json", tmp / f"{model.name}.grpc",
+                 tmp / f"{model.name}.litserve.json")  # fmt: skip
     out.binary.write_bytes(binary.content)
     out.json.write_bytes(plain.content)
+    # LitServe's own API: an object of input name to nested lists (what its users send).
+    out.litserve.write_text(json.dumps({n: a.tolist() for n, a in model.inputs.items()}))
     out.grpc.write_bytes(grpc_request(model).SerializeToString())
     return out
 
@@ -222,7 +242,7 @@ class Server:
     """One server process (and whatever it starts), in its own process group on the server core."""
 
     label: str
-    kind: str  # "neuropod", "mlserver", "floor"
+    kind: str  # "neuropod", "mlserver", "litserve", "floor"
     models: tuple[str, ...]
     http_port: int
     grpc_port: int
@@ -230,19 +250,21 @@ class Server:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
+    #: The cores it may run on (taskset -c): the server core, or every core for the scaling cells.
+    cores: str = SERVER_CORE
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                ["taskset", "-c", SERVER_CORE, *self.command], stdout=log, stderr=subprocess.STDOUT,
+                ["taskset", "-c", self.cores, *self.command], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env={**os.environ, **self.env}, cwd=self.cwd, start_new_session=True,
             )  # fmt: skip
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
-        urls = [f"http://127.0.0.1:{self.http_port}/v2/health/ready"]
-        if self.kind != "floor":
+        urls = [f"http://127.0.0.1:{self.http_port}/" + ("health" if self.kind == "litserve" else "v2/health/ready")]
+        if self.kind in ("neuropod", "mlserver"):
             urls += [f"http://127.0.0.1:{self.http_port}/v2/models/{m}/ready" for m in self.models]
         pending = list(urls)
         while pending:
@@ -322,6 +344,20 @@ def mlserver_server(label: str, models: list[Model], tmp: Path, venv: Path, para
     return Server(label, "mlserver", tuple(m.name for m in models), http, grpc, cmd, tmp / f"{_slug(label)}.log", env, repo)
 
 
+def litserve_server(models: list[Model], tmp: Path, venv: Path) -> Server:
+    """LitServe with its defaults (serve_litserve_onnx.py), one endpoint per model, REST only."""
+    folder = tmp / "litserve"
+    folder.mkdir()
+    paths = []
+    for m in models:
+        (folder / f"{m.name}.onnx").write_bytes(m.onnx)
+        paths.append(f"{m.name}={folder / f'{m.name}.onnx'}")
+    http = free_port()
+    cmd = [str(venv / "bin" / "python"), str(HERE / "serve_litserve_onnx.py"), "--port", str(http), *paths]
+    return Server("litserve (JSON)", "litserve", tuple(m.name for m in models), http, 0, cmd, tmp / "litserve.log",
+                  cwd=folder)  # fmt: skip
+
+
 def floor_server(models: list[Model], tmp: Path, grpc: bool, grpc_kind: str = "threads") -> Server:
     """The floor; with ``grpc_kind`` "asyncio" its gRPC side is grpc.aio (a row for comparison, not the floor)."""
     http, grpc_port = free_port(), free_port() if grpc else 0
@@ -329,6 +365,22 @@ def floor_server(models: list[Model], tmp: Path, grpc: bool, grpc_kind: str = "t
            "--grpc-kind", grpc_kind, *(f"--output={m.name}={m.output}" for m in models)]  # fmt: skip
     label = "floor" if grpc_kind == "threads" else f"floor on grpc.{grpc_kind}"
     return Server(label, "floor", tuple(m.name for m in models), http, grpc_port, cmd, tmp / f"{_slug(label)}.log")
+
+
+def scaling_servers(models: list[Model], tmp: Path, processes: int) -> list[Server]:
+    """``neuropod serve --processes N`` and the floor forked into N processes (what ``uvicorn --workers N``
+    does), REST only, free to run on every core: the scaling cells."""
+    every = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    plural = "es" if processes > 1 else ""
+    ours = neuropod_server(f"neuropod --processes {processes}", models, tmp, False, ["--processes", str(processes)])
+    http = free_port()
+    label = f"floor, {processes} process{plural}"
+    cmd = [sys.executable, str(HERE / "serve_floor.py"), "--http-port", str(http), "--processes", str(processes),
+           *(f"--output={m.name}={m.output}" for m in models)]  # fmt: skip
+    floor = Server(label, "floor", tuple(m.name for m in models), http, 0, cmd, tmp / f"{_slug(label)}.log")
+    for s in (ours, floor):
+        s.cores = every
+    return [ours, floor]
 
 
 def _slug(label: str) -> str:
@@ -411,6 +463,18 @@ def check_rest(server: Server, model: Model, body: Path, header: int | None) -> 
     _compare(server, "REST", model, out)
 
 
+def check_litserve(server: Server, model: Model, body: Path) -> None:
+    """One request to LitServe's own JSON API: the model's output as nested lists."""
+    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/predict/{model.name}", data=body.read_bytes(),
+                                 headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            answer = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{server.label}: {model.name} answered {e.code}: {e.read()[:500]!r}") from None
+    _compare(server, "REST", model, np.asarray(answer[model.output], dtype=np.float32))
+
+
 def check_grpc(server: Server, model: Model) -> None:
     import grpc
 
@@ -443,10 +507,10 @@ def _compare(server: Server, protocol: str, model: Model, out: np.ndarray) -> No
 # --- load ---------------------------------------------------------------------
 
 
-def _run_load(cmd: list[str], marker: str, timeout: float) -> dict[str, Any]:
-    """Run a load generator on the load core; its result line as a dict, with ``window`` (monotonic t0, t1)."""
+def _run_load(cmd: list[str], marker: str, timeout: float, cores: str = LOAD_CORE) -> dict[str, Any]:
+    """Run a load generator on ``cores``; its result line as a dict, with ``window`` (monotonic t0, t1)."""
     started = time.monotonic()
-    proc = subprocess.Popen(["taskset", "-c", LOAD_CORE, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(["taskset", "-c", cores, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
@@ -464,22 +528,27 @@ def _run_load(cmd: list[str], marker: str, timeout: float) -> dict[str, Any]:
     return result
 
 
-def wrk(url: str, body: Path, header: int | None, connections: int, seconds: int) -> dict[str, Any]:
+def wrk(url: str, body: Path, header: int | None, connections: int, seconds: int, cores: str = LOAD_CORE) -> dict[str, Any]:
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "--latency",
            "-s", str(HERE / "serve_wrk.lua"), url, "--", str(body), "" if header is None else str(header)]  # fmt: skip
-    return _run_load(cmd, "WRK_RESULT ", seconds + 30)
+    return _run_load(cmd, "WRK_RESULT ", seconds + 30, cores)
 
 
 def rest_load(server: Server, model: Model, body: Path, header: int | None, c: int, args: argparse.Namespace) -> dict[str, Any]:
-    url = f"http://127.0.0.1:{server.http_port}/v2/models/{model.name}/infer"
-    wrk(url, body, header, c, args.warmup)
+    path = f"predict/{model.name}" if server.kind == "litserve" else f"v2/models/{model.name}/infer"
+    url = f"http://127.0.0.1:{server.http_port}/{path}"
+    # The scaling cells' servers run on every core, and so does their load.
+    cores = LOAD_CORE if server.cores == SERVER_CORE else server.cores
+    wrk(url, body, header, c, args.warmup, cores)
     with CpuSampler(server) as cpu:
-        r = wrk(url, body, header, c, args.duration)
+        r = wrk(url, body, header, c, args.duration, cores)
     errors = sum(r["errors"].values())
     if errors:
         raise RuntimeError(f"{server.label}: {errors} failed REST requests under load ({r['errors']}):\n{server.tail()}")
+    share = cpu.share(*r["window"])
     return {"rps": r["rps"], "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3,
-            "server_cpu": cpu.share(*r["window"]), "load_cpu": None}  # fmt: skip
+            "server_cpu": share, "cpu_us": share / r["rps"] * 1e6 if r["rps"] else float("nan"),
+            "load_cpu": None}  # fmt: skip
 
 
 def grpc_load(server: Server, body: Path, c: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -490,8 +559,10 @@ def grpc_load(server: Server, body: Path, c: int, args: argparse.Namespace) -> d
         r = _run_load(cmd, "GRPC_RESULT ", args.warmup + args.duration + 60)
     if r["errors"]["rpc"]:
         raise RuntimeError(f"{server.label}: {r['errors']['rpc']} failed gRPC calls under load:\n{server.tail()}")
+    share = cpu.share(*r["window"])
     return {"rps": r["rps"], "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3,
-            "server_cpu": cpu.share(*r["window"]), "load_cpu": r["load_cpu"]}  # fmt: skip
+            "server_cpu": share, "cpu_us": share / r["rps"] * 1e6 if r["rps"] else float("nan"),
+            "load_cpu": r["load_cpu"]}  # fmt: skip
 
 
 # --- the plan -----------------------------------------------------------------
@@ -515,13 +586,18 @@ class Cell:
         """This cell's requests/s over ``other``'s: the median of the rounds' ratios. Both were
         measured seconds apart in each round, so a ratio does not mix the machine's slow and
         fast minutes as a ratio of medians (taken from different rounds) can."""
-        return statistics.median(a["rps"] / b["rps"] for a, b in zip(self.rounds, other.rounds))
+        ratios = [a["rps"] / b["rps"] for a, b in zip(self.rounds, other.rounds) if b["rps"]]
+        return statistics.median(ratios) if ratios else float("nan")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mlserver-venv", type=Path, help="a venv with mlserver 1.7, onnxruntime and uvloop<0.22 "
                         "(without it MLServer is not measured)")  # fmt: skip
+    parser.add_argument("--litserve-venv", type=Path, help="a venv with litserve and onnxruntime (without it "
+                        "LitServe is not measured)")  # fmt: skip
+    parser.add_argument("--processes", default="1,2", help="the scaling cells' server process counts, servers and "
+                        "load on every core (default 1,2; 'none' skips them)")  # fmt: skip
     parser.add_argument("--duration", type=int, default=2, help="seconds measured per cell and round (default 2)")
     parser.add_argument("--warmup", type=int, default=1, help="seconds of warm-up before each measurement (default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the table shows medians (default 3)")
@@ -552,6 +628,10 @@ def main() -> int:
     mlserver = args.mlserver_venv
     if mlserver is not None and not (mlserver / "bin" / "mlserver").is_file():
         raise SystemExit(f"bench_serve: {mlserver}/bin/mlserver not found: --mlserver-venv must be a venv with mlserver")
+    litserve = args.litserve_venv
+    if litserve is not None and not (litserve / "bin" / "python").is_file():
+        raise SystemExit(f"bench_serve: {litserve}/bin/python not found: --litserve-venv must be a venv with litserve")
+    process_counts = [] if args.processes == "none" else [int(n) for n in args.processes.split(",")]
 
     # This process (sampling, waiting) stays off the server's core.
     os.sched_setaffinity(0, {int(LOAD_CORE)})
@@ -582,8 +662,12 @@ def main() -> int:
         if mlserver is not None:
             servers.append(mlserver_server("mlserver parallel_workers=0", both, tmp, mlserver, 0))
             servers.append(mlserver_server("mlserver default (1 worker)", both, tmp, mlserver, None))
+        if litserve is not None:
+            servers.append(litserve_server(both, tmp, litserve))
         floor = floor_server(both, tmp, grpc)
         servers.append(floor)
+        scaling = [] if args.baseline_only else [s for n in process_counts for s in scaling_servers([models[TINY]], tmp, n)]
+        servers += scaling
         aio_floor = floor_server(both, tmp, grpc, "asyncio") if grpc else None
         if aio_floor is not None:
             servers.append(aio_floor)
@@ -600,11 +684,13 @@ def main() -> int:
         for s in servers:
             for name in s.models:
                 m, b = models[name], bodies[name]
-                if "rest" in protocols and s.kind != "mlserver":
+                if s.kind == "litserve":
+                    check_litserve(s, m, b.litserve)
+                    continue
+                if s.kind != "mlserver":
                     check_rest(s, m, b.binary, b.binary_header)
-                if "rest" in protocols:
-                    check_rest(s, m, b.json, None)
-                if grpc:
+                check_rest(s, m, b.json, None)
+                if grpc and s.grpc_port:
                     check_grpc(s, m)
 
         # The plan: (cell, how to measure it).
@@ -616,8 +702,12 @@ def main() -> int:
             cell = Cell(protocol, model, c, label)
             if protocol == "grpc":
                 run = lambda: grpc_load(server, b.grpc, c, args)  # noqa: E731
+            elif protocol == "scaling":
+                run = lambda: rest_load(server, m, b.binary, b.binary_header, c, args)  # noqa: E731
             elif variant == "json":
                 run = lambda: rest_load(server, m, b.json, None, c, args)  # noqa: E731
+            elif variant == "litserve":
+                run = lambda: rest_load(server, m, b.litserve, None, c, args)  # noqa: E731
             else:
                 run = lambda: rest_load(server, m, b.binary, b.binary_header, c, args)  # noqa: E731
             plan.append((cell, run))
@@ -641,25 +731,33 @@ def main() -> int:
                         if s.kind == "mlserver":
                             add(protocol, model, c, s.label + (" (JSON)" if protocol == "rest" else ""), s,
                                 "json" if protocol == "rest" else "binary")  # fmt: skip
+                        if s.kind == "litserve" and protocol == "rest":
+                            add(protocol, model, c, s.label, s, "litserve")
                     add(protocol, model, c, "floor", floor)
                     if protocol == "rest":
                         add(protocol, model, c, "floor (JSON)", floor, "json")
                     if protocol == "grpc" and aio_floor is not None:
                         add(protocol, model, c, aio_floor.label, aio_floor)
-                    if model == TINY and c == max(concurrencies):
-                        for s in [*batched, *baseline[1:]]:
+                    if model == TINY:
+                        # Batching with no delay at every concurrency (it must never lose); the
+                        # second delay and the baseline at the highest only.
+                        for s in [*batched[:1], *([*batched[1:], *baseline[1:]] if c == max(concurrencies) else [])]:
                             add(protocol, model, c, s.label, s)
             # Where batching pays: a model whose run, not the request, is the cost.
             c = max(concurrencies)
             for s in [by_label["neuropod"], *(batched[:1] if args.baseline_only else batched), *baseline]:
                 add(protocol, MLP, c, s.label, s)
+        # One server process per core: servers and load free on every core (REST, binary, tiny model).
+        for s in scaling:
+            add("scaling", TINY, max(concurrencies), s.label, s)
         started = time.monotonic()
         for r in range(args.repeats):
             for cell, run in _rotated(plan, r):
                 cell.rounds.append(run())
             print(f"round {r + 1}/{args.repeats} done ({time.monotonic() - started:.0f} s)", flush=True)
         cells = [cell for cell, _ in plan]
-        targets = [] if args.baseline_only else report(cells, protocols, concurrencies, mlserver is not None)
+        targets = [] if args.baseline_only else report(cells, protocols, concurrencies, mlserver is not None,
+                                                       process_counts)  # fmt: skip
         if baseline:
             report_baseline(cells)
         if args.json:
@@ -683,10 +781,12 @@ def _rotated(plan: list[tuple[Cell, Any]], r: int) -> list[tuple[Cell, Any]]:
 # --- the report ---------------------------------------------------------------
 
 
-PROTOCOL_TITLES = {"rest": "REST (binary tensors; MLServer has no binary extension: JSON)", "grpc": "gRPC (raw_input_contents)"}
+PROTOCOL_TITLES = {"rest": "REST (binary tensors; MLServer has no binary extension: JSON)", "grpc": "gRPC (raw_input_contents)",
+                   "scaling": "REST (binary tensors), servers and load free on every core"}  # fmt: skip
 
 
-def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], have_mlserver: bool) -> list[dict[str, Any]]:
+def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], have_mlserver: bool,
+           process_counts: list[int]) -> list[dict[str, Any]]:  # fmt: skip
     def get(protocol: str, model: str, c: int, label: str) -> Cell | None:
         return next((x for x in cells if (x.protocol, x.model, x.concurrency, x.server) == (protocol, model, c, label)), None)
 
@@ -694,6 +794,8 @@ def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], ha
     vs_ml: list[tuple[float, bool, str]] = []
     vs_floor: list[tuple[float, str]] = []
     batching: list[tuple[float, str]] = []
+    json_vs_floor: list[tuple[float, str]] = []
+    json_vs_ml: list[tuple[float, str]] = []
     for protocol in protocols:
         for model in (TINY, MANY):
             for c in concurrencies:
@@ -714,11 +816,18 @@ def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], ha
                         js = get(protocol, model, c, "neuropod (JSON)")
                         assert js is not None
                         notes.append(f"neuropod JSON / faster mlserver: {js.over(best):.2f}x")
+                        if model == MANY:
+                            json_vs_ml.append((js.over(best), where))
+                lit = get(protocol, model, c, "litserve (JSON)")
+                js = get(protocol, model, c, "neuropod (JSON)")
+                if lit is not None and js is not None:
+                    notes.append(f"neuropod JSON / litserve: {js.over(lit):.2f}x")
                 frac = np_cell.over(fl)
                 notes.append(f"neuropod / floor: {frac:.2f}")
                 js, fl_js = get(protocol, model, c, "neuropod (JSON)"), get(protocol, model, c, "floor (JSON)")
                 if js is not None and fl_js is not None:
                     notes.append(f"neuropod JSON / floor JSON: {js.over(fl_js):.2f}")
+                    json_vs_floor.append((js.over(fl_js), where))
                 if model == TINY:
                     vs_floor.append((frac, where))
                 for x in group:
@@ -763,17 +872,74 @@ def report(cells: list[Cell], protocols: list[str], concurrencies: list[int], ha
     targets.append({"target": "neuropod >= 0.7 of the floor's req/s on the tiny model", "pass": ok,
                     "worst_fraction": worst_f[0], "worst_cell": worst_f[1]})  # fmt: skip
     print(f"{'PASS' if ok else 'MISS'}  neuropod >= 0.7 of the floor (tiny): lowest {worst_f[0]:.2f} ({worst_f[1]})")
+    if json_vs_floor:
+        worst = min(json_vs_floor)
+        ok = worst[0] >= 0.9
+        targets.append({"target": "neuropod JSON >= 0.9 of the floor's JSON req/s, both models, every concurrency",
+                        "pass": ok, "worst_fraction": worst[0], "worst_cell": worst[1], "all": json_vs_floor})  # fmt: skip
+        print(f"{'PASS' if ok else 'MISS'}  neuropod JSON >= 0.9 of the floor's JSON: lowest {worst[0]:.2f} ({worst[1]}); "
+              "all: " + ", ".join(f"{r:.2f}" for r, _ in json_vs_floor))  # fmt: skip
+    if json_vs_ml:
+        worst = min(json_vs_ml)
+        ok = worst[0] >= 2
+        targets.append({"target": f"neuropod JSON >= 2x the faster MLServer on {MANY}, every concurrency", "pass": ok,
+                        "worst_ratio": worst[0], "worst_cell": worst[1]})  # fmt: skip
+        print(f"{'PASS' if ok else 'MISS'}  neuropod JSON >= 2x MLServer ({MANY}): lowest {worst[0]:.2f}x ({worst[1]})")
+    no_delay = [(g, w) for g, w in batching if "delay 0 us" in w]
+    if no_delay:
+        worst = min(no_delay)
+        ok = worst[0] >= 0.95
+        targets.append({"target": "batching (delay 0) >= 0.95 of unbatched req/s on the tiny model, every concurrency",
+                        "pass": ok, "worst_ratio": worst[0], "worst_cell": worst[1], "all": no_delay})  # fmt: skip
+        print(f"{'PASS' if ok else 'MISS'}  batching never loses (tiny, >= 0.95 of unbatched): lowest {worst[0]:.2f}x "
+              f"({worst[1]}); all: " + ", ".join(f"{g:.2f}x" for g, _ in no_delay))  # fmt: skip
+    if mlp_gains:
+        best_m = max(mlp_gains)
+        ok = best_m[0] >= 3
+        targets.append({"target": f"batching >= 3x req/s on the {MLP} model, concurrency {max(concurrencies)}",
+                        "pass": ok, "best_gain": best_m[0], "best_config": best_m[1], "all": mlp_gains})  # fmt: skip
+        print(f"{'PASS' if ok else 'MISS'}  batching >= 3x on the {MLP} model (c={max(concurrencies)}): best "
+              f"{best_m[0]:.2f}x; all: " + ", ".join(f"{g:.2f}x ({w})" for g, w in mlp_gains))  # fmt: skip
     if batching:
         best_b = max(batching)
-        ok = best_b[0] >= 3
-        targets.append({"target": f"batching >= 3x req/s, tiny, concurrency {max(concurrencies)}", "pass": ok,
-                        "best_gain": best_b[0], "best_config": best_b[1], "all": batching})  # fmt: skip
-        print(f"{'PASS' if ok else 'MISS'}  batching >= 3x req/s (tiny, c={max(concurrencies)}): best {best_b[0]:.2f}x "
-              f"({best_b[1]}); all: " + ", ".join(f"{g:.2f}x" for g, _ in batching))  # fmt: skip
-    if mlp_gains:
-        print(f"INFO  batching on the {MLP} model (c={max(concurrencies)}, no target): "
-              + ", ".join(f"{g:.2f}x ({w})" for g, w in mlp_gains))  # fmt: skip
+        print(f"INFO  batching on the tiny model, best: {best_b[0]:.2f}x ({best_b[1]})")
+    targets += report_scaling(cells, process_counts, max(concurrencies))
     return targets
+
+
+def report_scaling(cells: list[Cell], process_counts: list[int], c: int) -> list[dict[str, Any]]:
+    """``neuropod serve --processes N`` against N=1, beside the floor forked into as many processes: the gain in
+    req/s, and CPU time per request (from /proc, so it does not hang on the clock speed of the minute)."""
+    group = [x for x in cells if x.protocol == "scaling"]
+    if not group or len(process_counts) < 2:
+        return []
+    _print_group(group, "scaling", TINY, c)
+    one, most = min(process_counts), max(process_counts)
+
+    def cell(kind: str, n: int) -> Cell:
+        plural = "es" if n > 1 else ""
+        label = f"neuropod --processes {n}" if kind == "neuropod" else f"floor, {n} process{plural}"
+        return next(x for x in group if x.server == label)
+
+    ours_1, ours_n, floor_1, floor_n = cell("neuropod", one), cell("neuropod", most), cell("floor", one), cell("floor", most)
+    gain, floor_gain = ours_n.over(ours_1), floor_n.over(floor_1)
+    # Requests per CPU second of N processes over one process's: 1 / (CPU per request) ratio, per round.
+    efficiency = statistics.median(a["cpu_us"] and b["cpu_us"] / a["cpu_us"]
+                                   for a, b in zip(ours_n.rounds, ours_1.rounds))  # fmt: skip
+    floor_eff = statistics.median(a["cpu_us"] and b["cpu_us"] / a["cpu_us"]
+                                  for a, b in zip(floor_n.rounds, floor_1.rounds))  # fmt: skip
+    print(f"  neuropod {most} processes / 1: {gain:.2f}x req/s (floor: {floor_gain:.2f}x); requests per CPU second "
+          f"{efficiency:.2f} of one process's (floor: {floor_eff:.2f})")  # fmt: skip
+    ok_eff, ok_gain = efficiency >= 0.9, gain >= floor_gain
+    print(f"{'PASS' if ok_eff else 'MISS'}  --processes {most} keeps >= 0.9 of one process's requests per CPU second: "
+          f"{efficiency:.2f}")  # fmt: skip
+    print(f"{'PASS' if ok_gain else 'MISS'}  --processes {most} gains at least the floor's {floor_gain:.2f}x: {gain:.2f}x")
+    return [
+        {"target": f"--processes {most}: >= 0.9 of one process's requests per CPU second", "pass": ok_eff,
+         "ratio": efficiency, "floor_ratio": floor_eff},
+        {"target": f"--processes {most}: req/s gain over 1 >= the floor's", "pass": ok_gain, "gain": gain,
+         "floor_gain": floor_gain},
+    ]  # fmt: skip
 
 
 def report_baseline(cells: list[Cell]) -> None:
@@ -800,11 +966,12 @@ def report_baseline(cells: list[Cell]) -> None:
 
 def _print_group(group: list[Cell], protocol: str, model: str, c: int) -> None:
     print(f"\n{PROTOCOL_TITLES[protocol]} | model {model} | concurrency {c}")
-    print(f"  {'server':<40} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'server CPU':>10} {'load CPU':>8}")
+    print(f"  {'server':<40} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'server CPU':>10} {'CPU us/req':>10} "
+          f"{'load CPU':>8}")  # fmt: skip
     for x in group:
         load = "" if protocol == "rest" else f"{x.median('load_cpu'):8.0%}"
         print(f"  {x.server:<40} {x.median('rps'):9,.0f} {x.median('p50_ms'):8.2f} {x.median('p99_ms'):8.2f}"
-              f" {x.median('server_cpu'):10.0%} {load:>8}")  # fmt: skip
+              f" {x.median('server_cpu'):10.0%} {x.median('cpu_us'):10,.0f} {load:>8}")  # fmt: skip
 
 
 def _no_nan(value: Any) -> Any:
@@ -826,7 +993,7 @@ def write_json(path: Path, cells: list[Cell], targets: list[dict[str, Any]], arg
                      "batch_delay_us": args.batch_delay_us, "grpc_processes": args.grpc_processes},
         "cells": [{"protocol": c.protocol, "model": c.model, "concurrency": c.concurrency, "server": c.server,
                    "rps": c.median("rps"), "p50_ms": c.median("p50_ms"), "p99_ms": c.median("p99_ms"),
-                   "server_cpu": c.median("server_cpu"), "load_cpu": c.median("load_cpu"),
+                   "server_cpu": c.median("server_cpu"), "cpu_us": c.median("cpu_us"), "load_cpu": c.median("load_cpu"),
                    "rounds": c.rounds} for c in cells],
         "targets": targets,
     }  # fmt: skip

@@ -16,6 +16,10 @@ The gRPC side does the same on grpcio with the project's generated
 grpcio's threaded server (16 threads) beside the uvloop event loop, as
 ``neuropod serve`` runs them, or with ``--grpc-kind asyncio`` on grpc.aio in
 that loop.
+
+``--processes N`` (REST only) forks N server processes after the listening
+socket is made, all accepting on it: what ``uvicorn --workers N`` does, without
+its supervisor process.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import socket
 from typing import Any
 
@@ -161,10 +167,13 @@ def main() -> None:
     parser.add_argument("--grpc-port", type=int, default=0, help="0: no gRPC")
     parser.add_argument("--grpc-kind", choices=("threads", "asyncio"), default="threads",
                         help="grpcio's threaded server (as neuropod serve's) or its asyncio one")  # fmt: skip
+    parser.add_argument("--processes", type=int, default=1, help="REST server processes sharing the socket (default 1)")
     parser.add_argument("--output", action="append", default=[], metavar="MODEL=OUTPUT",
                         help="the output name answered for MODEL (repeat per model)")  # fmt: skip
     args = parser.parse_args()
     outputs = dict(o.split("=", 1) for o in args.output)
+    if args.processes > 1 and args.grpc_port:
+        parser.error("--processes is for the REST side alone: give --grpc-port 0")
 
     import uvicorn
     import uvloop
@@ -173,6 +182,13 @@ def main() -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", args.http_port))
     sock.listen(2048)
+    children = []
+    for _ in range(args.processes - 1):
+        pid = os.fork()
+        if pid == 0:
+            children = []
+            break
+        children.append(pid)
     config = uvicorn.Config(rest_app(outputs), http="httptools", access_log=False, log_level="warning", lifespan="off")
 
     async def serve() -> None:
@@ -187,7 +203,15 @@ def main() -> None:
                 else:
                     await asyncio.to_thread(stopped.wait)
 
-    uvloop.run(serve())
+    try:
+        uvloop.run(serve())
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGINT)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
 
 
 if __name__ == "__main__":
