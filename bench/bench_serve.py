@@ -73,7 +73,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -985,10 +984,37 @@ def _no_nan(value: Any) -> Any:
     return value
 
 
+def _versions(args: argparse.Namespace) -> dict[str, str]:
+    """neuropod's, onnxruntime's and the peers' releases (each peer's from its own venv)."""
+    import onnxruntime
+
+    import neuropod
+
+    found = {"neuropod": neuropod.__version__, "onnxruntime": onnxruntime.__version__}
+    for name, venv in (("mlserver", args.mlserver_venv), ("litserve", args.litserve_venv)):
+        if venv is not None:
+            out = subprocess.run([str(venv / "bin" / "python"), "-c", f"import {name}; print({name}.__version__)"],
+                                 capture_output=True, text=True)  # fmt: skip
+            found[name] = out.stdout.strip() or "?"
+    return found
+
+
 def write_json(path: Path, cells: list[Cell], targets: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    import datetime
+
+    from _common import machine
+
+    argv = list(sys.argv[1:])
+    for option in ("--json", "--mlserver-venv", "--litserve-venv"):  # where this copy went; local venv paths
+        if option in argv:
+            i = argv.index(option)
+            del argv[i : i + 2]
     data = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "server_core": SERVER_CORE, "load_core": LOAD_CORE},
+        "bench": "serve",
+        "command": " ".join(["nox -s bench_serve --", *argv]).rstrip(" -"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": _versions(args),
+        "machine": {**machine(), "server_core": SERVER_CORE, "load_core": LOAD_CORE},
         "settings": {"duration_s": args.duration, "warmup_s": args.warmup, "repeats": args.repeats,
                      "batch_delay_us": args.batch_delay_us, "grpc_processes": args.grpc_processes},
         "cells": [{"protocol": c.protocol, "model": c.model, "concurrency": c.concurrency, "server": c.server,

@@ -4,7 +4,7 @@
 
 Reads the files the in-process benches write with ``--json`` (``onnx.json``,
 ``torchscript.json``, ``torch.json``, ``jax.json``, ``tensorflow.json``,
-``ope.json``) and writes one SVG per chart. A chart whose data files are
+``ope.json``) and bench_serve.py's (``serve.json``), and writes one SVG per chart. A chart whose data files are
 missing is skipped with a note. Every chart's footer says the command that
 produced each figure, the machine (CPU model and count, OS, Python), the
 framework versions and the date, all read from the JSON.
@@ -49,6 +49,23 @@ OPE = [
 ]
 
 OURS, RAW, MISS = "#2f6db5", "#a9b4c2", "#c0392b"
+
+# bench_serve.py's cells drawn, (protocol, model, concurrency, title), and its servers, (label, name, colour):
+# MLServer's row is its faster configuration in the cell.
+SERVE_CELLS = [
+    ("rest", "tiny", 1, "REST, tiny model, 1 client"),
+    ("rest", "tiny", 32, "REST, tiny model, 32 clients"),
+    ("rest", "small_inputs_100", 8, "REST, 100 inputs of 10x5, 8 clients"),
+    ("grpc", "tiny", 32, "gRPC, tiny model, 32 clients"),
+]
+SERVE_SERVERS = [
+    ("neuropod", "neuropod serve, binary tensors", OURS),
+    ("neuropod (JSON)", "neuropod serve, JSON", "#6f9fd8"),
+    ("mlserver", "MLServer (JSON on REST)", "#e08a3c"),
+    ("litserve (JSON)", "LitServe (its JSON API)", "#8e6bbf"),
+    ("floor", "floor: bare Starlette / grpcio, no model", RAW),
+    ("floor (JSON)", "floor, JSON (orjson, numpy), no model", "#cfd6de"),
+]
 
 
 def load(data: Path) -> dict[str, dict[str, Any]]:
@@ -212,6 +229,50 @@ def chart_formats(plt: Any, docs: dict[str, dict[str, Any]], out: Path) -> str |
     return path.name
 
 
+def chart_serve(plt: Any, docs: dict[str, dict[str, Any]], out: Path) -> str | None:
+    doc = docs.get("serve")
+    if doc is None:
+        return None
+    cells = doc["cells"]
+
+    def rps(protocol: str, model: str, c: int, label: str) -> float | None:
+        found = [x["rps"] for x in cells if (x["protocol"], x["model"], x["concurrency"]) == (protocol, model, c)
+                 and (x["server"] == label or (label == "mlserver" and x["server"].startswith("mlserver")))]  # fmt: skip
+        found = [v for v in found if v]
+        return max(found) if found else None
+
+    groups = [(title, [(name, color, rps(p, m, c, label)) for label, name, color in SERVE_SERVERS])
+              for p, m, c, title in SERVE_CELLS]  # fmt: skip
+    groups = [(t, [b for b in bars if b[2] is not None]) for t, bars in groups]
+    groups = [g for g in groups if g[1]]
+    if not groups:
+        return None
+    foot = footer([doc])
+    lines = foot.count("\n") + 1
+    height = 1.2 + 0.32 * sum(len(b) + 1.4 for _, b in groups) + 0.14 * lines
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9.0, height), squeeze=False)
+    fig.text(0.01, 0.01, foot, fontsize=6.5, family="monospace", va="bottom", ha="left", color="#444444")
+    fig.subplots_adjust(left=0.33, right=0.97, top=1 - 0.7 / height, hspace=0.9,
+                        bottom=(0.55 + 0.13 * lines) / height)  # fmt: skip
+    for ax, (title, bars) in zip(axes[:, 0], groups):
+        ys = list(range(len(bars)))
+        values = [v for _, _, v in bars]
+        ax.barh(ys, values, height=0.7, color=[c for _, c, _ in bars])
+        for y, v in zip(ys, values):
+            ax.text(v + max(values) * 0.01, y, f"{v:,.0f}", va="center", fontsize=7.5)
+        ax.set_yticks(ys, [n for n, _, _ in bars], fontsize=7.5)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(values) * 1.15)
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.tick_params(axis="x", labelsize=7)
+    axes[-1, 0].set_xlabel("requests per second (median of rounds): server on one core, load on the other", fontsize=8)
+    fig.suptitle("Serving: requests per second against peers and a bare floor", fontsize=11)
+    path = out / "serve-rps.svg"
+    fig.savefig(path, metadata={"Date": None})
+    plt.close(fig)
+    return path.name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT / "docs/_static/perf/data", help="the benches' JSON files")
@@ -228,7 +289,7 @@ def main() -> None:
     if not docs:
         sys.exit(f"no benchmark JSON in {args.data}: run the benches with --json first (nox -s charts)")
     args.out.mkdir(parents=True, exist_ok=True)
-    for draw in (chart_tiny, chart_large, chart_ope, chart_formats):
+    for draw in (chart_tiny, chart_large, chart_ope, chart_formats, chart_serve):
         name = draw(plt, docs, args.out)
         print(f"wrote {args.out / name}" if name else f"{draw.__name__}: no data, skipped")
 
