@@ -541,7 +541,8 @@ def charts(session: nox.Session) -> None:
     """The charts of docs/performance.md: the quick in-process benches (ONNX, TorchScript, torch.export
     and AOTInductor, JAX, TensorFlow, OPE) write --json into docs/_static/perf/data/, then
     bench/charts.py draws docs/_static/perf/*.svg from it (about 10 min on two cores, most of it
-    AOTInductor compiling). `nox -s charts -- --from-data` only redraws from the committed JSON."""
+    AOTInductor compiling). `nox -s charts -- --from-data` only redraws from the committed JSON. The serving
+    chart comes from `nox -s bench_serve -- --json docs/_static/perf/data/serve.json` (too long to run here)."""
     session.install("matplotlib==3.11.2")
     data = Path("docs/_static/perf/data")
     if "--from-data" not in session.posargs:
