@@ -24,10 +24,11 @@ those and these always agree.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from neuropod_serving.server.statistics import ModelStats, model_statistics
@@ -39,6 +40,13 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger("neuropod_serving.server")
+
+#: Runs of a model in OPE workers (``--workers``) timed before the server judges whether the workers pay.
+WATCHED_RUNS = 50
+#: A median run under this, the round trip to the worker included, is one a worker cannot speed up.
+QUICK_RUN_S = 0.001
 
 
 class _Histogram:
@@ -91,6 +99,8 @@ class ServerMetrics:
         self._stats: dict[str, ModelStats] = {}
         self._last: dict[str, float] = {}
         self._run_input: dict[str, float] = {}
+        #: Judges the first runs of models in OPE workers (``neuropod serve --workers``); None: no one does.
+        self.watch: WorkerRunWatch | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -125,6 +135,8 @@ class ServerMetrics:
         with self._lock:
             _observe(self._queue_duration, model, LATENCY_BUCKETS, queued)
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
+            if self.watch is not None:
+                self.watch.observe(model, seconds)
             if prepared:  # only when read-only inputs were copied (an engine caller's own; the front ends decode writable)
                 self._run_input[model] = self._run_input.get(model, 0.0) + prepared
 
@@ -142,6 +154,8 @@ class ServerMetrics:
         splitting its outputs (each request's wait is :meth:`queued`)."""
         with self._lock:
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
+            if self.watch is not None:
+                self.watch.observe(model, seconds)
             if rows is not None:
                 _observe(self._batch_size, model, BATCH_BUCKETS, rows)
             stats = self._stats.get(model) or self._new_stats(model)
@@ -217,6 +231,51 @@ class ServerMetrics:
                     family.add_metric([model], hist.buckets(), hist.total)
             loaded = GaugeMetricFamily("neuropod_models_loaded", "Models loaded and ready", value=self._loaded)
         return [requests, failures, request_duration, *(f for _, f in histograms), loaded]
+
+
+class WorkerRunWatch:
+    """Warns once per model run by OPE workers whose runs are too quick for them to pay.
+
+    A run in a worker costs a round trip (the inputs and outputs through shared memory,
+    two pipe messages, a wake-up on each side: about 0.1 ms, and as much CPU again in the
+    server) on top of the model's own time. For a model that runs in microseconds that
+    round trip is most of the run, and the server handles fewer requests than it would
+    running the model in its own process. What is measured: the median time of a model's
+    first :data:`WATCHED_RUNS` runs as the server sees them, round trip included (what
+    ``neuropod_compute_duration_seconds`` records); under :data:`QUICK_RUN_S`, one warning.
+
+    :param instances: a model's OPE workers now (1: it runs in the server's process).
+    :param workers: the server's ``--workers``, named in the warning.
+    """
+
+    def __init__(self, instances: Callable[[str], int], workers: int) -> None:
+        self._instances = instances
+        self._workers = workers
+        self._times: dict[str, list[float]] = {}
+        self._judged: set[str] = set()
+
+    def observe(self, model: str, seconds: float) -> None:
+        """One run of ``model`` took ``seconds``; called under :class:`ServerMetrics`' lock."""
+        if model in self._judged:
+            return
+        times = self._times.setdefault(model, [])
+        times.append(seconds)
+        if len(times) < WATCHED_RUNS:
+            return
+        self._judged.add(model)
+        del self._times[model]
+        median = sorted(times)[len(times) // 2]
+        try:
+            instances = self._instances(model)
+        except Exception:  # noqa: BLE001  # unloaded since: nothing to judge
+            return
+        if instances > 1 and median < QUICK_RUN_S:
+            log.warning(
+                "model %r runs in %.0f us (median of its first %d runs in its %d worker processes, the round trip "
+                "to the worker included): a run this quick costs less than handing it to a worker, so --workers %d "
+                "makes the server slower; serve it without --workers, and use --processes N to handle more "
+                "requests at once", model, median * 1e6, WATCHED_RUNS, instances, self._workers,
+            )  # fmt: skip
 
 
 def _observe(by_model: dict[str, _Histogram], model: str, bounds: tuple[float, ...], value: float) -> None:
