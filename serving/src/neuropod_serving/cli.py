@@ -354,8 +354,13 @@ def serve_models(
         shared_memory = SharedMemoryRegistry()
     metrics = ServerMetrics()
     engine = Engine(registry, batching=batching, metrics=metrics, limits=limits, shared_memory=shared_memory)
-    if args.workers > 1 and not (group is not None and group.index != 0):
-        metrics.watch = WorkerRunWatch(lambda name: engine.serving(name).instances, args.workers)
+    if args.workers > 1 and not (group is not None and group.index != 0):  # one process of a group says it
+
+        def run_time(name: str) -> tuple[int, float] | None:
+            measured = getattr(engine.get(name).model, "worker_run_time", None)
+            return measured if isinstance(measured, tuple) else None
+
+        metrics.watch = WorkerRunWatch(run_time, args.workers)
     if group is not None:
         engine.group = group
         group.attach(engine)

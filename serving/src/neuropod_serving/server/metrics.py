@@ -45,8 +45,8 @@ log = logging.getLogger("neuropod_serving.server")
 
 #: Runs of a model in OPE workers (``--workers``) timed before the server judges whether the workers pay.
 WATCHED_RUNS = 50
-#: A median run under this, the round trip to the worker included, is one a worker cannot speed up.
-QUICK_RUN_S = 0.001
+#: A model whose round trip to a worker takes more than this many times its run in the worker is warned about.
+ROUND_TRIP_RATIO = 2.0
 
 
 class _Histogram:
@@ -234,48 +234,69 @@ class ServerMetrics:
 
 
 class WorkerRunWatch:
-    """Warns once per model run by OPE workers whose runs are too quick for them to pay.
+    """Warns once per model run by OPE workers whose runs are much shorter than the round trip to a worker.
 
-    A run in a worker costs a round trip (the inputs and outputs through shared memory,
-    two pipe messages, a wake-up on each side: about 0.1 ms, and as much CPU again in the
-    server) on top of the model's own time. For a model that runs in microseconds that
-    round trip is most of the run, and the server handles fewer requests than it would
-    running the model in its own process. What is measured: the median time of a model's
-    first :data:`WATCHED_RUNS` runs as the server sees them, round trip included (what
-    ``neuropod_compute_duration_seconds`` records); under :data:`QUICK_RUN_S`, one warning.
+    A run in a worker costs a round trip on top of the model's own time: the inputs and
+    outputs through shared memory, two pipe messages and a wake-up on each side (0.1 to
+    1 ms, by how busy the machine is), and as much CPU again in the server. For a model
+    that runs in microseconds, the server then handles fewer requests than it would
+    running the model in its own process. What is measured, over a model's first
+    :data:`WATCHED_RUNS` runs: their mean time as the server sees it (what
+    ``neuropod_compute_duration_seconds`` records), and the mean time the backend spent
+    running the model inside the workers (``WorkerModel.worker_run_time``); the
+    difference is the round trip. Above :data:`ROUND_TRIP_RATIO` times the run, one warning.
 
-    :param instances: a model's OPE workers now (1: it runs in the server's process).
+    :param run_time: a model's ``worker_run_time`` (calls, seconds) now; None when it does
+        not run in workers (a load's config set its workers to 1).
     :param workers: the server's ``--workers``, named in the warning.
     """
 
-    def __init__(self, instances: Callable[[str], int], workers: int) -> None:
-        self._instances = instances
+    def __init__(self, run_time: Callable[[str], tuple[int, float] | None], workers: int) -> None:
+        self._run_time = run_time
         self._workers = workers
-        self._times: dict[str, list[float]] = {}
+        self._watched: dict[str, tuple[tuple[int, float], list[float]]] = {}
         self._judged: set[str] = set()
 
     def observe(self, model: str, seconds: float) -> None:
         """One run of ``model`` took ``seconds``; called under :class:`ServerMetrics`' lock."""
         if model in self._judged:
             return
-        times = self._times.setdefault(model, [])
+        watched = self._watched.get(model)
+        if watched is None:  # the first run: the workers' clock starts after it
+            start = self._measure(model)
+            if start is None:
+                return
+            self._watched[model] = (start, [])
+            return
+        start, times = watched
         times.append(seconds)
         if len(times) < WATCHED_RUNS:
             return
         self._judged.add(model)
-        del self._times[model]
-        median = sorted(times)[len(times) // 2]
-        try:
-            instances = self._instances(model)
-        except Exception:  # noqa: BLE001  # unloaded since: nothing to judge
+        del self._watched[model]
+        end = self._measure(model)
+        if end is None or end[0] <= start[0]:
             return
-        if instances > 1 and median < QUICK_RUN_S:
+        in_worker = (end[1] - start[1]) / (end[0] - start[0])
+        seen = sum(times) / len(times)
+        trip = seen - in_worker
+        if trip > ROUND_TRIP_RATIO * in_worker:
             log.warning(
-                "model %r runs in %.0f us (median of its first %d runs in its %d worker processes, the round trip "
-                "to the worker included): a run this quick costs less than handing it to a worker, so --workers %d "
-                "makes the server slower; serve it without --workers, and use --processes N to handle more "
-                "requests at once", model, median * 1e6, WATCHED_RUNS, instances, self._workers,
+                "model %r runs in %.0f us in its worker processes, but a run takes %.0f us as the server sees it "
+                "(means of its first %d runs): the round trip to a worker costs %.0f us, more than twice the run, so "
+                "--workers %d costs more than it gives for this model; serve it without --workers, and use "
+                "--processes N to handle more requests at once", model, in_worker * 1e6, seen * 1e6, WATCHED_RUNS,
+                trip * 1e6, self._workers,
             )  # fmt: skip
+
+    def _measure(self, model: str) -> tuple[int, float] | None:
+        try:
+            measured = self._run_time(model)
+        except Exception:  # noqa: BLE001  # unloaded since: nothing to judge
+            measured = None
+        if measured is None:
+            self._judged.add(model)
+        return measured
 
 
 def _observe(by_model: dict[str, _Histogram], model: str, bounds: tuple[float, ...], value: float) -> None:
