@@ -215,7 +215,7 @@ def test_both_processes_answer_over_rest_and_grpc(group: _Group) -> None:
             held.append(client)
             np.testing.assert_allclose(_infer_http(client, x, y), x + y, rtol=1e-6)
             sent["rest"] += 1
-        for i in range(8):
+        for _ in range(8):
             x, y = (rng.standard_normal((2, 2)).astype(np.float32) for _ in range(2))
             with grpcclient.InferenceServerClient(f"127.0.0.1:{group.grpc}") as client:
                 assert client.is_server_ready()
@@ -249,7 +249,9 @@ def test_metrics_are_the_sum_over_processes(group: _Group) -> None:
             assert _requests_total(text, "adder", "rest") == before + 10
             assert "neuropod_server_processes 2.0" in text
             assert "neuropod_models_loaded 2.0" in text
-            count = re.search(r'^neuropod_request_duration_seconds_count\{model="adder",protocol="rest"\} (\S+)$', text, re.M)
+            count = re.search(
+                r'^neuropod_request_duration_seconds_count\{model="adder",protocol="rest"\} (\S+)$', text, re.M
+            )
             assert count is not None and float(count.group(1)) == before + 10
             inf = re.search(r'^neuropod_request_duration_seconds_bucket\{le="\+Inf",model="adder",protocol="rest"\} (\S+)$',
                             text, re.M)  # fmt: skip
@@ -405,13 +407,17 @@ def test_merge_families_sums_counters_and_histograms_and_keeps_the_smallest_gaug
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in merged.values() for s in f.samples}
     assert samples[("neuropod_requests_total", (("model", "m"), ("protocol", "rest")))] == 3
     assert samples[("neuropod_requests_total", (("model", "other"), ("protocol", "grpc")))] == 1
-    assert samples[("neuropod_request_failures_total", (("model", "m"), ("protocol", "rest"), ("reason", "client")))] == 1
+    assert (
+        samples[("neuropod_request_failures_total", (("model", "m"), ("protocol", "rest"), ("reason", "client")))] == 1
+    )
     key = ("neuropod_request_duration_seconds_bucket", (("le", "0.001"), ("model", "m"), ("protocol", "rest")))
     assert samples[key] == 1
     key = ("neuropod_request_duration_seconds_bucket", (("le", "0.0025"), ("model", "m"), ("protocol", "rest")))
     assert samples[key] == 2
     assert samples[("neuropod_request_duration_seconds_count", (("model", "m"), ("protocol", "rest")))] == 3
-    assert samples[("neuropod_request_duration_seconds_sum", (("model", "m"), ("protocol", "rest")))] == pytest.approx(0.303)
+    assert samples[("neuropod_request_duration_seconds_sum", (("model", "m"), ("protocol", "rest")))] == pytest.approx(
+        0.303
+    )
     assert samples[("neuropod_models_loaded", ())] == 1
     assert samples[("neuropod_server_processes", ())] == 2
 
