@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers", type=_positive, default=1,
         help="above 1, run each model in N out-of-process workers so CPU-bound models are not held to one GIL; "
-        "each run then costs a round trip to a worker (about 0.1 ms), more than a quick model's run: "
+        "each run then costs a round trip to a worker (0.1 to 1 ms), more than a quick model's whole run: "
         "to handle more requests, use --processes",
     )  # fmt: skip
     parser.add_argument(
