@@ -83,8 +83,9 @@ class _Channel:
         """Send a question; its answer resolves the returned future (or the other side's end fails it)."""
         future: Future[Any] = Future()
         ident = next(self._ids)
-        self._pending[ident] = future
+        self._pending[ident] = future  # before looking at _gone: ended() fails it, or it sees _gone
         if self._gone is not None:
+            self._pending.pop(ident, None)
             future.set_exception(self._gone)
             return future
         try:
@@ -150,7 +151,10 @@ class GroupMember:
 
     def up(self, models: int) -> None:
         """Tell the parent this process listens on every port."""
-        self._channel.send(("up", os.getpid(), models))
+        try:
+            self._channel.send(("up", os.getpid(), models))
+        except OSError:
+            pass  # the parent is gone: the reader thread stops this process
 
     def failed(self, message: str) -> None:
         """Tell the parent why this process could not start."""
@@ -177,7 +181,10 @@ class GroupMember:
 
         :raises NeuropodError: a process did not answer within :data:`METRICS_TIMEOUT_S`.
         """
-        result: bytes = self._channel.ask("metrics").result(METRICS_TIMEOUT_S * 2)
+        try:
+            result: bytes = self._channel.ask("metrics").result(METRICS_TIMEOUT_S * 2)
+        except FutureTimeout:
+            raise NeuropodError(f"the parent process did not answer within {METRICS_TIMEOUT_S * 2:g} s") from None
         return result
 
     def _read(self) -> None:
@@ -247,6 +254,8 @@ def _child_main(options: dict[str, Any], index: int, conn: Connection) -> None:
     # The parent turns a Ctrl-C (which the terminal sends the whole process group) into SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = argparse.Namespace(**options)
+    if not args.quiet:  # a fresh interpreter: the parent's logging set-up, again
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:
         token = cli.read_token(args.auth_token_file) if args.auth_token_file is not None else None
         tls = cli.read_tls(args.tls_cert, args.tls_key)
@@ -288,7 +297,7 @@ class _Group:
         self.changed = threading.Event()  # something the main loop must look at
         self.stopping = False
         self._repository_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="neuropod-group")
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="neuropod-group")
 
     def start(self) -> None:
         import multiprocessing
@@ -335,8 +344,9 @@ class _Group:
 
     def _answer(self, child: _Child, ident: int, what: str, payload: Any) -> None:
         try:
+            value: Any = None
             if what == "repository":
-                value = self._repository(*payload)
+                self._repository(*payload)
             elif what == "metrics":
                 value = self._metrics()
             else:
@@ -378,7 +388,7 @@ class _Group:
                 raise NeuropodError(
                     f"a server process did not send its metrics within {METRICS_TIMEOUT_S:g} s"
                 ) from None
-        return generate_latest(_Families(merge_families(snapshots)))  # type: ignore[arg-type]
+        return generate_latest(_Families(merge_families(snapshots)))
 
     def broadcast_ready(self, ready: bool) -> None:
         for c in self.children:
@@ -513,7 +523,7 @@ def run_group(args: argparse.Namespace, processes: int, out: TextIO, serving_lin
         while not stop.is_set():
             group.changed.wait(0.5)
             group.changed.clear()
-            if group.failure is not None:
+            if group.failure is not None and not announced:
                 raise NeuropodError(group.failure)
             dead = group.dead()
             if dead is not None and not stop.is_set():
@@ -525,10 +535,12 @@ def run_group(args: argparse.Namespace, processes: int, out: TextIO, serving_lin
                         f"server process {dead.index} (pid {dead.process.pid}) exited with status "
                         f"{dead.process.exitcode} while loading the models"
                     )
+                time.sleep(0.2)  # its message, if it sent one, may still be on its way
+                why = f" ({group.failure})" if group.failure is not None else ""
                 log.error(
-                    "server process %d (pid %d) exited with status %s; stopping the other %d and exiting with "
+                    "server process %d (pid %d) exited with status %s%s; stopping the other %d and exiting with "
                     "status 1 (restart `neuropod serve` to serve again)", dead.index, dead.process.pid,
-                    dead.process.exitcode, processes - 1,
+                    dead.process.exitcode, why, processes - 1,
                 )  # fmt: skip
                 status = 1
                 break
