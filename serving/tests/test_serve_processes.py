@@ -444,3 +444,55 @@ def test_worker_run_watch_weighs_the_round_trip_against_the_run(caplog: pytest.L
     assert len(warned) == 1, warned
     assert warned[0].startswith("model 'quick' runs in 10 us in its worker processes, but a run takes 300 us"), warned
     assert "round trip to a worker costs 290 us" in warned[0] and "--workers 4" in warned[0]
+
+
+def test_ready_and_metrics_of_a_process_follow_its_parent(repo: Path) -> None:
+    """A server process's app against a parent played by this test over a real pipe: ready only once
+    the parent says the group is, and /metrics is what the parent answers."""
+    import multiprocessing
+    import threading
+
+    from neuropod_serving.server import Engine, ModelRegistry, create_app
+    from neuropod_serving.server.metrics import ServerMetrics
+    from neuropod_serving.server.processes import GroupMember
+
+    from conftest import serve_in_thread
+
+    parent, child = multiprocessing.Pipe()
+    member = GroupMember(child, 0)
+    engine = Engine(ModelRegistry.load([repo / "models"]), metrics=ServerMetrics())
+    engine.group = member
+    member.attach(engine)
+    try:
+        with serve_in_thread(create_app(engine)) as port:
+            base = f"http://127.0.0.1:{port}"
+            r = httpx.get(f"{base}/v2/health/ready")
+            assert (r.status_code, r.json()) == (503, {"ready": False})
+            parent.send(("ready", True))
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{base}/v2/health/ready").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            scraped: dict[str, httpx.Response] = {}
+            scrape = threading.Thread(target=lambda: scraped.update(r=httpx.get(f"{base}/metrics", timeout=10)))
+            scrape.start()
+            assert parent.poll(10)
+            kind, ident, what, _ = parent.recv()
+            assert (kind, what) == ("ask", "metrics")
+            parent.send(("reply", ident, True, b"neuropod_server_processes 2.0\n"))
+            scrape.join(10)
+            assert scraped["r"].status_code == 200 and scraped["r"].text == "neuropod_server_processes 2.0\n"
+            # The parent asks for this process's own metrics: its families.
+            parent.send(("ask", 7, "metrics", None))
+            assert parent.poll(10)
+            reply = parent.recv()
+            assert reply[:3] == ("reply", 7, True) and {f.name for f in reply[3]} >= {"neuropod_requests"}
+            parent.send(("ready", False))
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{base}/v2/health/ready").status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+    finally:
+        member.stopping()  # the parent's end closing is then no reason to stop this (pytest's) process
+        parent.close()
+        engine.close()
