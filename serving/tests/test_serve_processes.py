@@ -285,6 +285,14 @@ def test_repository_unload_and_load_apply_to_every_process(group: _Group) -> Non
     assert r.status_code == 404 and "no package named 'nope'" in r.json()["error"], r.text
 
 
+def test_a_second_group_on_the_same_ports_is_refused(group: _Group, repo: Path) -> None:
+    """SO_REUSEPORT would let a second group share the ports silently: the parent's plain bind refuses it."""
+    for flag, port in (("--http-port", group.http), ("--grpc-port", group.grpc), ("--metrics-port", group.metrics)):
+        ports = {"--http-port": str(free_port()), "--grpc-port": "0", "--metrics-port": "0", flag: str(port)}
+        err = _fails(repo, "--processes", "2", *(x for kv in ports.items() for x in kv))
+        assert f"{flag} {port}" in err and "already in use" in err, err
+
+
 def test_sigterm_stops_every_process(repo: Path, tmp_path: Path) -> None:
     served = _start(repo, tmp_path, "--workers", "2", "--quiet")
     with httpclient.InferenceServerClient(f"127.0.0.1:{served.http}") as client:
