@@ -45,6 +45,21 @@ def test_infer_in_a_worker_with_the_same_checks(toy: Path) -> None:
     assert _gone(pid), "closing the model ends its worker"
 
 
+def test_worker_run_time_counts_the_backends_time_in_the_workers(toy: Path) -> None:
+    with adder(toy) as model:
+        assert model.worker_run_time == (0, 0.0)
+        began = time.perf_counter()
+        for batch in (1, 2, 3):
+            model.infer(xy(batch))
+        took = time.perf_counter() - began
+        calls, seconds = model.worker_run_time
+        assert calls == 3
+        assert 0 < seconds < took, "the backend's own time, measured in the worker: less than the round trips"
+        with pytest.raises(NeuropodError):
+            model.infer({"x": xy(1)["x"]})  # refused before it is sent: no call
+        assert model.worker_run_time[0] == 3
+
+
 def test_output_blocks_are_reused_only_when_free(toy: Path) -> None:
     with adder(toy) as model:
         first = model.infer(xy(seed=1))["out"]

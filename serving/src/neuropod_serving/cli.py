@@ -42,6 +42,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _processes(text: str) -> int:
+    if text.strip() == "auto":
+        from neuropod_serving.server.processes import usable_cpus
+
+        return usable_cpus()
+    return _positive(text)
+
+
 def _non_negative(text: str) -> int:
     if text.strip() == "0":
         return 0
@@ -82,8 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument(
+        "--processes", type=_processes, default=1, metavar="N",
+        help="serve from N server processes sharing the ports (Linux: SO_REUSEPORT), each with its own copy "
+        "of every model, so request handling uses N cores; 'auto': one per usable CPU (default 1)",
+    )  # fmt: skip
+    parser.add_argument(
         "--workers", type=_positive, default=1,
-        help="above 1, run each model in N out-of-process workers so CPU-bound models are not held to one GIL",
+        help="above 1, run each model in N out-of-process workers so CPU-bound models are not held to one GIL; "
+        "each run then costs a round trip to a worker (0.1 to 1 ms), more than a quick model's whole run: "
+        "to handle more requests, use --processes",
     )  # fmt: skip
     parser.add_argument(
         "--max-batch-size", type=_positive, default=1, metavar="B",
@@ -270,6 +285,11 @@ def _check_server_libraries() -> None:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Load every package, print the table, and serve until interrupted."""
     out = out or sys.stdout
+    processes = getattr(args, "processes", 1)
+    if processes > 1:
+        from neuropod_serving.server.processes import check_options
+
+        check_options(args, processes)
     if getattr(args, "ray", False):
         return run_ray(args, out)
     if getattr(args, "address", None) is not None:
@@ -285,14 +305,45 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             f"--http-port {args.http_port}, --grpc-port {args.grpc_port} and --metrics-port {args.metrics_port} "
             "must differ (0 turns gRPC or the metrics port off)"
         )
-    from neuropod_serving.server import BatchPolicy, Engine, ModelLimits, ModelRegistry
-    from neuropod_serving.server.metrics import ServerMetrics
-
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     # Models load before the ports open: a bad package fails the start, not the first request.
     # A port taken by another server fails it before they load.
     _check_ports(args)
+    if processes > 1:
+        from neuropod_serving.server import find_packages
+        from neuropod_serving.server.processes import run_group
+
+        for path in args.paths:  # a PATH without packages fails now, not N times
+            find_packages(path)
+
+        def line(models: int, count: int) -> str:
+            return _serving_line(args, models, token, tls, processes=count)
+
+        return run_group(args, processes, out, None if args.quiet else line)
+    serve_models(args, token, tls, out)
+    return 0
+
+
+def serve_models(
+    args: argparse.Namespace,
+    token: str | None,
+    tls: tuple[bytes, bytes] | None,
+    out: TextIO,
+    *,
+    group: Any = None,
+    on_serving: Any = None,
+    table: bool = True,
+) -> None:
+    """Load every package and serve them until interrupted: the whole server of one process,
+    or one process of ``--processes`` (``group``, a :class:`~.server.processes.GroupMember`).
+
+    :param on_serving: called once the ports are open and requests are served.
+    :param table: print the start-up table (unless ``--quiet``).
+    """
+    from neuropod_serving.server import BatchPolicy, Engine, ModelLimits, ModelRegistry
+    from neuropod_serving.server.metrics import ServerMetrics, WorkerRunWatch
+
     registry = ModelRegistry.load(args.paths, workers=args.workers)
     batching = BatchPolicy(args.max_batch_size, args.max_queue_delay_us / 1e6) if args.max_batch_size > 1 else None
     limits = ModelLimits(args.max_concurrent_runs, args.max_queued_requests)
@@ -301,14 +352,24 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         from neuropod_serving.server.shared_memory import SharedMemoryRegistry
 
         shared_memory = SharedMemoryRegistry()
-    engine = Engine(registry, batching=batching, metrics=ServerMetrics(), limits=limits, shared_memory=shared_memory)
+    metrics = ServerMetrics()
+    engine = Engine(registry, batching=batching, metrics=metrics, limits=limits, shared_memory=shared_memory)
+    if args.workers > 1 and not (group is not None and group.index != 0):  # one process of a group says it
+
+        def run_time(name: str) -> tuple[int, float] | None:
+            measured = getattr(engine.get(name).model, "worker_run_time", None)
+            return measured if isinstance(measured, tuple) else None
+
+        metrics.watch = WorkerRunWatch(run_time, args.workers)
+    if group is not None:
+        engine.group = group
+        group.attach(engine)
     try:
-        if not args.quiet:
+        if table and not args.quiet:
             print(startup_table(registry, engine), file=out)
-        _serve(engine, args, token, tls, out)
+        _serve(engine, args, token, tls, out, group=group, on_serving=on_serving)
     finally:
         engine.close()
-    return 0
 
 
 def run_ray(args: argparse.Namespace, out: TextIO) -> int:
@@ -452,7 +513,31 @@ def _leave_ray(serve: Any, ray: Any, names: list[str], timeout_s: float = RAY_ST
 GIL_SWITCH_S = 0.0001
 
 
-def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[bytes, bytes] | None, out: TextIO) -> None:
+def _serving_line(
+    args: argparse.Namespace, models: int, token: str | None, tls: tuple[bytes, bytes] | None, *, processes: int = 1
+) -> str:
+    """Where the server listens, the line printed once it does."""
+    scheme = "https" if tls else "http"
+    auth = "bearer token required" if token else "no authentication"
+    where = [f"REST {scheme}://{_show_host(args.host)}:{args.http_port}/v2"]
+    if args.grpc_port:
+        where.append(f"gRPC {_show_host(args.host)}:{args.grpc_port}{' (TLS)' if tls else ''}")
+    if args.metrics_port:
+        where.append(f"metrics {scheme}://{_show_host(args.host)}:{args.metrics_port}/metrics")
+    each = f" in {processes} processes" if processes > 1 else ""
+    return f"serving {models} model(s){each}: {', '.join(where)} ({auth})"
+
+
+def _serve(
+    engine: Any,
+    args: argparse.Namespace,
+    token: str | None,
+    tls: tuple[bytes, bytes] | None,
+    out: TextIO,
+    *,
+    group: Any = None,
+    on_serving: Any = None,
+) -> None:
     import asyncio
     import tempfile
 
@@ -462,11 +547,11 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
     from neuropod_serving.server.app import metrics_only
 
     sys.setswitchinterval(GIL_SWITCH_S)
-    scheme = "https" if tls else "http"
+    shared = group is not None  # the other processes of --processes listen on the same ports
     app = create_app(engine, auth_token=token, max_request_bytes=args.max_request_bytes)
-    sockets = [_bind(args.host, args.http_port, "--http-port")]
+    sockets = [_bind(args.host, args.http_port, "--http-port", reuse_port=shared)]
     if args.metrics_port:
-        sockets.append(_bind(args.host, args.metrics_port, "--metrics-port"))
+        sockets.append(_bind(args.host, args.metrics_port, "--metrics-port", reuse_port=shared))
         app = metrics_only(app, port=args.metrics_port)
 
     async def main() -> None:
@@ -491,25 +576,26 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
                 from neuropod_serving.server.grpc_service import start_grpc_server
 
                 # Taken while the models loaded? Say so in our words, not in grpcio's log.
-                _bind(args.host, args.grpc_port, "--grpc-port").close()
+                _bind(args.host, args.grpc_port, "--grpc-port", reuse_port=shared).close()
                 try:
                     grpc_server, _ = start_grpc_server(
                         engine, f"{_show_host(args.host)}:{args.grpc_port}", auth_token=token, tls=tls,
                         max_message_bytes=args.max_request_bytes, access_log=not args.quiet,
-                        max_streams=getattr(args, "max_grpc_streams", DEFAULT_MAX_GRPC_STREAMS),
+                        max_streams=getattr(args, "max_grpc_streams", DEFAULT_MAX_GRPC_STREAMS), reuse_port=shared,
                     )  # fmt: skip
                 except NeuropodError as e:
                     raise _port_error(args.host, args.grpc_port, "--grpc-port", str(e)) from None
             try:
-                if not args.quiet:
-                    auth = "bearer token required" if token else "no authentication"
-                    where = [f"REST {scheme}://{_show_host(args.host)}:{args.http_port}/v2"]
-                    if args.grpc_port:
-                        where.append(f"gRPC {_show_host(args.host)}:{args.grpc_port}{' (TLS)' if tls else ''}")
-                    if args.metrics_port:
-                        where.append(f"metrics {scheme}://{_show_host(args.host)}:{args.metrics_port}/metrics")
-                    print(f"serving {len(engine.registry)} model(s): {', '.join(where)} ({auth})", file=out, flush=True)
+                if not args.quiet and group is None:  # the parent of --processes says it for the group
+                    print(_serving_line(args, len(engine.registry), token, tls), file=out, flush=True)
+                started = None
+                if group is not None:
+                    started = asyncio.get_running_loop().create_task(
+                        _when_started(server, group, on_serving, len(engine.registry))
+                    )
                 await server.serve(sockets=sockets)
+                if started is not None:
+                    started.cancel()
             finally:
                 if grpc_server is not None:
                     await asyncio.to_thread(grpc_server.stop, 2)
@@ -523,6 +609,19 @@ def _serve(engine: Any, args: argparse.Namespace, token: str | None, tls: tuple[
     finally:
         for sock in sockets:
             sock.close()
+
+
+async def _when_started(server: Any, group: Any, on_serving: Any, models: int) -> None:
+    """Once uvicorn accepts connections, tell the parent of --processes this process is up."""
+    import asyncio
+
+    while not server.started:
+        if server.should_exit:
+            return
+        await asyncio.sleep(0.01)
+    if on_serving is not None:
+        on_serving()
+    group.up(models)
 
 
 def _http_protocol(args: argparse.Namespace) -> Any:
@@ -590,13 +689,18 @@ def _port_error(host: str, port: int, flag: str, error: OSError | str) -> Neurop
     return NeuropodError(f"{flag} {port}: cannot listen on {where} for {what} ({reason})")
 
 
-def _bind(host: str, port: int, flag: str) -> Any:
-    """A listening socket on host:port, bound now so a port in use fails the start with its flag named."""
+def _bind(host: str, port: int, flag: str, *, reuse_port: bool = False) -> Any:
+    """A listening socket on host:port, bound now so a port in use fails the start with its flag named.
+
+    With ``reuse_port`` (SO_REUSEPORT), the other processes of ``--processes`` listen on it too.
+    """
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

@@ -555,7 +555,11 @@ class _Worker:
             self.out_leases.pop(block_id, None)
 
     def _finish(self, reply: tuple[Any, ...]) -> dict[str, np.ndarray]:
-        _, outputs, created, dropped = reply
+        _, outputs, created, dropped, *ran = reply
+        if ran:  # a worker of another environment's older core sends none
+            pool = self.pool
+            pool.runs += 1  # unlocked: a count for reports, which concurrent calls may rarely undercount
+            pool.run_s += ran[0]
         if created or dropped:
             self._new_out_blocks(created, dropped)
         result = {}
@@ -606,6 +610,9 @@ class _Pool:
         self.worker_device = "cuda:0" if gpu_uuid else "cpu"
         self.device = device
         self.fingerprint = _fingerprint(package_root, package) if restart else None
+        #: Calls the workers answered, and the seconds their backend spent in ``infer`` for them.
+        self.runs = 0
+        self.run_s = 0.0
         self.workers = [_Worker(self) for _ in range(workers)]
         self.idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         try:

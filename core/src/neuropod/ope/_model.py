@@ -23,7 +23,7 @@ class WorkerModel(NeuropodModel):
     """A model loaded in worker process(es): the same ``infer``, specs and errors.
 
     Extra: :meth:`empty` hands out input arrays in shared memory (filling one
-    and passing it to ``infer`` costs no copy), :attr:`worker_pids`.
+    and passing it to ``infer`` costs no copy), :attr:`worker_pids`, :attr:`worker_run_time`.
 
     A model dropped without :meth:`close` stops its workers when it is
     garbage-collected, or at interpreter exit.
@@ -53,6 +53,12 @@ class WorkerModel(NeuropodModel):
     def worker_pids(self) -> list[int]:
         """Process ids of the running workers."""
         return [w.proc.pid for w in self._pool.workers if w.proc is not None and w.alive]
+
+    @property
+    def worker_run_time(self) -> tuple[int, float]:
+        """Calls the workers have answered, and the seconds the backend spent running the model for
+        them, measured in the workers: the rest of a call's time is its round trip to a worker."""
+        return self._pool.runs, self._pool.run_s
 
     @property
     def python(self) -> str:

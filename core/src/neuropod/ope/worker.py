@@ -27,6 +27,7 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -132,11 +133,15 @@ class Worker:
                     arrays[name] = np.ndarray(tuple(shape), dtype_of(dt), buffer=whole, offset=offset)
             self.last_inputs = arrays
         wanted = list(requested) if requested is not None else None
+        started = time.perf_counter()
         if parameters and self.infer_with_parameters is not None:
             outputs = self.infer_with_parameters(self.model, arrays, wanted, parameters)
         else:
             outputs = self.infer(self.model, arrays, wanted)
-        return self._reply(outputs, free)
+        ran = time.perf_counter() - started
+        reply, out_fds = self._reply(outputs, free)
+        # The backend's own time last: the client tells it from the round trip (WorkerModel.worker_run_time).
+        return (*reply, ran), out_fds
 
     def _reply(self, outputs: Any, free: list[int]) -> tuple[tuple[Any, ...], list[int]]:
         """Copy the outputs into one block (a free one that fits, else a new one) and describe them."""

@@ -396,7 +396,10 @@ def create_app(
         return JSONResponse({"live": True})
 
     async def ready(request: Request) -> Response:
-        # Models load before the server listens, so a listening server is ready.
+        # Models load before the server listens, so a listening server is ready; one of
+        # several processes is once they all listen (and until one stops).
+        if engine.group is not None and not engine.group.ready:
+            return JSONResponse({"ready": False}, status_code=503)
         return JSONResponse({"ready": True})
 
     served_extensions = extensions.listed(extensions.REST, engine)
@@ -436,6 +439,11 @@ def create_app(
         if not isinstance(metrics, ServerMetrics):
             # Metrics kept elsewhere (Ray's metrics agents) say where; none kept at all, that.
             return _error(404, getattr(metrics, "elsewhere", "this server keeps no metrics"))
+        if engine.group is not None:  # every process's, summed
+            try:
+                return Response(await run_in_threadpool(engine.group.metrics), media_type=CONTENT_TYPE)
+            except NeuropodError as e:
+                return _error(503, f"the metrics of the server processes could not be collected: {e}")
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def repository_index(request: Request) -> Response:

@@ -56,6 +56,7 @@ from neuropod_serving.server.registry import (
 )
 
 if TYPE_CHECKING:
+    from neuropod_serving.server.processes import GroupMember
     from neuropod_serving.server.shared_memory import SharedMemoryRegistry
 
 log = logging.getLogger("neuropod_serving.server")
@@ -312,6 +313,9 @@ class Engine:
         #: Called with a model's name and what now serves it (None: unloaded) after every load and
         #: unload (gRPC health's statuses follow them); called under the engine's lock, so keep them short.
         self.listeners: list[Callable[[str, ServedModel | None], None]] = []
+        #: This process's place in ``neuropod serve --processes`` (None: a server of one process):
+        #: repository operations, metrics and readiness then go through the group.
+        self.group: GroupMember | None = None
         self._runners: dict[str, _Runner] = {}
         self._lock = threading.Lock()
         for served in registry:

@@ -107,8 +107,9 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
         return pb.ServerLiveResponse(live=True)
 
     def server_ready(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
-        # Models load before the port opens, so a listening server is ready.
-        return pb.ServerReadyResponse(ready=True)
+        # Models load before the port opens, so a listening server is ready; one of several
+        # processes is once they all listen (and until one stops).
+        return pb.ServerReadyResponse(ready=self.engine.group is None or self.engine.group.ready)
 
     def server_metadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="neuropod", version=__version__, extensions=self.extensions)
@@ -450,6 +451,7 @@ def start_grpc_server(
     access_log: bool = True,
     threads: int | None = None,
     max_streams: int | None = None,
+    reuse_port: bool = False,
 ) -> tuple[GrpcServer, int]:
     """Start serving ``engine``'s models over gRPC on ``address`` (``host:port``; port 0 picks a free one).
 
@@ -465,6 +467,8 @@ def start_grpc_server(
         more wait in grpcio's queue.
     :param max_streams: ModelStreamInfer and Health Watch streams open at once (default
         :data:`~.grpc_repository.DEFAULT_MAX_STREAMS`); the pool has that many more threads.
+    :param reuse_port: share the port with other processes that set SO_REUSEPORT too
+        (``neuropod serve --processes``); otherwise a port in use fails the start.
     :returns: the started server and the port it is bound to.
     :raises NeuropodError: the address cannot be bound.
     """
@@ -496,7 +500,7 @@ def start_grpc_server(
             ("grpc.max_send_message_length", -1),
             # grpcio sets SO_REUSEPORT by default: a second server on a port in use would
             # silently share it instead of failing the start.
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
         ],
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

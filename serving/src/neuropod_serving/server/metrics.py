@@ -24,10 +24,11 @@ those and these always agree.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from neuropod_serving.server.statistics import ModelStats, model_statistics
@@ -39,6 +40,13 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger("neuropod_serving.server")
+
+#: Runs of a model in OPE workers (``--workers``) timed before the server judges whether the workers pay.
+WATCHED_RUNS = 50
+#: A model whose round trip to a worker takes more than this many times its run in the worker is warned about.
+ROUND_TRIP_RATIO = 2.0
 
 
 class _Histogram:
@@ -91,6 +99,8 @@ class ServerMetrics:
         self._stats: dict[str, ModelStats] = {}
         self._last: dict[str, float] = {}
         self._run_input: dict[str, float] = {}
+        #: Judges the first runs of models in OPE workers (``neuropod serve --workers``); None: no one does.
+        self.watch: WorkerRunWatch | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -125,6 +135,8 @@ class ServerMetrics:
         with self._lock:
             _observe(self._queue_duration, model, LATENCY_BUCKETS, queued)
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
+            if self.watch is not None:
+                self.watch.observe(model, seconds)
             if prepared:  # only when read-only inputs were copied (an engine caller's own; the front ends decode writable)
                 self._run_input[model] = self._run_input.get(model, 0.0) + prepared
 
@@ -142,6 +154,8 @@ class ServerMetrics:
         splitting its outputs (each request's wait is :meth:`queued`)."""
         with self._lock:
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
+            if self.watch is not None:
+                self.watch.observe(model, seconds)
             if rows is not None:
                 _observe(self._batch_size, model, BATCH_BUCKETS, rows)
             stats = self._stats.get(model) or self._new_stats(model)
@@ -217,6 +231,72 @@ class ServerMetrics:
                     family.add_metric([model], hist.buckets(), hist.total)
             loaded = GaugeMetricFamily("neuropod_models_loaded", "Models loaded and ready", value=self._loaded)
         return [requests, failures, request_duration, *(f for _, f in histograms), loaded]
+
+
+class WorkerRunWatch:
+    """Warns once per model run by OPE workers whose runs are much shorter than the round trip to a worker.
+
+    A run in a worker costs a round trip on top of the model's own time: the inputs and
+    outputs through shared memory, two pipe messages and a wake-up on each side (0.1 to
+    1 ms, by how busy the machine is), and as much CPU again in the server. For a model
+    that runs in microseconds, the server then handles fewer requests than it would
+    running the model in its own process. What is measured, over a model's first
+    :data:`WATCHED_RUNS` runs: their mean time as the server sees it (what
+    ``neuropod_compute_duration_seconds`` records), and the mean time the backend spent
+    running the model inside the workers (``WorkerModel.worker_run_time``); the
+    difference is the round trip. Above :data:`ROUND_TRIP_RATIO` times the run, one warning.
+
+    :param run_time: a model's ``worker_run_time`` (calls, seconds) now; None when it does
+        not run in workers (a load's config set its workers to 1).
+    :param workers: the server's ``--workers``, named in the warning.
+    """
+
+    def __init__(self, run_time: Callable[[str], tuple[int, float] | None], workers: int) -> None:
+        self._run_time = run_time
+        self._workers = workers
+        self._watched: dict[str, tuple[tuple[int, float], list[float]]] = {}
+        self._judged: set[str] = set()
+
+    def observe(self, model: str, seconds: float) -> None:
+        """One run of ``model`` took ``seconds``; called under :class:`ServerMetrics`' lock."""
+        if model in self._judged:
+            return
+        watched = self._watched.get(model)
+        if watched is None:  # the first run: the workers' clock starts after it
+            start = self._measure(model)
+            if start is None:
+                return
+            self._watched[model] = (start, [])
+            return
+        start, times = watched
+        times.append(seconds)
+        if len(times) < WATCHED_RUNS:
+            return
+        self._judged.add(model)
+        del self._watched[model]
+        end = self._measure(model)
+        if end is None or end[0] <= start[0]:
+            return
+        in_worker = (end[1] - start[1]) / (end[0] - start[0])
+        seen = sum(times) / len(times)
+        trip = seen - in_worker
+        if trip > ROUND_TRIP_RATIO * in_worker:
+            log.warning(
+                "model %r runs in %.0f us in its worker processes, but a run takes %.0f us as the server sees it "
+                "(means of its first %d runs): the round trip to a worker costs %.0f us, more than twice the run, so "
+                "--workers %d costs more than it gives for this model; serve it without --workers, and use "
+                "--processes N to handle more requests at once", model, in_worker * 1e6, seen * 1e6, WATCHED_RUNS,
+                trip * 1e6, self._workers,
+            )  # fmt: skip
+
+    def _measure(self, model: str) -> tuple[int, float] | None:
+        try:
+            measured = self._run_time(model)
+        except Exception:  # noqa: BLE001  # unloaded since: nothing to judge
+            measured = None
+        if measured is None:
+            self._judged.add(model)
+        return measured
 
 
 def _observe(by_model: dict[str, _Histogram], model: str, bounds: tuple[float, ...], value: float) -> None:

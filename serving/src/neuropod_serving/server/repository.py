@@ -37,12 +37,21 @@ def index(engine: Engine, ready: bool = False) -> list[RepositoryEntry]:
 
 def load(engine: Engine, name: str, parameters: Mapping[str, object]) -> None:
     """Load (or reload) model ``name``, with the serving settings of a ``config`` parameter
-    (:mod:`~neuropod_serving.server.config_override`) when there is one.
+    (:mod:`~neuropod_serving.server.config_override`) when there is one; in every process of
+    ``neuropod serve --processes`` (:mod:`~neuropod_serving.server.processes`).
 
     :raises UnknownModelError: no package of the repository has that name.
     :raises ProtocolError: a parameter this server does not take, or a config it refuses.
     :raises LoadFailed: the package failed to load (the model loaded before, if any, keeps serving).
     """
+    if engine.group is not None:
+        engine.group.repository("load", name, dict(parameters))
+        return
+    load_here(engine, name, parameters)
+
+
+def load_here(engine: Engine, name: str, parameters: Mapping[str, object]) -> None:
+    """:func:`load` in this process only."""
     files = sorted(k for k in parameters if k.startswith("file:"))
     if files:
         # Triton loads these instead of the repository's files; ignoring them would serve something else.
@@ -79,9 +88,20 @@ def load(engine: Engine, name: str, parameters: Mapping[str, object]) -> None:
 
 
 def unload(engine: Engine, name: str) -> None:
-    """Stop serving model ``name`` and close it. :raises UnknownModelError: it is not loaded."""
+    """Stop serving model ``name`` and close it (in every process of ``neuropod serve --processes``).
+
+    :raises UnknownModelError: it is not loaded.
+    """
+    if engine.group is not None:
+        engine.group.repository("unload", name)
+        return
+    unload_here(engine, name)
+
+
+def unload_here(engine: Engine, name: str) -> None:
+    """:func:`unload` in this process only."""
     engine.unload(name)
     log.info("unloaded model %r", name)
 
 
-__all__ = ["CONFIG_PARAMETER", "LoadFailed", "index", "load", "unload"]
+__all__ = ["CONFIG_PARAMETER", "LoadFailed", "index", "load", "load_here", "unload", "unload_here"]
