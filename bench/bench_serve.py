@@ -318,14 +318,6 @@ def neuropod_server(label: str, models: list[Model], tmp: Path, grpc: bool, extr
     return Server(label, "neuropod", tuple(m.name for m in models), http, grpc_port, cmd, tmp / f"{_slug(label)}.log")
 
 
-def neuropod_processes_server(label: str, models: list[Model], tmp: Path, grpc: bool, processes: int, cpus: str) -> Server:
-    """``neuropod serve --processes N`` on the CPUs ``cpus`` (taskset's list, e.g. "0-3"): N processes need
-    N cores, so the affinity Server.start sets (one core) is widened again for this server's whole tree."""
-    server = neuropod_server(label, models, tmp, grpc, ["--processes", str(processes)])
-    server.command = ["taskset", "-c", cpus, *server.command]
-    return server
-
-
 def mlserver_server(label: str, models: list[Model], tmp: Path, venv: Path, parallel_workers: int | None) -> Server:
     """MLServer with our ONNX runtime; ``parallel_workers`` None keeps MLServer's default."""
     repo = tmp / f"mlserver-{_slug(label)}"
