@@ -161,8 +161,13 @@ class Batcher:
         self._run = run
         self._observe = observe
         self._queue: collections.deque[_Item] = collections.deque()
-        self._cv = threading.Condition()
-        self._slots = threading.BoundedSemaphore(inflight)
+        self._cv = threading.Condition(threading.Lock())
+        self._inflight = inflight
+        #: Runs in flight: batches handed to the pool and requests run where they arrived (:meth:`begin_alone`).
+        self._busy = 0
+        #: Whether a request that finds the batcher idle may run where it arrived (:meth:`begin_alone`):
+        #: only without a queue delay, when the batcher would take it alone at once anyway.
+        self.runs_alone_at_once = policy.max_queue_delay_s == 0
         self._pool = concurrent.futures.ThreadPoolExecutor(inflight, thread_name_prefix=f"neuropod-batch-{name}")
         self._closed = False
         self._thread = threading.Thread(target=self._collect, name=f"neuropod-batcher-{name}", daemon=True)
@@ -189,6 +194,45 @@ class Batcher:
             self._cv.notify()
         return item.future
 
+    def begin_alone(self) -> bool:
+        """Take a run slot for one request to run where it arrived, when the batcher is idle
+        (no queue delay, nothing waiting, a slot free): then the batcher would run that request
+        alone at once, and running it on the caller's thread spares two thread hops. True:
+        call :meth:`run_alone` next (it gives the slot back); False: :meth:`submit` it."""
+        if not self.runs_alone_at_once:
+            return False
+        with self._cv:
+            if self._queue or self._busy >= self._inflight or self._closed:
+                return False
+            self._busy += 1
+            return True
+
+    def run_alone(
+        self, inputs: Arrays, requested: list[str] | None, parameters: Mapping[str, Any] | None = None
+    ) -> Arrays:
+        """Run one request on this thread, as a batch of one, after :meth:`begin_alone` returned
+        True; recorded (``observe``) as that batch, its wait 0."""
+        started = time.perf_counter()
+        try:
+            item = _Item(inputs, requested, 0, (), started, parameters=parameters)
+            results, times = self._run_merged([item], started)
+        finally:
+            self._done()
+        if self._observe is not None:
+            try:
+                prepared, ran, extracted = times
+                self._observe([0.0], ran, next(iter(inputs.values())).shape[0], prepared, extracted)
+            except Exception:  # metrics must never fail a request that ran
+                log.exception("recording metrics of model %r failed", self.name)
+        return results[0]  # type: ignore[return-value]  # a batch of one is never unmerged
+
+    def _done(self) -> None:
+        """A run in flight ended: a batch waiting for its slot may go."""
+        with self._cv:
+            self._busy -= 1
+            if self._queue:
+                self._cv.notify()
+
     def close(self) -> None:
         """Run what is queued, then stop (joins the threads)."""
         with self._cv:
@@ -202,13 +246,11 @@ class Batcher:
     def _collect(self) -> None:
         policy = self.policy
         while True:
-            self._slots.acquire()
             with self._cv:
-                while not self._queue and not self._closed:
+                while not self._queue or self._busy >= self._inflight:
+                    if self._closed and not self._queue:
+                        return
                     self._cv.wait()
-                if not self._queue:
-                    self._slots.release()
-                    return
                 first = self._queue[0]
                 deadline = first.arrived + policy.max_queue_delay_s
                 while not self._closed and self.merging and first.rows < policy.max_batch_size:
@@ -220,11 +262,12 @@ class Batcher:
                         break
                     self._cv.wait(left)
                 batch = self._take(first.key)
+                self._busy += 1
             try:
                 self._pool.submit(self._run_batch, batch)
             except RuntimeError as e:  # the pool shut down under us: only at interpreter exit
                 self._fail(batch, NeuropodError(f"model {self.name!r} is shutting down ({e})"))
-                self._slots.release()
+                self._done()
 
     def _rows_waiting(self, key: tuple[Any, ...]) -> int:
         return sum(item.rows for item in self._queue if item.key == key)
@@ -280,7 +323,7 @@ class Batcher:
                 else:
                     item.future.set_result(result)
         finally:
-            self._slots.release()
+            self._done()
 
     def _run_alone(self, item: _Item) -> Arrays:
         inputs = writable(item.inputs)

@@ -372,8 +372,13 @@ class Engine:
                     metrics.queued(name, w)
                 metrics.computed(name, seconds, rows, len(waited), prepared, extracted)
 
+            holder: list[_Runner] = []  # the runner, made below: batched runs are timed as unbatched ones are
+
+            def run(inputs: dict[str, np.ndarray], requested: list[str] | None, **kw: Any) -> dict[str, np.ndarray]:
+                return self._timed(holder[0], inputs, requested, kw.get("parameters"))
+
             batcher = Batcher(
-                name, model.infer, policy, inflight=workers, observe=observe, rows_promised=_shared_symbols(model)
+                name, run, policy, inflight=workers, observe=observe, rows_promised=_shared_symbols(model)
             )
         concurrent_runs = max_concurrent
         queued = f"--max-queued-requests {self.limits.max_queued}"
@@ -389,7 +394,7 @@ class Engine:
         if settings.overridden:
             limits += f"; this model's load config set {', '.join(settings.overridden)}"
         backend = getattr(model, "backend", None)
-        self._runners[served.name] = _Runner(
+        runner = self._runners[served.name] = _Runner(
             served=served,
             serving=ModelServing(batcher.policy if batcher is not None else None, workers),
             validator=SpecValidator(model.name, model.inputs, model.outputs, shared_symbols=_shared_symbols(model)),
@@ -405,6 +410,8 @@ class Engine:
             ),
             most_in_flight=max(max_concurrent, concurrent_runs) + self.limits.max_queued,
         )
+        if batcher is not None:
+            holder.append(runner)
 
     @property
     def most_in_flight(self) -> int:
@@ -532,11 +539,22 @@ class Engine:
         if options is not None:
             return await self._infer_with(runner, served, inputs, requested, options)
         try:
-            if runner.batcher is not None:
+            batcher = runner.batcher
+            if batcher is not None:
                 self.check(served, inputs, requested)
                 runner.gate.admit(False)
                 try:
-                    outputs = await asyncio.wrap_future(runner.batcher.submit(inputs, requested))
+                    # Idle and fast: the batcher would run this request alone at once, on a thread
+                    # and back; run here as an unbatched request would (see infer's docstring).
+                    if (
+                        runner.inline_ok
+                        and runner.ewma_s < INLINE_BELOW_S
+                        and _nbytes(inputs) <= runner.inline_bytes
+                        and batcher.begin_alone()
+                    ):
+                        outputs = batcher.run_alone(inputs, requested)
+                    else:
+                        outputs = await asyncio.wrap_future(batcher.submit(inputs, requested))
                 finally:
                     runner.gate.leave(False)
                 return _ordered(runner, outputs, requested)
@@ -592,11 +610,14 @@ class Engine:
             return self._infer_blocking_with(runner, served, inputs, requested, options, time_left)
         try:
             gate = runner.gate
-            if runner.batcher is not None:
+            batcher = runner.batcher
+            if batcher is not None:
                 self.check(served, inputs, requested)
                 gate.admit(False)
                 try:
-                    future = runner.batcher.submit(inputs, requested)
+                    if batcher.begin_alone():  # idle: run it on this thread, as an unbatched request runs
+                        return _ordered(runner, batcher.run_alone(inputs, requested), requested)
+                    future = batcher.submit(inputs, requested)
                     if time_left is None:
                         outputs = future.result()
                     else:  # the call's own deadline: a request whose caller gave up is not run
@@ -773,23 +794,58 @@ class Engine:
             ok = True
             return outputs
         finally:
-            seconds = time.perf_counter() - started
-            # The model's own time: without the full collections the run fell into (whichever thread
-            # ran them, every thread waited); the metrics below keep what the request took.
-            ran = seconds - (_FullCollections.seconds - collected)
-            # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
-            if ran >= SLOW_RUN_S and runner.ewma_s < INLINE_BELOW_S and time.thread_time() - cpu - (seconds - ran) >= SLOW_RUN_S / 2:
-                runner.inline_ok = False
-            elif queued is not None and ran < INLINE_BELOW_S and runner.inline_ok:
-                # Learnt on threads; a run on the loop had no larger input than this already.
-                size = _nbytes(inputs)
-                if size > runner.inline_bytes:
-                    runner.inline_bytes = size
-            runner.ewma_s += _EWMA * (ran - runner.ewma_s)
+            seconds = _learn(runner, inputs, started, cpu, collected, queued is not None)
             if ok:
                 self.metrics.ran(
                     runner.served.name, 0.0 if queued is None else begun - queued, seconds, started - begun
                 )
+
+    @staticmethod
+    def _timed(
+        runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None,
+        parameters: Mapping[str, Any] | None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """One run of a batched model (a batch, or a request its idle batcher runs alone): the
+        model's run time, as :meth:`_run` learns it, decides whether its lone requests may run
+        on the event loop. The batcher records the metrics."""
+        started = time.perf_counter()
+        cpu = time.thread_time()
+        collected = _FullCollections.seconds
+        try:
+            if parameters is None:
+                return runner.served.model.infer(inputs, requested)
+            return runner.served.model.infer(inputs, requested, parameters=parameters)
+        finally:
+            _learn(runner, inputs, started, cpu, collected, True)
+
+
+def _learn(
+    runner: _Runner, inputs: Mapping[str, np.ndarray], started: float, cpu: float, collected: float, on_thread: bool
+) -> float:
+    """Learn from a run of ``runner``'s model begun at ``started`` (``cpu``: the thread's CPU
+    time then, ``collected``: :class:`_FullCollections` seconds then) whether it may run on the
+    event loop (:attr:`_Runner.inline_ok`, ``ewma_s``, ``inline_bytes``); the run's seconds.
+
+    :param on_thread: the run was not on the event loop (only such runs raise ``inline_bytes``).
+    """
+    seconds = time.perf_counter() - started
+    # The model's own time: without the full collections the run fell into (whichever thread
+    # ran them, every thread waited); the metrics keep what the request took.
+    ran = seconds - (_FullCollections.seconds - collected)
+    # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
+    if (
+        ran >= SLOW_RUN_S
+        and runner.ewma_s < INLINE_BELOW_S
+        and time.thread_time() - cpu - (seconds - ran) >= SLOW_RUN_S / 2
+    ):
+        runner.inline_ok = False
+    elif on_thread and ran < INLINE_BELOW_S and runner.inline_ok:
+        # Learnt on threads; a run on the loop had no larger input than this already.
+        size = _nbytes(inputs)
+        if size > runner.inline_bytes:
+            runner.inline_bytes = size
+    runner.ewma_s += _EWMA * (ran - runner.ewma_s)
+    return seconds
 
 
 _CALL_DEADLINE = "the call's deadline"
