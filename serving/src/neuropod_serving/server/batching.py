@@ -211,20 +211,24 @@ class Batcher:
         self, inputs: Arrays, requested: list[str] | None, parameters: Mapping[str, Any] | None = None
     ) -> Arrays:
         """Run one request on this thread, as a batch of one, after :meth:`begin_alone` returned
-        True; recorded (``observe``) as that batch, its wait 0."""
+        True (it gives the slot back); recorded (``observe``) as that batch, its wait 0."""
         started = time.perf_counter()
         try:
-            item = _Item(inputs, requested, 0, (), started, parameters=parameters)
-            results, times = self._run_merged([item], started)
+            inputs = writable(inputs)
+            ready = time.perf_counter()
+            outputs = self._run(inputs, requested) if parameters is None else self._run_with(inputs, requested, parameters)
+            ran = time.perf_counter()
         finally:
             self._done()
         if self._observe is not None:
             try:
-                prepared, ran, extracted = times
-                self._observe([0.0], ran, next(iter(inputs.values())).shape[0], prepared, extracted)
+                self._observe([0.0], ran - ready, next(iter(inputs.values())).shape[0], ready - started, 0.0)
             except Exception:  # metrics must never fail a request that ran
                 log.exception("recording metrics of model %r failed", self.name)
-        return results[0]  # type: ignore[return-value]  # a batch of one is never unmerged
+        return outputs
+
+    def _run_with(self, inputs: Arrays, requested: list[str] | None, parameters: Mapping[str, Any]) -> Arrays:
+        return self._run(inputs, requested, parameters=parameters)  # type: ignore[call-arg]
 
     def _done(self) -> None:
         """A run in flight ended: a batch waiting for its slot may go."""
@@ -328,7 +332,7 @@ class Batcher:
     def _run_alone(self, item: _Item) -> Arrays:
         inputs = writable(item.inputs)
         if item.parameters is not None:
-            return self._run(inputs, item.requested, parameters=item.parameters)  # type: ignore[call-arg]
+            return self._run_with(inputs, item.requested, item.parameters)
         return self._run(inputs, item.requested)
 
     def _run_merged(
@@ -352,10 +356,7 @@ class Batcher:
             assert wanted is not None
             wanted.extend(n for n in item.requested if n not in wanted)
         ready = time.perf_counter()
-        if parameters is not None:
-            outputs = self._run(merged, wanted, parameters=parameters)  # type: ignore[call-arg]
-        else:
-            outputs = self._run(merged, wanted)
+        outputs = self._run(merged, wanted) if parameters is None else self._run_with(merged, wanted, parameters)
         ran = time.perf_counter()
         total = sum(item.rows for item in batch)
         for n, arr in outputs.items():

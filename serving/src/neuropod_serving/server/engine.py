@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import gc
 import logging
 import queue
@@ -362,28 +363,11 @@ class Engine:
         )
         max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * workers)
         symbol, reason = batch_symbol(model.inputs, model.outputs)
-        batcher = None
-        if policy is not None and symbol is not None:
-            name = model.name
-            metrics = self.metrics
-
-            def observe(waited: list[float], seconds: float, rows: int, prepared: float, extracted: float) -> None:
-                for w in waited:
-                    metrics.queued(name, w)
-                metrics.computed(name, seconds, rows, len(waited), prepared, extracted)
-
-            holder: list[_Runner] = []  # the runner, made below: batched runs are timed as unbatched ones are
-
-            def run(inputs: dict[str, np.ndarray], requested: list[str] | None, **kw: Any) -> dict[str, np.ndarray]:
-                return self._timed(holder[0], inputs, requested, kw.get("parameters"))
-
-            batcher = Batcher(
-                name, run, policy, inflight=workers, observe=observe, rows_promised=_shared_symbols(model)
-            )
+        batched = policy is not None and symbol is not None
         concurrent_runs = max_concurrent
         queued = f"--max-queued-requests {self.limits.max_queued}"
         limits = f"neuropod serve --max-concurrent-runs {concurrent_runs} {queued}"
-        if batcher is not None:
+        if batched:
             assert policy is not None
             # Requests a batcher may hold while running: its batches in flight, full.
             concurrent_runs = workers * policy.max_batch_size
@@ -394,12 +378,12 @@ class Engine:
         if settings.overridden:
             limits += f"; this model's load config set {', '.join(settings.overridden)}"
         backend = getattr(model, "backend", None)
-        runner = self._runners[served.name] = _Runner(
+        runner = _Runner(
             served=served,
-            serving=ModelServing(batcher.policy if batcher is not None else None, workers),
+            serving=ModelServing(policy if batched else None, workers),
             validator=SpecValidator(model.name, model.inputs, model.outputs, shared_symbols=_shared_symbols(model)),
             required=frozenset(s.name for s in model.inputs),
-            batcher=batcher,
+            batcher=None,
             unbatched_reason="" if symbol is not None else f"no batch dimension: {reason}",
             # Out-of-process workers wait on a pipe: always a thread, so N workers run N requests.
             inline_ok=_in_process(model) and getattr(backend, "platform", None) not in _NEVER_INLINE,
@@ -410,8 +394,20 @@ class Engine:
             ),
             most_in_flight=max(max_concurrent, concurrent_runs) + self.limits.max_queued,
         )
-        if batcher is not None:
-            holder.append(runner)
+        if batched:
+            assert policy is not None
+            name, computed = model.name, self.metrics.computed
+
+            def observe(waited: list[float], seconds: float, rows: int, prepared: float, extracted: float) -> None:
+                computed(name, seconds, rows, len(waited), prepared, extracted, waited)
+
+            # Batched runs are timed as unbatched ones are: whether the model may run on the event
+            # loop follows its run time however its requests ran.
+            runner.batcher = Batcher(
+                name, functools.partial(self._timed, runner), policy, inflight=workers, observe=observe,
+                rows_promised=_shared_symbols(model),
+            )  # fmt: skip
+        self._runners[served.name] = runner
 
     @property
     def most_in_flight(self) -> int:
@@ -541,11 +537,12 @@ class Engine:
         try:
             batcher = runner.batcher
             if batcher is not None:
-                self.check(served, inputs, requested)
+                self._check_missing(runner, inputs)
                 runner.gate.admit(False)
                 try:
-                    # Idle and fast: the batcher would run this request alone at once, on a thread
-                    # and back; run here as an unbatched request would (see infer's docstring).
+                    # Fast and its batcher idle: the batcher would run this request alone at once,
+                    # on a thread and back; it runs here instead, as an unbatched request would
+                    # (the model's own infer checks the spec). Else it is checked, then queued.
                     if (
                         runner.inline_ok
                         and runner.ewma_s < INLINE_BELOW_S
@@ -554,6 +551,7 @@ class Engine:
                     ):
                         outputs = batcher.run_alone(inputs, requested)
                     else:
+                        self.check(served, inputs, requested)
                         outputs = await asyncio.wrap_future(batcher.submit(inputs, requested))
                 finally:
                     runner.gate.leave(False)
@@ -612,11 +610,12 @@ class Engine:
             gate = runner.gate
             batcher = runner.batcher
             if batcher is not None:
-                self.check(served, inputs, requested)
+                self._check_missing(runner, inputs)
                 gate.admit(False)
                 try:
-                    if batcher.begin_alone():  # idle: run it on this thread, as an unbatched request runs
+                    if batcher.begin_alone():  # idle: it runs on this thread, as an unbatched request runs
                         return _ordered(runner, batcher.run_alone(inputs, requested), requested)
+                    self.check(served, inputs, requested)
                     future = batcher.submit(inputs, requested)
                     if time_left is None:
                         outputs = future.result()
@@ -803,7 +802,7 @@ class Engine:
     @staticmethod
     def _timed(
         runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None,
-        parameters: Mapping[str, Any] | None,
+        parameters: Mapping[str, Any] | None = None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """One run of a batched model (a batch, or a request its idle batcher runs alone): the
         model's run time, as :meth:`_run` learns it, decides whether its lone requests may run

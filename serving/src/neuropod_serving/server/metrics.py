@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from neuropod_serving.server.statistics import ModelStats, model_statistics
@@ -136,11 +136,15 @@ class ServerMetrics:
         requests: int = 1,
         prepared: float = 0.0,
         extracted: float = 0.0,
+        waited: Sequence[float] = (),
     ) -> None:
         """One batched run that succeeded: ``requests`` requests of ``rows`` rows in all,
         ``prepared`` seconds making its inputs, ``seconds`` in the model, ``extracted``
-        splitting its outputs (each request's wait is :meth:`queued`)."""
+        splitting its outputs; ``waited``: each request's wait, as :meth:`queued` records it
+        (one lock for the whole batch)."""
         with self._lock:
+            for w in waited:
+                _observe(self._queue_duration, model, LATENCY_BUCKETS, w)
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
             if rows is not None:
                 _observe(self._batch_size, model, BATCH_BUCKETS, rows)
@@ -258,6 +262,7 @@ class Recorder(Protocol):
         requests: int = 1,
         prepared: float = 0.0,
         extracted: float = 0.0,
+        waited: Sequence[float] = (),
     ) -> None: ...
 
     def loaded(self, count: int) -> None: ...
@@ -283,6 +288,7 @@ class NoMetrics:
         requests: int = 1,
         prepared: float = 0.0,
         extracted: float = 0.0,
+        waited: Sequence[float] = (),
     ) -> None:
         pass
 
