@@ -37,6 +37,7 @@ fresh concatenation, and a request that runs alone has its read-only inputs
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -104,7 +105,10 @@ class _Item:
     rows: int
     key: tuple[Any, ...]
     arrived: float
-    future: concurrent.futures.Future[Arrays] = field(default_factory=concurrent.futures.Future)
+    #: A thread's future, or (a request gathered on an event loop) the loop's; same calls.
+    future: concurrent.futures.Future[Arrays] | asyncio.Future[Arrays | None] = field(
+        default_factory=concurrent.futures.Future
+    )
     #: The request's parameters for the model (None: none); part of ``key``, so a batch shares them.
     parameters: Mapping[str, Any] | None = None
 
@@ -168,6 +172,11 @@ class Batcher:
         #: Whether a request that finds the batcher idle may run where it arrived (:meth:`begin_alone`):
         #: only without a queue delay, when the batcher would take it alone at once anyway.
         self.runs_alone_at_once = policy.max_queue_delay_s == 0
+        # On the event loop (see run_on_loop): requests gathered in this iteration, flushed in the
+        # next; whether one of this model's runs was on the loop in this iteration; which loop.
+        self._gathered: collections.deque[_Item] = collections.deque()
+        self._loop_ran = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(inflight, thread_name_prefix=f"neuropod-batch-{name}")
         self._closed = False
         self._thread = threading.Thread(target=self._collect, name=f"neuropod-batcher-{name}", daemon=True)
@@ -216,7 +225,9 @@ class Batcher:
         try:
             inputs = writable(inputs)
             ready = time.perf_counter()
-            outputs = self._run(inputs, requested) if parameters is None else self._run_with(inputs, requested, parameters)
+            outputs = (
+                self._run(inputs, requested) if parameters is None else self._run_with(inputs, requested, parameters)
+            )
             ran = time.perf_counter()
         finally:
             self._done()
@@ -236,6 +247,74 @@ class Batcher:
             self._busy -= 1
             if self._queue:
                 self._cv.notify()
+
+    # -- on an event loop -----------------------------------------------------------
+
+    def alone_on_loop(self, loop: asyncio.AbstractEventLoop) -> bool | None:
+        """How a fast model's request that arrives on ``loop`` runs (the caller checked that
+        the model may run there; the batcher has no queue delay). True: alone, now, on the
+        loop (:meth:`run_alone` next; a slot is taken, as :meth:`begin_alone`): nothing else
+        of this model ran on the loop in this iteration of it, and the batcher is idle.
+        False: it joins the requests gathered in this iteration (:meth:`gather`), which run
+        as batches in the next: one of this model's runs held the loop in this iteration, so
+        requests are arriving faster than it runs. None: a thread's batch is running or
+        waiting (gRPC requests), so it queues there (:meth:`submit`)."""
+        if loop is not self._loop:
+            old = self._loop
+            if old is not None and old.is_running() and (self._gathered or self._loop_ran):
+                return None  # another loop gathers this model's requests (two servers on one engine)
+            # What a loop that stopped left (asyncio.run ended) is awaited by nobody.
+            self._loop, self._loop_ran = loop, False
+            self._gathered.clear()
+        if self._gathered or self._loop_ran:
+            return False
+        if not self.begin_alone():
+            return None
+        self._ran_on(loop)
+        return True
+
+    def gather(
+        self, loop: asyncio.AbstractEventLoop, inputs: Arrays, requested: list[str] | None
+    ) -> asyncio.Future[Arrays | None]:
+        """Gather a request (spec-checked) to run with the others that arrive in this iteration
+        of ``loop`` (after :meth:`alone_on_loop` returned False). Its future's result is its
+        outputs, or None when it must be queued for a thread after all (:meth:`submit` it):
+        a thread's batch was running or waiting when they were flushed, or the batcher closed."""
+        rows = next(iter(inputs.values())).shape[0]
+        future: asyncio.Future[Arrays | None] = loop.create_future()
+        if not self._gathered:
+            loop.call_soon(self._flush)
+        self._gathered.append(_Item(inputs, requested, rows, _key(inputs), time.perf_counter(), future))
+        return future
+
+    def _ran_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._loop_ran:
+            self._loop_ran = True
+            loop.call_soon(self._iteration_over)
+
+    def _iteration_over(self) -> None:
+        self._loop_ran = False
+
+    def _flush(self) -> None:
+        """Run the requests gathered in the loop's last iteration: as batches of the usual
+        policy (oldest first, same key, up to max_batch_size rows), each on the loop."""
+        gathered = self._gathered
+        loop = self._loop
+        while gathered:
+            if loop is None or not self.begin_alone():
+                while gathered:  # to the thread batcher's queue, after what waits there
+                    item = gathered.popleft()
+                    if not item.future.done():
+                        item.future.set_result(None)  # type: ignore[arg-type]
+                return
+            self._ran_on(loop)
+            batch = self._take(gathered[0].key, gathered)
+            try:
+                batch = [item for item in batch if not item.future.done()]  # cancelled: its caller gave up
+                if batch:
+                    self._answer(batch)
+            finally:
+                self._done()
 
     def close(self) -> None:
         """Run what is queued, then stop (joins the threads)."""
@@ -265,7 +344,7 @@ class Batcher:
                     if left <= 0:
                         break
                     self._cv.wait(left)
-                batch = self._take(first.key)
+                batch = self._take(first.key, self._queue)
                 self._busy += 1
             try:
                 self._pool.submit(self._run_batch, batch)
@@ -276,16 +355,16 @@ class Batcher:
     def _rows_waiting(self, key: tuple[Any, ...]) -> int:
         return sum(item.rows for item in self._queue if item.key == key)
 
-    def _take(self, key: tuple[Any, ...]) -> list[_Item]:
-        """The oldest request, and after it those of the same key that fit in one batch."""
+    def _take(self, key: tuple[Any, ...], queue: collections.deque[_Item]) -> list[_Item]:
+        """The oldest request of ``queue``, and after it those of the same key that fit in one batch."""
         limit = self.policy.max_batch_size
-        batch: list[_Item] = [self._queue.popleft()]
+        batch: list[_Item] = [queue.popleft()]
         rows = batch[0].rows
         if rows >= limit or not self.merging:
             return batch
         kept: list[_Item] = []
-        while self._queue:
-            item = self._queue.popleft()
+        while queue:
+            item = queue.popleft()
             if item.key == key and rows + item.rows <= limit:
                 batch.append(item)
                 rows += item.rows
@@ -293,7 +372,7 @@ class Batcher:
                 kept.append(item)
                 if item.key == key:  # the first that does not fit ends this batch (arrival order)
                     break
-        self._queue.extendleft(reversed(kept))
+        queue.extendleft(reversed(kept))
         return batch
 
     # -- a pool thread --------------------------------------------------------
@@ -303,31 +382,34 @@ class Batcher:
             # RUNNING futures cannot be cancelled, so set_result below cannot race with a
             # cancel (InvalidStateError would leave the rest of the batch unanswered);
             # requests already cancelled (a client that gave up) are not run at all.
-            batch = [item for item in batch if item.future.set_running_or_notify_cancel()]
-            if not batch:
-                return
-            started = time.perf_counter()
-            waited = [started - item.arrived for item in batch]
-            try:
-                results, times = self._run_merged(batch, started)
-            except BaseException as e:  # noqa: BLE001 - every waiter gets the failure
-                self._fail(batch, e)
-                return
-            if self._observe is not None:
-                try:
-                    prepared, ran, extracted = times
-                    self._observe(waited, ran, sum(i.rows for i in batch), prepared, extracted)
-                except Exception:  # metrics must never leave a batch unanswered
-                    log.exception("recording metrics of model %r failed", self.name)
-            for item, result in zip(batch, results):
-                if item.future.done():
-                    continue
-                if isinstance(result, BaseException):  # a request run alone after a merge that did not split
-                    item.future.set_exception(result)
-                else:
-                    item.future.set_result(result)
+            batch = [item for item in batch if item.future.set_running_or_notify_cancel()]  # type: ignore[union-attr]
+            if batch:
+                self._answer(batch)
         finally:
             self._done()
+
+    def _answer(self, batch: list[_Item]) -> None:
+        """Run ``batch`` and answer each of its requests (the run's failure: all of them)."""
+        started = time.perf_counter()
+        waited = [started - item.arrived for item in batch]
+        try:
+            results, times = self._run_merged(batch, started)
+        except BaseException as e:  # noqa: BLE001 - every waiter gets the failure
+            self._fail(batch, e)
+            return
+        if self._observe is not None:
+            try:
+                prepared, ran, extracted = times
+                self._observe(waited, ran, sum(i.rows for i in batch), prepared, extracted)
+            except Exception:  # metrics must never leave a batch unanswered
+                log.exception("recording metrics of model %r failed", self.name)
+        for item, result in zip(batch, results):
+            if item.future.done():
+                continue
+            if isinstance(result, BaseException):  # a request run alone after a merge that did not split
+                item.future.set_exception(result)
+            else:
+                item.future.set_result(result)
 
     def _run_alone(self, item: _Item) -> Arrays:
         inputs = writable(item.inputs)

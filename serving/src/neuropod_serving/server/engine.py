@@ -540,19 +540,27 @@ class Engine:
                 self._check_missing(runner, inputs)
                 runner.gate.admit(False)
                 try:
-                    # Fast and its batcher idle: the batcher would run this request alone at once,
-                    # on a thread and back; it runs here instead, as an unbatched request would
-                    # (the model's own infer checks the spec). Else it is checked, then queued.
-                    if (
-                        runner.inline_ok
+                    # A fast model's requests run on the loop, as unbatched ones would: alone when
+                    # nothing else of the model is running or arriving (the model's own infer checks
+                    # the spec), else gathered with the others arriving in this loop iteration.
+                    how = (
+                        batcher.alone_on_loop(asyncio.get_running_loop())
+                        if batcher.runs_alone_at_once
+                        and runner.inline_ok
                         and runner.ewma_s < INLINE_BELOW_S
                         and _nbytes(inputs) <= runner.inline_bytes
-                        and batcher.begin_alone()
-                    ):
+                        else None
+                    )
+                    if how:
                         outputs = batcher.run_alone(inputs, requested)
                     else:
                         self.check(served, inputs, requested)
-                        outputs = await asyncio.wrap_future(batcher.submit(inputs, requested))
+                        gathered = None
+                        if how is not None:
+                            gathered = await batcher.gather(asyncio.get_running_loop(), inputs, requested)
+                        if gathered is None:  # queued for the batcher's threads
+                            gathered = await asyncio.wrap_future(batcher.submit(inputs, requested))
+                        outputs = gathered
                 finally:
                     runner.gate.leave(False)
                 return _ordered(runner, outputs, requested)
