@@ -6,16 +6,31 @@ can be concatenated along that dim, run once, and the outputs split back by
 the rows each request sent. Nothing is configured per model; a model without
 such a symbol is never batched.
 
-The batcher is a thread per model, not an asyncio task, so the REST server
-and the gRPC server (and anything else holding an event loop, or none) hand
-it requests alike and await a ``concurrent.futures.Future``.
+The batcher is a thread per model (which runs the batches itself when one
+at a time may run, else hands them to a pool of ``inflight`` threads), so the REST server and the gRPC server (and anything else
+holding an event loop, or none) hand it requests alike and await a
+``concurrent.futures.Future``. Handing a request to a thread and back costs
+more than a fast model's run, so with no queue delay two ways skip the hop
+(the engine picks them, see :meth:`~neuropod_serving.server.engine.Engine.infer`):
+
+- a request that finds the batcher idle (nothing waiting, a run slot free)
+  runs at once on the caller's thread, as a batch of one (:meth:`Batcher.begin_alone`,
+  :meth:`Batcher.run_alone`): the batcher would have taken it alone at once;
+- on an event loop, a fast model's requests run on the loop: alone, or, when
+  one of the model's runs already held the loop in this iteration of it (so
+  requests arrive faster than it runs), gathered with the others that arrive
+  in the iteration and run as batches in the next one (``loop.call_soon``),
+  under the same policy (:meth:`Batcher.alone_on_loop`, :meth:`Batcher.gather`).
+  Gathered requests that find a thread's batch running or waiting join the
+  batcher's queue instead.
 
 Policy (Triton's ``dynamic_batching`` in spirit): the oldest waiting request
 opens a batch; the batch takes every waiting request with the same other dims
 (in arrival order) up to ``max_batch_size`` rows, waiting at most
-``max_queue_delay`` after that oldest request arrived for more to come. While
-``inflight`` batches run, new requests queue, so under load batches grow on
-their own even with a delay of 0. A request with more rows than
+``max_queue_delay`` after that oldest request arrived for more to come (a lone
+request too: with a delay, no request skips the queue). While ``inflight``
+batches (or requests run alone) run, new requests queue, so under load batches
+grow on their own even with a delay of 0. A request with more rows than
 ``max_batch_size`` runs alone (never split, never refused). How many requests
 may wait is bounded by the :class:`~neuropod_serving.server.engine.Engine`
 before they are submitted (its ``ModelLimits``): the same limit as unbatched
@@ -31,8 +46,9 @@ requests, with a warning; our packages promise the rows (the spec check
 fails otherwise), so for them it stays an error.
 
 The model always gets writable input arrays: a batch of several requests is a
-fresh concatenation, and a request that runs alone has its read-only inputs
-(views of request bytes) copied, as unbatched requests do.
+fresh concatenation, and a request that runs alone (in a batch of one or at
+once on its caller's thread) has its read-only inputs (views of request
+bytes) copied, as unbatched requests do.
 """
 
 from __future__ import annotations
@@ -309,12 +325,7 @@ class Batcher:
                 return
             self._ran_on(loop)
             batch = self._take(gathered[0].key, gathered)
-            try:
-                batch = [item for item in batch if not item.future.done()]  # cancelled: its caller gave up
-                if batch:
-                    self._answer(batch)
-            finally:
-                self._done()
+            self._answer([item for item in batch if not item.future.done()])  # done: cancelled, its caller gave up
 
     def close(self) -> None:
         """Run what is queued, then stop (joins the threads)."""
@@ -346,6 +357,12 @@ class Batcher:
                     self._cv.wait(left)
                 batch = self._take(first.key, self._queue)
                 self._busy += 1
+            if self._inflight == 1:  # no other batch may start while it runs: no hop to the pool
+                try:
+                    self._run_batch(batch)
+                except Exception:  # the batch is answered already; this thread must live on
+                    log.exception("answering a batch of model %r failed", self.name)
+                continue
             try:
                 self._pool.submit(self._run_batch, batch)
             except RuntimeError as e:  # the pool shut down under us: only at interpreter exit
@@ -378,24 +395,29 @@ class Batcher:
     # -- a pool thread --------------------------------------------------------
 
     def _run_batch(self, batch: list[_Item]) -> None:
-        try:
-            # RUNNING futures cannot be cancelled, so set_result below cannot race with a
-            # cancel (InvalidStateError would leave the rest of the batch unanswered);
-            # requests already cancelled (a client that gave up) are not run at all.
-            batch = [item for item in batch if item.future.set_running_or_notify_cancel()]  # type: ignore[union-attr]
-            if batch:
-                self._answer(batch)
-        finally:
-            self._done()
+        # RUNNING futures cannot be cancelled, so set_result below cannot race with a
+        # cancel (InvalidStateError would leave the rest of the batch unanswered);
+        # requests already cancelled (a client that gave up) are not run at all.
+        self._answer([item for item in batch if item.future.set_running_or_notify_cancel()])  # type: ignore[union-attr]
 
     def _answer(self, batch: list[_Item]) -> None:
-        """Run ``batch`` and answer each of its requests (the run's failure: all of them)."""
-        started = time.perf_counter()
-        waited = [started - item.arrived for item in batch]
+        """Run ``batch`` (its run slot taken; it may be empty), give the slot back, then answer
+        each of its requests (the run's failure: all of them). The slot goes back first: a
+        caller that sends its next request as soon as it has its answer finds the batcher idle."""
+        failure: BaseException | None = None
         try:
-            results, times = self._run_merged(batch, started)
-        except BaseException as e:  # noqa: BLE001 - every waiter gets the failure
-            self._fail(batch, e)
+            if not batch:
+                return
+            started = time.perf_counter()
+            waited = [started - item.arrived for item in batch]
+            try:
+                results, times = self._run_merged(batch, started)
+            except BaseException as e:  # noqa: BLE001 - every waiter gets the failure
+                failure = e
+        finally:
+            self._done()
+        if failure is not None:
+            self._fail(batch, failure)
             return
         if self._observe is not None:
             try:

@@ -521,6 +521,12 @@ class Engine:
         request of it waiting for one. Then it runs right here, where a thread hop would cost more
         than the model.
 
+        A batched model's request (its batcher without a queue delay) that has proved fast
+        the same way runs here too, as a batch of one, when its batcher is idle; when another
+        of the model's runs held the loop in this iteration, it is gathered with the others
+        arriving in the iteration and runs with them, merged, in the next (see
+        :mod:`~neuropod_serving.server.batching`). Otherwise it waits for the batcher's threads.
+
         The model gets writable input arrays (read-only ones are copied).
 
         :param options: what the request asks besides its tensors (a timeout, classification,
@@ -605,7 +611,8 @@ class Engine:
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """:meth:`infer` for a caller on a thread of its own (the gRPC server's workers): the
         model runs on the calling thread once a run slot is free, or the request joins its
-        model's batch and waits. Same checks, limits, errors and metrics.
+        model's batch and waits (it runs on the calling thread, as a batch of one, when its
+        batcher has no queue delay and is idle). Same checks, limits, errors and metrics.
 
         :param time_left: the call's own deadline (gRPC's ``context.time_remaining``): asked
             only when the request has to wait, and a request still waiting when it passes
