@@ -756,6 +756,20 @@ def _fast_engine(repo: Path, policy: BatchPolicy) -> tuple[Engine, _Threads]:
     return engine, threads
 
 
+def _teach_bursts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``adder``'s requests that arrive together on the loop be gathered: merging is then
+    taken to cost nothing (GATHER_COST_S), and one burst of them has been seen."""
+    from neuropod_serving.server import batching
+
+    monkeypatch.setattr(batching, "GATHER_COST_S", 0.0)
+    adder = engine.get("adder")
+
+    async def burst() -> None:
+        await asyncio.gather(*(engine.infer(adder, _adder_inputs(1, seed=i)) for i in range(8)))
+
+    asyncio.run(burst())
+
+
 def _stats(engine: Engine) -> dict[str, Any]:
     assert isinstance(engine.metrics, ServerMetrics)
     return engine.metrics.statistics("adder", "1")
@@ -818,13 +832,26 @@ def test_lone_request_waits_out_a_queue_delay(repo: Path) -> None:
         engine.close()
 
 
-def test_requests_arriving_together_on_the_loop_are_merged(repo: Path) -> None:
+def test_requests_arriving_together_on_the_loop_are_merged(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Eight requests reach the engine in one iteration of the loop: the first runs alone at
     # once, the seven that arrive while it held the loop run in the next iteration, merged
     # in batches of at most max_batch_size rows, on the loop.
     engine, threads = _fast_engine(repo, BatchPolicy(4))
     try:
         adder = engine.get("adder")
+        # Before merging pays (no burst seen yet), they run one by one on the loop.
+        requests = [_adder_inputs(1, seed=950 + i) for i in range(8)]
+
+        async def first_burst() -> tuple[list[Arrays], int]:
+            return list(await asyncio.gather(*(engine.infer(adder, r) for r in requests))), threading.get_ident()
+
+        answers, loop_thread = asyncio.run(first_burst())
+        for inputs, got in zip(requests, answers):
+            _check_adder(inputs, got)
+        assert threads.runs == [(loop_thread, 1)] * 8
+        threads.runs.clear()
+        _teach_bursts(engine, monkeypatch)
+        threads.runs.clear()
         before = _stats(engine)
         requests = [_adder_inputs(1, seed=900 + i) for i in range(8)]
 
@@ -846,11 +873,13 @@ def test_requests_arriving_together_on_the_loop_are_merged(repo: Path) -> None:
         engine.close()
 
 
-def test_errors_in_requests_gathered_on_the_loop(repo: Path) -> None:
+def test_errors_in_requests_gathered_on_the_loop(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A bad request among those arriving together fails alone (checked before it joins); a
     # model failure fails every request of its merged run, and the model keeps serving.
     engine, threads = _fast_engine(repo, BatchPolicy(8))
     try:
+        _teach_bursts(engine, monkeypatch)
+        threads.runs.clear()
         adder = engine.get("adder")
         good = [_adder_inputs(1, seed=1000 + i) for i in range(5)]
         bad = {"x": np.ones((1, 2), np.float32), "y": np.ones((1, 3), np.float32)}

@@ -546,11 +546,11 @@ class Engine:
                 self._check_missing(runner, inputs)
                 runner.gate.admit(False)
                 try:
-                    # A fast model's requests run on the loop, as unbatched ones would: alone when
-                    # nothing else of the model is running or arriving (the model's own infer checks
-                    # the spec), else gathered with the others arriving in this loop iteration.
+                    # A fast model's requests run on the loop, as unbatched ones would: alone (the
+                    # model's own infer checks the spec), or gathered with the others arriving in
+                    # this loop iteration when they come in numbers that make merging pay.
                     how = (
-                        batcher.alone_on_loop(asyncio.get_running_loop())
+                        batcher.alone_on_loop(asyncio.get_running_loop(), runner.ewma_s)
                         if batcher.runs_alone_at_once
                         and runner.inline_ok
                         and runner.ewma_s < INLINE_BELOW_S
