@@ -226,13 +226,14 @@ class Batcher:
         key = _key(inputs)
         if parameters is not None:
             key = (*key, ("parameters", tuple(sorted(parameters.items()))))
-        item = _Item(inputs, requested, rows, key, time.perf_counter(), parameters=parameters)
+        future: concurrent.futures.Future[Arrays] = concurrent.futures.Future()
+        item = _Item(inputs, requested, rows, key, time.perf_counter(), future, parameters)
         with self._cv:
             if self._closed:
                 raise NeuropodError(f"model {self.name!r} is unloading")
             self._queue.append(item)
             self._cv.notify()
-        return item.future
+        return future
 
     def begin_alone(self) -> bool:
         """Take a run slot for one request to run where it arrived, when the batcher is idle
