@@ -20,9 +20,11 @@ so with no queue delay two ways skip the hop (the engine picks them, see
   have taken it alone at once;
 - on an event loop, a fast model's requests run on the loop: alone, or, when
   one of the model's runs already held the loop in this iteration of it (so
-  requests arrive faster than it runs), gathered with the others that arrive
-  in the iteration and run as batches in the next one (``loop.call_soon``),
-  under the same policy (:meth:`Batcher.alone_on_loop`, :meth:`Batcher.gather`).
+  requests arrive faster than it runs) and lately enough of them did for
+  merging to pay (:data:`GATHER_COST_S`), gathered with the others that
+  arrive in the iteration and run as batches in the next one
+  (``loop.call_soon``), under the same policy (:meth:`Batcher.alone_on_loop`,
+  :meth:`Batcher.gather`).
   Gathered requests that find a thread's batch running or waiting join the
   batcher's queue instead.
 
