@@ -713,6 +713,274 @@ def test_rest_concurrent_clients_are_batched(repo: Path) -> None:
         engine.close()
 
 
+# --- requests that find their batcher idle, and requests gathered on the event loop -------------
+
+
+class _Threads:
+    """A model's real ``infer`` that notes the thread of every run and its rows; ``fail_merged``
+    makes a run of more than one row fail (as a model failure)."""
+
+    def __init__(self, infer: Callable[..., Arrays]) -> None:
+        self.infer = infer
+        self.runs: list[tuple[int, int]] = []  # (thread ident, rows)
+        self.fail_merged = False
+
+    def __call__(self, inputs: Arrays, requested: list[str] | None = None) -> Arrays:
+        rows = next(iter(inputs.values())).shape[0]
+        self.runs.append((threading.get_ident(), rows))
+        if self.fail_merged and rows > 1:
+            raise BackendError("the model failed on a merged run")
+        return self.infer(inputs, requested)
+
+
+def _fast_engine(repo: Path, policy: BatchPolicy) -> tuple[Engine, _Threads]:
+    """An engine batching ``adder`` whose runs have proved fast (so it may run on the event loop)."""
+    from neuropod_serving.server.engine import INLINE_BELOW_S
+
+    registry = ModelRegistry.load([repo / "models" / "adder"])
+    served = registry.get("adder")
+    threads = _Threads(served.model.infer)
+    served.model.infer = threads  # type: ignore[method-assign]
+    engine = Engine(registry, batching=policy, metrics=ServerMetrics())
+    runner = engine._runners["adder"]
+
+    async def warm() -> None:
+        for _ in range(1000):  # a new model is assumed slow until its runs (on threads) show otherwise
+            if runner.ewma_s < INLINE_BELOW_S and runner.inline_bytes:
+                return
+            await engine.infer(served, _adder_inputs(3, 0))  # up to 3 rows may run on the loop then
+
+    asyncio.run(warm())
+    assert runner.ewma_s < INLINE_BELOW_S and runner.inline_bytes, "adder never ran under INLINE_BELOW_S"
+    threads.runs.clear()
+    return engine, threads
+
+
+def _teach_bursts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``adder``'s requests that arrive together on the loop be gathered: merging is then
+    taken to cost nothing (GATHER_COST_S), and one burst of them has been seen."""
+    from neuropod_serving.server import batching
+
+    monkeypatch.setattr(batching, "GATHER_COST_S", 0.0)
+    adder = engine.get("adder")
+
+    async def burst() -> None:
+        await asyncio.gather(*(engine.infer(adder, _adder_inputs(1, seed=i)) for i in range(8)))
+
+    asyncio.run(burst())
+
+
+def _stats(engine: Engine) -> dict[str, Any]:
+    assert isinstance(engine.metrics, ServerMetrics)
+    return engine.metrics.statistics("adder", "1")
+
+
+def test_lone_request_runs_at_once_where_it_arrives_when_the_batcher_is_idle(repo: Path) -> None:
+    # Delay 0 takes what is waiting: a request alone, nothing in flight, runs at once (no
+    # thread hop), on the event loop for a fast model and on a gRPC thread on its own.
+    engine, threads = _fast_engine(repo, BatchPolicy(8))
+    try:
+        adder = engine.get("adder")
+        before = _stats(engine)
+        requests = [_adder_inputs(1 + i % 3, seed=700 + i) for i in range(6)]
+
+        async def one_by_one() -> tuple[list[Arrays], int]:
+            return [await engine.infer(adder, r) for r in requests], threading.get_ident()
+
+        answers, loop_thread = asyncio.run(one_by_one())
+        for inputs, got in zip(requests, answers):
+            _check_adder(inputs, got)
+        assert threads.runs == [(loop_thread, r["x"].shape[0]) for r in requests]
+        threads.runs.clear()
+        with ThreadPoolExecutor(1) as pool:
+            got, caller = pool.submit(
+                lambda: (engine.infer_blocking(adder, requests[0]), threading.get_ident())
+            ).result()
+        _check_adder(requests[0], got)
+        assert threads.runs == [(caller, 1)]
+        # Each ran as a batch of its own rows, waited 0, and the statistics say so.
+        after = _stats(engine)
+        assert after["execution_count"] - before["execution_count"] == 7
+        assert after["inference_count"] - before["inference_count"] == sum(r["x"].shape[0] for r in requests) + 1
+        assert after["inference_stats"]["queue"]["count"] - before["inference_stats"]["queue"]["count"] == 7
+        sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]}
+        old = {b["batch_size"]: b["compute_infer"]["count"] for b in before["batch_stats"]}
+        assert {k: v - old.get(k, 0) for k, v in sizes.items()} == {1: 3, 2: 2, 3: 2}
+    finally:
+        engine.close()
+    assert _no_batcher_threads("adder")
+
+
+def test_lone_request_waits_out_a_queue_delay(repo: Path) -> None:
+    # With a delay, a lone request waits for company as Triton's dynamic batcher does (the
+    # documented policy): never on the event loop, however fast the model.
+    engine, threads = _fast_engine(repo, BatchPolicy(8, 0.05))
+    try:
+        adder = engine.get("adder")
+        inputs = _adder_inputs(1, 800)
+
+        async def one() -> tuple[Arrays, float, int]:
+            began = time.perf_counter()
+            got = await engine.infer(adder, inputs)
+            return got, time.perf_counter() - began, threading.get_ident()
+
+        got, took, loop_thread = asyncio.run(one())
+        _check_adder(inputs, got)
+        assert took >= 0.045
+        assert [t for t, _ in threads.runs] != [loop_thread]
+    finally:
+        engine.close()
+
+
+def test_requests_arriving_together_on_the_loop_are_merged(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Eight requests reach the engine in one iteration of the loop: the first runs alone at
+    # once, the seven that arrive while it held the loop run in the next iteration, merged
+    # in batches of at most max_batch_size rows, on the loop.
+    engine, threads = _fast_engine(repo, BatchPolicy(4))
+    try:
+        adder = engine.get("adder")
+        # Before merging pays (no burst seen yet), they run one by one on the loop.
+        requests = [_adder_inputs(1, seed=950 + i) for i in range(8)]
+
+        async def first_burst() -> tuple[list[Arrays], int]:
+            return list(await asyncio.gather(*(engine.infer(adder, r) for r in requests))), threading.get_ident()
+
+        answers, loop_thread = asyncio.run(first_burst())
+        for inputs, got in zip(requests, answers):
+            _check_adder(inputs, got)
+        assert threads.runs == [(loop_thread, 1)] * 8
+        threads.runs.clear()
+        _teach_bursts(engine, monkeypatch)
+        threads.runs.clear()
+        before = _stats(engine)
+        requests = [_adder_inputs(1, seed=900 + i) for i in range(8)]
+
+        async def together() -> tuple[list[Arrays], int]:
+            return list(await asyncio.gather(*(engine.infer(adder, r) for r in requests))), threading.get_ident()
+
+        answers, loop_thread = asyncio.run(together())
+        for inputs, got in zip(requests, answers):
+            _check_adder(inputs, got)
+        assert threads.runs == [(loop_thread, 1), (loop_thread, 4), (loop_thread, 3)]
+        after = _stats(engine)
+        assert after["execution_count"] - before["execution_count"] == 3
+        assert after["inference_count"] - before["inference_count"] == 8
+        assert after["inference_stats"]["queue"]["count"] - before["inference_stats"]["queue"]["count"] == 8
+        sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]}
+        old = {b["batch_size"]: b["compute_infer"]["count"] for b in before["batch_stats"]}
+        assert {k: v - old.get(k, 0) for k, v in sizes.items() if v != old.get(k, 0)} == {1: 1, 3: 1, 4: 1}
+    finally:
+        engine.close()
+
+
+def test_errors_in_requests_gathered_on_the_loop(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A bad request among those arriving together fails alone (checked before it joins); a
+    # model failure fails every request of its merged run, and the model keeps serving.
+    engine, threads = _fast_engine(repo, BatchPolicy(8))
+    try:
+        _teach_bursts(engine, monkeypatch)
+        threads.runs.clear()
+        adder = engine.get("adder")
+        good = [_adder_inputs(1, seed=1000 + i) for i in range(5)]
+        bad = {"x": np.ones((1, 2), np.float32), "y": np.ones((1, 3), np.float32)}
+
+        async def together(batch: list[Arrays]) -> list[Any]:
+            return list(await asyncio.gather(*(engine.infer(adder, r) for r in batch), return_exceptions=True))
+
+        answers = asyncio.run(together([good[0], good[1], bad, good[2]]))
+        assert isinstance(answers[2], SpecError) and "Dim 1 of tensor 'y'" in str(answers[2])
+        for inputs, got in zip([good[0], good[1], good[2]], [answers[0], answers[1], answers[3]]):
+            _check_adder(inputs, got)
+        assert [rows for _, rows in threads.runs] == [1, 2]  # the bad one never ran
+        threads.runs.clear()
+        threads.fail_merged = True
+        answers = asyncio.run(together(good))
+        _check_adder(good[0], answers[0])  # alone: its run has one row
+        assert all(isinstance(a, BackendError) and "merged run" in str(a) for a in answers[1:]), answers
+        assert [rows for _, rows in threads.runs] == [1, 4]
+        threads.fail_merged = False
+        for inputs, got in zip(good, asyncio.run(together(good))):
+            _check_adder(inputs, got)
+    finally:
+        engine.close()
+
+
+def test_rest_and_grpc_clients_at_once_share_the_batcher(repo: Path) -> None:
+    # REST requests run on the event loop (alone or gathered), gRPC requests on their threads
+    # (alone when the batcher is idle, else queued for its batches): every answer is right
+    # and the statistics count every request and row once.
+    grpc = pytest.importorskip("grpc")
+    from neuropod_serving.protocol import grpc_codec
+    from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
+    from neuropod_serving.server.grpc_service import start_grpc_server
+
+    engine, threads = _fast_engine(repo, BatchPolicy(8))
+    before = _stats(engine)
+    n, rounds = 8, 5
+    try:
+        server, port = start_grpc_server(engine, "127.0.0.1:0", access_log=False)
+        try:
+            with serve_in_thread(create_app(engine)) as http_port, grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                infer = ch.unary_unary(
+                    "/inference.GRPCInferenceService/ModelInfer",
+                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                    response_deserializer=pb.ModelInferResponse.FromString,
+                )
+                start = threading.Barrier(2 * n)
+
+                def over_grpc(i: int) -> list[tuple[Arrays, Arrays]]:
+                    start.wait()
+                    out = []
+                    for r in range(rounds):
+                        inputs = _adder_inputs(1 + r % 2, 1100 + 10 * i + r)
+                        request = pb.ModelInferRequest(model_name="adder")
+                        for name, array in inputs.items():
+                            t = request.inputs.add()
+                            t.name, t.datatype = name, "FP32"
+                            t.shape.extend(array.shape)
+                            request.raw_input_contents.append(array.tobytes())
+                        reply = grpc_codec.parse_model_infer_response(infer(request, timeout=60))
+                        out.append((inputs, reply.outputs))
+                    return out
+
+                def over_rest(i: int) -> list[tuple[Arrays, Arrays]]:
+                    client = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}", network_timeout=60)
+                    try:
+                        start.wait()
+                        out = []
+                        for r in range(rounds):
+                            inputs = _adder_inputs(1 + r % 2, 1300 + 10 * i + r)
+                            tensors = []
+                            for name in ("x", "y"):
+                                t = httpclient.InferInput(name, list(inputs[name].shape), "FP32")
+                                t.set_data_from_numpy(inputs[name], binary_data=True)
+                                tensors.append(t)
+                            result = client.infer("adder", tensors)
+                            out.append((inputs, {k: result.as_numpy(k) for k in ("out", "doubled")}))
+                        return out
+                    finally:
+                        client.close()
+
+                with ThreadPoolExecutor(2 * n) as pool:
+                    futures = [pool.submit(over_grpc, i) for i in range(n)] + [
+                        pool.submit(over_rest, i) for i in range(n)
+                    ]
+                    answers = [a for f in futures for a in f.result(120)]
+        finally:
+            server.stop(None)
+        for inputs, got in answers:
+            _check_adder(inputs, got)
+        rows = sum(inputs["x"].shape[0] for inputs, _ in answers)
+        after = _stats(engine)
+        assert len(answers) == 2 * n * rounds
+        assert after["inference_count"] - before["inference_count"] == rows == sum(r for _, r in threads.runs)
+        assert after["execution_count"] - before["execution_count"] == len(threads.runs)
+        assert after["inference_stats"]["queue"]["count"] - before["inference_stats"]["queue"]["count"] == len(answers)
+        assert max(r for _, r in threads.runs) <= 8
+    finally:
+        engine.close()
+
+
 # --- the CLI ----------------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import gc
 import logging
 import queue
@@ -366,23 +367,11 @@ class Engine:
         )
         max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * workers)
         symbol, reason = batch_symbol(model.inputs, model.outputs)
-        batcher = None
-        if policy is not None and symbol is not None:
-            name = model.name
-            metrics = self.metrics
-
-            def observe(waited: list[float], seconds: float, rows: int, prepared: float, extracted: float) -> None:
-                for w in waited:
-                    metrics.queued(name, w)
-                metrics.computed(name, seconds, rows, len(waited), prepared, extracted)
-
-            batcher = Batcher(
-                name, model.infer, policy, inflight=workers, observe=observe, rows_promised=_shared_symbols(model)
-            )
+        batched = policy is not None and symbol is not None
         concurrent_runs = max_concurrent
         queued = f"--max-queued-requests {self.limits.max_queued}"
         limits = f"neuropod serve --max-concurrent-runs {concurrent_runs} {queued}"
-        if batcher is not None:
+        if batched:
             assert policy is not None
             # Requests a batcher may hold while running: its batches in flight, full.
             concurrent_runs = workers * policy.max_batch_size
@@ -393,12 +382,12 @@ class Engine:
         if settings.overridden:
             limits += f"; this model's load config set {', '.join(settings.overridden)}"
         backend = getattr(model, "backend", None)
-        self._runners[served.name] = _Runner(
+        runner = _Runner(
             served=served,
-            serving=ModelServing(batcher.policy if batcher is not None else None, workers),
+            serving=ModelServing(policy if batched else None, workers),
             validator=SpecValidator(model.name, model.inputs, model.outputs, shared_symbols=_shared_symbols(model)),
             required=frozenset(s.name for s in model.inputs),
-            batcher=batcher,
+            batcher=None,
             unbatched_reason="" if symbol is not None else f"no batch dimension: {reason}",
             # Out-of-process workers wait on a pipe: always a thread, so N workers run N requests.
             inline_ok=_in_process(model) and getattr(backend, "platform", None) not in _NEVER_INLINE,
@@ -409,6 +398,20 @@ class Engine:
             ),
             most_in_flight=max(max_concurrent, concurrent_runs) + self.limits.max_queued,
         )
+        if batched:
+            assert policy is not None
+            name, computed = model.name, self.metrics.computed
+
+            def observe(waited: list[float], seconds: float, rows: int, prepared: float, extracted: float) -> None:
+                computed(name, seconds, rows, len(waited), prepared, extracted, waited)
+
+            # Batched runs are timed as unbatched ones are: whether the model may run on the event
+            # loop follows its run time however its requests ran.
+            runner.batcher = Batcher(
+                name, functools.partial(self._timed, runner), policy, inflight=workers, observe=observe,
+                rows_promised=_shared_symbols(model),
+            )  # fmt: skip
+        self._runners[served.name] = runner
 
     @property
     def most_in_flight(self) -> int:
@@ -522,6 +525,12 @@ class Engine:
         request of it waiting for one. Then it runs right here, where a thread hop would cost more
         than the model.
 
+        A batched model's request (its batcher without a queue delay) that has proved fast
+        the same way runs here too, as a batch of one, when its batcher is idle; when another
+        of the model's runs held the loop in this iteration, it is gathered with the others
+        arriving in the iteration and runs with them, merged, in the next (see
+        :mod:`~neuropod_serving.server.batching`). Otherwise it waits for the batcher's threads.
+
         The model gets writable input arrays (read-only ones are copied).
 
         :param options: what the request asks besides its tensors (a timeout, classification,
@@ -536,11 +545,32 @@ class Engine:
         if options is not None:
             return await self._infer_with(runner, served, inputs, requested, options)
         try:
-            if runner.batcher is not None:
-                self.check(served, inputs, requested)
+            batcher = runner.batcher
+            if batcher is not None:
+                self._check_missing(runner, inputs)
                 runner.gate.admit(False)
                 try:
-                    outputs = await asyncio.wrap_future(runner.batcher.submit(inputs, requested))
+                    # A fast model's requests run on the loop, as unbatched ones would: alone (the
+                    # model's own infer checks the spec), or gathered with the others arriving in
+                    # this loop iteration when they come in numbers that make merging pay.
+                    how = (
+                        batcher.alone_on_loop(asyncio.get_running_loop(), runner.ewma_s)
+                        if batcher.runs_alone_at_once
+                        and runner.inline_ok
+                        and runner.ewma_s < INLINE_BELOW_S
+                        and _nbytes(inputs) <= runner.inline_bytes
+                        else None
+                    )
+                    if how:
+                        outputs = batcher.run_alone(inputs, requested)
+                    else:
+                        self.check(served, inputs, requested)
+                        gathered = None
+                        if how is not None:
+                            gathered = await batcher.gather(asyncio.get_running_loop(), inputs, requested)
+                        if gathered is None:  # queued for the batcher's threads
+                            gathered = await asyncio.wrap_future(batcher.submit(inputs, requested))
+                        outputs = gathered
                 finally:
                     runner.gate.leave(False)
                 return _ordered(runner, outputs, requested)
@@ -585,7 +615,8 @@ class Engine:
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """:meth:`infer` for a caller on a thread of its own (the gRPC server's workers): the
         model runs on the calling thread once a run slot is free, or the request joins its
-        model's batch and waits. Same checks, limits, errors and metrics.
+        model's batch and waits (it runs on the calling thread, as a batch of one, when its
+        batcher has no queue delay and is idle). Same checks, limits, errors and metrics.
 
         :param time_left: the call's own deadline (gRPC's ``context.time_remaining``): asked
             only when the request has to wait, and a request still waiting when it passes
@@ -596,11 +627,15 @@ class Engine:
             return self._infer_blocking_with(runner, served, inputs, requested, options, time_left)
         try:
             gate = runner.gate
-            if runner.batcher is not None:
-                self.check(served, inputs, requested)
+            batcher = runner.batcher
+            if batcher is not None:
+                self._check_missing(runner, inputs)
                 gate.admit(False)
                 try:
-                    future = runner.batcher.submit(inputs, requested)
+                    if batcher.begin_alone():  # idle: it runs on this thread, as an unbatched request runs
+                        return _ordered(runner, batcher.run_alone(inputs, requested), requested)
+                    self.check(served, inputs, requested)
+                    future = batcher.submit(inputs, requested)
                     if time_left is None:
                         outputs = future.result()
                     else:  # the call's own deadline: a request whose caller gave up is not run
@@ -777,23 +812,58 @@ class Engine:
             ok = True
             return outputs
         finally:
-            seconds = time.perf_counter() - started
-            # The model's own time: without the full collections the run fell into (whichever thread
-            # ran them, every thread waited); the metrics below keep what the request took.
-            ran = seconds - (_FullCollections.seconds - collected)
-            # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
-            if ran >= SLOW_RUN_S and runner.ewma_s < INLINE_BELOW_S and time.thread_time() - cpu - (seconds - ran) >= SLOW_RUN_S / 2:
-                runner.inline_ok = False
-            elif queued is not None and ran < INLINE_BELOW_S and runner.inline_ok:
-                # Learnt on threads; a run on the loop had no larger input than this already.
-                size = _nbytes(inputs)
-                if size > runner.inline_bytes:
-                    runner.inline_bytes = size
-            runner.ewma_s += _EWMA * (ran - runner.ewma_s)
+            seconds = _learn(runner, inputs, started, cpu, collected, queued is not None)
             if ok:
                 self.metrics.ran(
                     runner.served.name, 0.0 if queued is None else begun - queued, seconds, started - begun
                 )
+
+    @staticmethod
+    def _timed(
+        runner: _Runner, inputs: dict[str, np.ndarray], requested: list[str] | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """One run of a batched model (a batch, or a request its idle batcher runs alone): the
+        model's run time, as :meth:`_run` learns it, decides whether its lone requests may run
+        on the event loop. The batcher records the metrics."""
+        started = time.perf_counter()
+        cpu = time.thread_time()
+        collected = _FullCollections.seconds
+        try:
+            if parameters is None:
+                return runner.served.model.infer(inputs, requested)
+            return runner.served.model.infer(inputs, requested, parameters=parameters)
+        finally:
+            _learn(runner, inputs, started, cpu, collected, True)
+
+
+def _learn(
+    runner: _Runner, inputs: Mapping[str, np.ndarray], started: float, cpu: float, collected: float, on_thread: bool
+) -> float:
+    """Learn from a run of ``runner``'s model begun at ``started`` (``cpu``: the thread's CPU
+    time then, ``collected``: :class:`_FullCollections` seconds then) whether it may run on the
+    event loop (:attr:`_Runner.inline_ok`, ``ewma_s``, ``inline_bytes``); the run's seconds.
+
+    :param on_thread: the run was not on the event loop (only such runs raise ``inline_bytes``).
+    """
+    seconds = time.perf_counter() - started
+    # The model's own time: without the full collections the run fell into (whichever thread
+    # ran them, every thread waited); the metrics keep what the request took.
+    ran = seconds - (_FullCollections.seconds - collected)
+    # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
+    if (
+        ran >= SLOW_RUN_S
+        and runner.ewma_s < INLINE_BELOW_S
+        and time.thread_time() - cpu - (seconds - ran) >= SLOW_RUN_S / 2
+    ):
+        runner.inline_ok = False
+    elif on_thread and ran < INLINE_BELOW_S and runner.inline_ok:
+        # Learnt on threads; a run on the loop had no larger input than this already.
+        size = _nbytes(inputs)
+        if size > runner.inline_bytes:
+            runner.inline_bytes = size
+    runner.ewma_s += _EWMA * (ran - runner.ewma_s)
+    return seconds
 
 
 _CALL_DEADLINE = "the call's deadline"

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from neuropod_serving.server.statistics import ModelStats, model_statistics
@@ -148,11 +148,15 @@ class ServerMetrics:
         requests: int = 1,
         prepared: float = 0.0,
         extracted: float = 0.0,
+        waited: Sequence[float] = (),
     ) -> None:
         """One batched run that succeeded: ``requests`` requests of ``rows`` rows in all,
         ``prepared`` seconds making its inputs, ``seconds`` in the model, ``extracted``
-        splitting its outputs (each request's wait is :meth:`queued`)."""
+        splitting its outputs; ``waited``: each request's wait, as :meth:`queued` records it
+        (one lock for the whole batch)."""
         with self._lock:
+            for w in waited:
+                _observe(self._queue_duration, model, LATENCY_BUCKETS, w)
             _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
             if self.watch is not None:
                 self.watch.observe(model, seconds)
@@ -338,6 +342,7 @@ class Recorder(Protocol):
         requests: int = 1,
         prepared: float = 0.0,
         extracted: float = 0.0,
+        waited: Sequence[float] = (),
     ) -> None: ...
 
     def loaded(self, count: int) -> None: ...
@@ -363,6 +368,7 @@ class NoMetrics:
         requests: int = 1,
         prepared: float = 0.0,
         extracted: float = 0.0,
+        waited: Sequence[float] = (),
     ) -> None:
         pass
 
