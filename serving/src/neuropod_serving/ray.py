@@ -37,7 +37,7 @@ import io
 import logging
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -324,10 +324,13 @@ class RayMetrics:
         requests: int = 1,
         prepared: float = 0.0,
         extracted: float = 0.0,
+        waited: Sequence[float] = (),
     ) -> None:
         # Triton's statistics (the other arguments) are not kept on Ray Serve: one replica's
         # numbers behind a load-balancing proxy would mislead, as /metrics would.
         tags = self._model(model)
+        for w in waited:  # each request's wait in the queue, as queued() records one
+            self._queue.observe(w, tags)
         self._compute.observe(seconds, tags)
         if rows is not None:
             self._batch.observe(rows, tags)
