@@ -733,9 +733,14 @@ class _Threads:
         return self.infer(inputs, requested)
 
 
-def _fast_engine(repo: Path, policy: BatchPolicy) -> tuple[Engine, _Threads]:
-    """An engine batching ``adder`` whose runs have proved fast (so it may run on the event loop)."""
-    from neuropod_serving.server.engine import INLINE_BELOW_S
+def _fast_engine(repo: Path, policy: BatchPolicy, monkeypatch: pytest.MonkeyPatch) -> tuple[Engine, _Threads]:
+    """An engine batching ``adder`` whose runs have proved fast (so it may run on the event loop).
+    Any run under 10 s counts as fast here, so that a busy machine descheduling a run for a few
+    milliseconds cannot move ``adder`` off the loop in the middle of a test."""
+    from neuropod_serving.server import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "INLINE_BELOW_S", 10.0)
+    INLINE_BELOW_S = engine_module.INLINE_BELOW_S
 
     registry = ModelRegistry.load([repo / "models" / "adder"])
     served = registry.get("adder")
@@ -775,10 +780,12 @@ def _stats(engine: Engine) -> dict[str, Any]:
     return engine.metrics.statistics("adder", "1")
 
 
-def test_lone_request_runs_at_once_where_it_arrives_when_the_batcher_is_idle(repo: Path) -> None:
+def test_lone_request_runs_at_once_where_it_arrives_when_the_batcher_is_idle(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Delay 0 takes what is waiting: a request alone, nothing in flight, runs at once (no
     # thread hop), on the event loop for a fast model and on a gRPC thread on its own.
-    engine, threads = _fast_engine(repo, BatchPolicy(8))
+    engine, threads = _fast_engine(repo, BatchPolicy(8), monkeypatch)
     try:
         adder = engine.get("adder")
         before = _stats(engine)
@@ -811,10 +818,10 @@ def test_lone_request_runs_at_once_where_it_arrives_when_the_batcher_is_idle(rep
     assert _no_batcher_threads("adder")
 
 
-def test_lone_request_waits_out_a_queue_delay(repo: Path) -> None:
+def test_lone_request_waits_out_a_queue_delay(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # With a delay, a lone request waits for company as Triton's dynamic batcher does (the
     # documented policy): never on the event loop, however fast the model.
-    engine, threads = _fast_engine(repo, BatchPolicy(8, 0.05))
+    engine, threads = _fast_engine(repo, BatchPolicy(8, 0.05), monkeypatch)
     try:
         adder = engine.get("adder")
         inputs = _adder_inputs(1, 800)
@@ -836,7 +843,7 @@ def test_requests_arriving_together_on_the_loop_are_merged(repo: Path, monkeypat
     # Eight requests reach the engine in one iteration of the loop: the first runs alone at
     # once, the seven that arrive while it held the loop run in the next iteration, merged
     # in batches of at most max_batch_size rows, on the loop.
-    engine, threads = _fast_engine(repo, BatchPolicy(4))
+    engine, threads = _fast_engine(repo, BatchPolicy(4), monkeypatch)
     try:
         adder = engine.get("adder")
         # Before merging pays (no burst seen yet), they run one by one on the loop.
@@ -876,7 +883,7 @@ def test_requests_arriving_together_on_the_loop_are_merged(repo: Path, monkeypat
 def test_errors_in_requests_gathered_on_the_loop(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A bad request among those arriving together fails alone (checked before it joins); a
     # model failure fails every request of its merged run, and the model keeps serving.
-    engine, threads = _fast_engine(repo, BatchPolicy(8))
+    engine, threads = _fast_engine(repo, BatchPolicy(8), monkeypatch)
     try:
         _teach_bursts(engine, monkeypatch)
         threads.runs.clear()
@@ -905,7 +912,7 @@ def test_errors_in_requests_gathered_on_the_loop(repo: Path, monkeypatch: pytest
         engine.close()
 
 
-def test_rest_and_grpc_clients_at_once_share_the_batcher(repo: Path) -> None:
+def test_rest_and_grpc_clients_at_once_share_the_batcher(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # REST requests run on the event loop (alone or gathered), gRPC requests on their threads
     # (alone when the batcher is idle, else queued for its batches): every answer is right
     # and the statistics count every request and row once.
@@ -914,7 +921,7 @@ def test_rest_and_grpc_clients_at_once_share_the_batcher(repo: Path) -> None:
     from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
     from neuropod_serving.server.grpc_service import start_grpc_server
 
-    engine, threads = _fast_engine(repo, BatchPolicy(8))
+    engine, threads = _fast_engine(repo, BatchPolicy(8), monkeypatch)
     before = _stats(engine)
     n, rounds = 8, 5
     try:
