@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +177,7 @@ class OnnxModel:
         # The common call (a dict of every input, numpy arrays, no string inputs, all outputs in
         # host memory) needs none of run's choices: just the session and the outputs' dict.
         self._plain = not self._string_inputs
-        self._as_dict = _dict_maker(self._output_names)
+        self._one_output = self._output_names[0] if len(self._output_names) == 1 else None
 
     @classmethod
     def load(cls, package: Package, device: str, options: Mapping[str, Any]) -> OnnxModel:
@@ -194,7 +194,9 @@ class OnnxModel:
     ) -> dict[str, Any]:
         if requested is None and output_device is None and self._plain and type(inputs) is dict \
                 and len(inputs) == self._n_inputs:  # fmt: skip
-            return self._as_dict(self._run(self._output_names, inputs))
+            values = self._run(self._output_names, inputs)
+            one = self._one_output  # the usual model: a dict literal, no zip
+            return {one: values[0]} if one is not None else dict(zip(self._output_names, values))
         if len(inputs) != self._n_inputs:
             missing = [n for n in self._input_names if n not in inputs]
             raise SpecError(f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: ONNX has no optional inputs")
@@ -238,15 +240,6 @@ class OnnxModel:
         # Dropping the last references frees the session's memory.
         self.__dict__.pop("session", None)
         self.__dict__.pop("_run", None)
-
-
-def _dict_maker(names: Sequence[str]) -> Callable[[Sequence[Any]], dict[str, Any]]:
-    """A function that pairs ``names`` with a run's values: one dict, built at the cost of a literal."""
-    if len(names) == 1:  # the usual model: no zip, no pairs
-        (name,) = names
-        return lambda values: {name: values[0]}
-    names = tuple(names)
-    return lambda values: dict(zip(names, values))
 
 
 def _bind_device_input(binding: Any, name: str, value: Any, device_id: int, model: str) -> Any:
