@@ -255,15 +255,14 @@ class NeuropodModel:
         output_device: str | None,
     ) -> dict[str, Any]:  # fmt: skip
         """What the backend returned, as a dict checked against the output spec."""
-        if type(outputs) is not dict:
-            if not isinstance(outputs, Mapping):
-                raise BackendError(
-                    f"Backend {self.backend.id} returned {type(outputs).__name__} for model {self.name!r}, "
-                    "not a dict of output name to numpy array"
-                )
-            outputs = dict(outputs)
-        self._validator.check_outputs(outputs, bindings, requested_outputs, output_device is not None)
-        return outputs
+        if type(outputs) is not dict and not isinstance(outputs, Mapping):
+            raise BackendError(
+                f"Backend {self.backend.id} returned {type(outputs).__name__} for model {self.name!r}, "
+                "not a dict of output name to numpy array"
+            )
+        checked: dict[str, Any] = outputs if type(outputs) is dict else dict(outputs)
+        self._validator.check_outputs(checked, bindings, requested_outputs, output_device is not None)
+        return checked
 
     def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:
         """Run the checked inputs: the backend's ``infer`` hook (bound once, see :meth:`_bind_infer`)."""

@@ -309,7 +309,7 @@ def _positional_call(names: Sequence[str], convert: Mapping[str, Callable[[Any],
     checks), so a call is one line: no list built, no loop of lookups. A missing name is the
     KeyError the general call would raise.
     """
-    env = {f"c{i}": convert[name] for i, name in enumerate(names)}
+    env: dict[str, Any] = {f"c{i}": convert[name] for i, name in enumerate(names)}
     args = ", ".join(f"c{i}(i[{name!r}])" for i, name in enumerate(names))
     exec(f"def call(f, i):\n    return f({args})", env)  # our own source: names enter only as repr() literals
     call: Callable[[Any, Any], Any] = env["call"]
