@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,12 @@ class ToyModel:
             out = {"out": np.zeros((inputs["x"].shape[0] + 1, 2), np.float32)}
         elif self.op == "raise":
             raise RuntimeError("toy framework exploded")
+        elif self.op == "mapping":  # a read-only mapping, not a dict
+            return types.MappingProxyType({"out": inputs["x"] + inputs["y"]})  # type: ignore[return-value]
+        elif self.op == "list":  # not a mapping at all
+            return [inputs["x"] + inputs["y"]]  # type: ignore[return-value]
+        elif self.op == "float64":
+            out = {"out": (inputs["x"] + inputs["y"]).astype(np.float64)}
         else:
             out = {"out": inputs["x"], "extra": inputs["x"]}
         return {k: v for k, v in out.items() if requested is None or k in requested}
@@ -81,9 +88,20 @@ class ToyPlugin:
         return model.run(inputs, requested_outputs)
 
 
+class ToyPluginWithDevice(ToyPlugin):
+    """:class:`ToyPlugin` whose ``infer`` also takes ``output_device`` (as the ONNX and torch plugins' do)."""
+
+    @hookimpl
+    def infer(  # type: ignore[override]
+        self, model: Any, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, output_device: str | None
+    ) -> Any:
+        assert output_device is None, "a CPU model's outputs are numpy arrays"
+        return model.run(inputs, requested_outputs)
+
+
 @contextlib.contextmanager
-def toy_plugin(gpu: bool = False) -> Iterator[ToyPlugin]:
-    plugin = ToyPlugin(gpu)
+def toy_plugin(gpu: bool = False, with_device: bool = False) -> Iterator[ToyPlugin]:
+    plugin = ToyPluginWithDevice(gpu) if with_device else ToyPlugin(gpu)
     assert plugins.register(plugin, "toy")
     try:
         yield plugin

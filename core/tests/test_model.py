@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -127,3 +128,57 @@ def test_lazy_public_names() -> None:
     assert "load_neuropod" in dir(neuropod)
     with pytest.raises(AttributeError):
         neuropod.not_a_thing  # noqa: B018
+
+
+# --- the common call: the same answers and errors as the general path ---------------------------
+
+# Inputs that fit the toy adder's spec (x, y: float32 [batch_size, 2]) or miss it one way each.
+_CALLS = {
+    "fits": {"x": X, "y": Y},
+    "non-contiguous": {"x": np.asfortranarray(X), "y": Y},
+    "a numpy scalar": {"x": np.float32(1), "y": Y},
+    "wrong dtype": {"x": X.astype(np.float64), "y": Y},
+    "wrong rank": {"x": X[0], "y": Y},
+    "wrong fixed dim": {"x": np.zeros((2, 3), np.float32), "y": Y},
+    "symbol mismatch": {"x": X, "y": np.zeros((3, 2), np.float32)},
+    "missing input": {"x": X},
+    "unknown input": {"x": X, "y": Y, "z": X},
+    "a list, not an array": {"x": X.tolist(), "y": Y},
+    "a read-only mapping": MappingProxyType({"x": X, "y": Y}),
+    "not a mapping": [X, Y],
+}
+
+
+def _answer(model: neuropod.NeuropodModel, inputs: object) -> object:
+    try:
+        return model.infer(inputs)  # type: ignore[arg-type]
+    except NeuropodError as e:
+        return type(e), str(e)
+
+
+@pytest.mark.parametrize("with_device", [False, True], ids=["infer(model, inputs, requested)", "+ output_device"])
+@pytest.mark.parametrize("op", ["add", "wrong_shape", "extra", "raise", "mapping", "list", "float64"])
+def test_the_common_call_answers_as_the_general_checks(tmp_path: Path, op: str, with_device: bool) -> None:
+    """infer's path for the common call (checks compiled for the model, the hook called directly) gives
+    every call the very outputs or error that the general checks give with every fast path switched off."""
+    path = write_toy(tmp_path / "m", op=op)
+    with (
+        toy_plugin(with_device=with_device),
+        neuropod.load_neuropod(path) as model,
+        neuropod.load_neuropod(path) as general,
+    ):
+        assert model._fast is not None
+        general._fast = None
+        general._validator._fast_inputs = general._validator._fast_outputs = None
+        for what, inputs in _CALLS.items():
+            fast, slow = _answer(model, inputs), _answer(general, inputs)
+            if isinstance(slow, dict):
+                assert isinstance(fast, dict) and fast.keys() == slow.keys(), what
+                for name in slow:
+                    np.testing.assert_array_equal(fast[name], slow[name])
+            else:
+                assert fast == slow, what
+        if op == "add":
+            assert isinstance(_answer(model, _CALLS["fits"]), dict)
+    with pytest.raises(NeuropodError, match="'toy_adder' is closed"):
+        model.infer(_CALLS["fits"])

@@ -72,6 +72,42 @@ def test_agrees_with_the_general_checks(
             np.testing.assert_array_equal(fast[0][name], arr)
 
 
+FIXED = parse_spec(
+    [
+        {"name": "m", "dtype": "float32", "shape": [2, 3]},
+        {"name": "v", "dtype": "int32", "shape": [3]},
+        {"name": "s", "dtype": "float64", "shape": []},
+    ],
+    "in",
+)
+SHAPES = [(2, 3), (3, 2), (2, 3, 1), (1, 2, 3), (6,), (3,), (2,), (), (1,), (0, 3), (2, 0)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    m_shape=st.sampled_from(SHAPES), v_shape=st.sampled_from(SHAPES), s_shape=st.sampled_from(SHAPES),
+    v_dtype=st.sampled_from(["int32", "int64"]), fortran=st.booleans(),
+)  # fmt: skip
+def test_fixed_shapes_agree_with_the_general_checks(
+    m_shape: tuple[int, ...], v_shape: tuple[int, ...], s_shape: tuple[int, ...], v_dtype: str, fortran: bool
+) -> None:
+    """Fully fixed shapes are checked with one tuple comparison: it passes exactly the right rank and sizes."""
+    v = SpecValidator("m", FIXED, FIXED)
+    inputs: dict[str, Any] = {
+        "m": np.zeros(m_shape, np.float32, order="F" if fortran else "C"),
+        "v": np.zeros(v_shape, v_dtype),
+        "s": np.zeros(s_shape, np.float64),
+    }
+    fast, general = _fast_or_general(v, inputs), _general(v, inputs)
+    if isinstance(general, str):
+        assert fast == general
+    else:
+        assert fast[1] == general[1] == {}
+        for name, arr in general[0].items():
+            assert fast[0][name].flags.c_contiguous
+            np.testing.assert_array_equal(fast[0][name], arr)
+
+
 def test_outputs_agree_and_report_the_same_misfit() -> None:
     v = SpecValidator("m", INPUTS, OUTPUTS)
     _, bindings = v.check_inputs({"x": np.zeros((2, 3), np.float32), "ids": np.zeros((2, 1), np.int64), "scale": np.array(1.0)})

@@ -53,6 +53,7 @@ class NeuropodModel:
         self._run_is_the_hook = type(self)._run is NeuropodModel._run
         self._validator.device_policy = self._device_policy()
         self._closed = False
+        self._fast = self._fast_call()
         self._close_lock = threading.Lock()
 
     #: Whether ``infer`` hands GPU tensors to the backend and honours ``output_device`` (set for
@@ -63,16 +64,45 @@ class NeuropodModel:
     #: The backend's ``infer`` as ``call(model, inputs, requested_outputs, parameters)`` when it
     #: takes request parameters (see :meth:`infer`); None when it does not.
     _infer_with_parameters: Callable[[Any, Any, Any, Any], Any] | None = None
+    #: The backend's ``infer`` itself when it takes ``(model, inputs, requested_outputs,
+    #: output_device)`` in that order: the common call passes None for the last positionally,
+    #: cheaper than :attr:`_infer`'s keyword (see :meth:`_fast_call`).
+    _infer_positional: Callable[[Any, Any, Any, Any], Any] | None = None
+    #: What the common call needs (see :meth:`_fast_call`); None when it takes :meth:`_checked_infer`.
+    _fast: tuple[Any, ...] | None = None
 
     def _bind_infer(self) -> None:
         # Bound once: the per-call path does not loop over plugins.
         infer_impl = plugins.bound_hook("infer", self.backend)
         self._infer = plugins.infer_caller(infer_impl)
+        if tuple(infer_impl.argnames) == plugins.INFER_ARGS_WITH_DEVICE:  # type: ignore[attr-defined]
+            self._infer_positional = infer_impl.function  # type: ignore[attr-defined]
         self._infer_with_parameters = plugins.parameters_caller(infer_impl)
         chosen = self.resolution.chosen
         if chosen and chosen.caps.device_tensors and "output_device" in infer_impl.argnames:  # type: ignore[attr-defined]
             self._infer_on_device = infer_impl.function  # type: ignore[attr-defined]
             self._device_tensors = True
+
+    def _fast_call(self) -> tuple[Any, ...] | None:
+        """What :meth:`infer` needs for the call every model gets most, all looked up once:
+        ``(check_inputs, run, with_device, handle, check_outputs)``; None when this model has no
+        such path.
+
+        That call is a dict of numpy arrays that fit the spec, all outputs, numpy out, no
+        request parameters: the spec checks compiled for this model (``check_outputs`` None
+        when outputs always take the general checks), and the backend's hook as
+        ``run(handle, inputs, requested_outputs[, output_device])`` (``with_device``: the
+        fourth is passed). Anything the checks do not pass takes the general checks, which say
+        what is wrong. It holds no reference to the model (see :meth:`_device_policy`);
+        :meth:`close` drops it.
+        """
+        validator = self._validator
+        if not self._run_is_the_hook or validator._fast_inputs is None:
+            return None
+        positional = self._infer_positional
+        run = self._infer if positional is None else positional
+        check_outputs = validator._fast_outputs if validator.shared_symbols else None
+        return (validator._fast_inputs, run, positional is not None, self._handle, check_outputs)
 
     def _no_device_tensors(self) -> str:
         """Why this model takes no tensors on a GPU (for messages)."""
@@ -164,6 +194,24 @@ class NeuropodModel:
         :raises SpecError: an input or output does not fit the spec.
         :raises BackendError: the framework failed; its exception is chained.
         """
+        fast = self._fast
+        if fast is not None and requested_outputs is None and output_device is None and not parameters \
+                and type(inputs) is dict:  # fmt: skip
+            # The common call, in as few steps as it takes (see _fast_call): the inputs pass the
+            # checks compiled for this model as they are, and so do the outputs, or the general
+            # checks take them and say what is wrong.
+            check_inputs, run, with_device, handle, check_outputs = fast
+            bindings = check_inputs(inputs, {})
+            if bindings is not None:
+                try:
+                    outputs = run(handle, inputs, None, None) if with_device else run(handle, inputs, None)
+                except NeuropodError:
+                    raise
+                except Exception as e:
+                    raise self._run_failed(e) from e
+                if type(outputs) is dict and check_outputs is not None and check_outputs(outputs, bindings) is not None:
+                    return outputs
+                return self._checked_outputs(outputs, bindings, None, None)
         return self._checked_infer(inputs, requested_outputs, None, output_device, parameters)
 
     def _checked_infer(
@@ -180,13 +228,7 @@ class NeuropodModel:
             output_device = self._output_device(output_device)  # None for "cpu"
         if parameters:
             check_parameters(parameters)
-        # The spec checks compiled for this model, called here for the common call (a frame less
-        # each way); anything they do not pass takes the validator's general checks.
-        fast_in = validator._fast_inputs
-        if fast_in is not None and type(inputs) is dict and (bound := fast_in(inputs, {})) is not None:
-            checked, bindings = inputs, bound
-        else:
-            checked, bindings = validator.check_inputs(inputs)
+        checked, bindings = validator.check_inputs(inputs)
         try:
             if output_device is None:
                 if parameters:
@@ -201,21 +243,26 @@ class NeuropodModel:
         except NeuropodError:
             raise
         except Exception as e:
-            raise BackendError(f"Backend {self.backend.id} failed to run model {self.name!r}: {_framework_error(e)}") from e
-        if type(outputs) is not dict:
-            if not isinstance(outputs, Mapping):
-                raise BackendError(
-                    f"Backend {self.backend.id} returned {type(outputs).__name__} for model {self.name!r}, "
-                    "not a dict of output name to numpy array"
-                )
-            outputs = dict(outputs)
-        fast_out = validator._fast_outputs
-        if (
-            fast_out is None or requested_outputs is not None or not validator.shared_symbols
-            or fast_out(outputs, bindings) is None
-        ):  # fmt: skip
-            validator.check_outputs(outputs, bindings, requested_outputs, output_device is not None)
-        return outputs
+            raise self._run_failed(e) from e
+        return self._checked_outputs(outputs, bindings, requested_outputs, output_device)
+
+    def _run_failed(self, e: Exception) -> BackendError:
+        """The error for a framework's exception while running the model (the caller chains ``e``)."""
+        return BackendError(f"Backend {self.backend.id} failed to run model {self.name!r}: {_framework_error(e)}")
+
+    def _checked_outputs(
+        self, outputs: Any, bindings: dict[str, tuple[int, str]], requested_outputs: list[str] | None,
+        output_device: str | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """What the backend returned, as a dict checked against the output spec."""
+        if type(outputs) is not dict and not isinstance(outputs, Mapping):
+            raise BackendError(
+                f"Backend {self.backend.id} returned {type(outputs).__name__} for model {self.name!r}, "
+                "not a dict of output name to numpy array"
+            )
+        checked: dict[str, Any] = outputs if type(outputs) is dict else dict(outputs)
+        self._validator.check_outputs(checked, bindings, requested_outputs, output_device is not None)
+        return checked
 
     def _run(self, inputs: dict[str, np.ndarray], requested_outputs: list[str] | None, call_options: Any) -> Any:
         """Run the checked inputs: the backend's ``infer`` hook (bound once, see :meth:`_bind_infer`)."""
@@ -239,6 +286,7 @@ class NeuropodModel:
             if self._closed:
                 return
             self._closed = True
+            self._fast = None  # later calls take _checked_infer, which says the model is closed
             handle, self._handle = self._handle, None
         closer = getattr(handle, "close", None)
         if callable(closer):

@@ -357,6 +357,8 @@ def bound_hook(hook_name: str, backend: Backend) -> Callable[..., Any]:
 
 
 _INFER_ARGS = ("model", "inputs", "requested_outputs")
+#: The ``infer`` hook's arguments when an implementation takes ``output_device`` too, in this order.
+INFER_ARGS_WITH_DEVICE = (*_INFER_ARGS, "output_device")
 
 
 def infer_caller(impl: Any) -> Callable[[Any, Any, Any], Any]:
@@ -369,7 +371,7 @@ def infer_caller(impl: Any) -> Callable[[Any, Any, Any], Any]:
     fn, args = impl.function, tuple(impl.argnames)
     if args == _INFER_ARGS:
         return fn  # type: ignore[no-any-return]
-    if args == (*_INFER_ARGS, "output_device"):
+    if args == INFER_ARGS_WITH_DEVICE:
         # A partial, not a lambda: no Python frame of ours between the model and the plugin.
         return functools.partial(fn, output_device=None)
 

@@ -418,11 +418,11 @@ def _fast_check(specs: Sequence[TensorSpec], what: str) -> Callable[[dict[str, A
     lines += ["    except KeyError:", "        return None"]
     for i, s in enumerate(specs):
         env[f"D{i}"] = DTYPES[s.dtype]
-        lines += [
-            f"    if type(a{i}) is not ndarray or a{i}.dtype is not D{i} or not a{i}.flags.c_contiguous:",
-            "        return None",
-            f"    s{i} = a{i}.shape",
-        ]
+        head = f"    if type(a{i}) is not ndarray or a{i}.dtype is not D{i} or not a{i}.flags.c_contiguous"
+        if all(isinstance(dim, int) for dim in s.shape):  # a fixed shape: one tuple comparison
+            lines += [f"{head} or a{i}.shape != {tuple(s.shape)!r}:", "        return None"]
+            continue
+        lines += [f"{head}:", "        return None", f"    s{i} = a{i}.shape"]
         conditions = [f"len(s{i}) != {len(s.shape)}"]
         conditions += [f"s{i}[{axis}] != {dim}" for axis, dim in enumerate(s.shape) if isinstance(dim, int)]
         lines += [f"    if {' or '.join(conditions)}:", "        return None"]

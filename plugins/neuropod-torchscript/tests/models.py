@@ -135,3 +135,19 @@ class Big(torch.nn.Module):
 
     def forward(self, x: Tensor) -> dict[str, Tensor]:
         return {"y": x @ self.w}
+
+
+class Subtract(torch.nn.Module):
+    """Takes its arguments in the other order than the spec lists them: y first, then x."""
+
+    def forward(self, y: Tensor, x: Tensor) -> dict[str, Tensor]:
+        return {"diff": x - y}
+
+
+class CountAndLabel(torch.nn.Module):
+    """A dict of a tensor and a List[str] (Union values): numpy for both."""
+
+    def forward(self, x: Tensor) -> dict[str, Tensor | list[str]]:
+        out: dict[str, Tensor | list[str]] = {"n": torch.tensor(x.shape[0])}
+        out["label"] = ["item" for _ in range(x.shape[0])]
+        return out

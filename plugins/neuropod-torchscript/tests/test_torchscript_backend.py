@@ -482,3 +482,25 @@ def test_device_input_converters() -> None:
     for given in (arr, t, OnlyDLPack()):
         got = convert(given)
         assert isinstance(got, torch.Tensor) and got.data_ptr() == t.data_ptr()
+
+
+def test_arguments_go_by_name_whatever_their_order(tmp_path: Path) -> None:
+    """forward's arguments are matched to inputs by name, not by the spec's order."""
+    path = package(tmp_path, models.Subtract(), spec(("x", "float32", [2]), ("y", "float32", [2])),
+                   spec(("diff", "float32", [2])))  # fmt: skip
+    x, y = np.array([10, 20], np.float32), np.array([1, 2], np.float32)
+    with neuropod.load_neuropod(path) as m:
+        np.testing.assert_array_equal(m.infer({"x": x, "y": y})["diff"], x - y)
+        np.testing.assert_array_equal(m.infer({"y": y, "x": x})["diff"], x - y)
+        with pytest.raises(SpecError, match="not found in the input spec"):
+            m.infer({"x": x, "z": y})
+
+
+def test_a_dict_of_a_tensor_and_a_string_list(tmp_path: Path) -> None:
+    path = package(tmp_path, models.CountAndLabel(), spec(("x", "float32", ["n"])),
+                   spec(("n", "int64", []), ("label", "string", ["n"])))  # fmt: skip
+    with neuropod.load_neuropod(path) as m:
+        out = m.infer({"x": np.ones(3, np.float32)})
+        assert out["n"].shape == () and out["n"] == 3 and type(out["n"]) is np.ndarray
+        assert out["label"].dtype.kind == "U" and out["label"].tolist() == ["item"] * 3
+        assert list(m.infer({"x": np.ones(3, np.float32)}, requested_outputs=["label"])) == ["label"]

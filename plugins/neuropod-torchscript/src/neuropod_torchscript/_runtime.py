@@ -40,7 +40,8 @@ LOAD_OPTIONS = THREAD_OPTIONS
 
 # Inference mode per call, as a C++ guard: the Python context manager costs a
 # few microseconds a call, more than everything else neuropod adds.
-_InferenceGuard: Callable[[bool], Any] | None = getattr(torch._C, "_InferenceMode", None)
+_InferenceGuard: Callable[[bool], Any] = getattr(torch._C, "_InferenceMode", None) or (lambda _mode: None)
+_Tensor = torch.Tensor
 
 
 def is_legacy_format(path: Path) -> bool:
@@ -139,6 +140,12 @@ class TorchScriptModel:
             s.name: _converter(s, (device if config.input_tensor_device.get(s.name, "GPU") != "CPU" else _CPU) if on_gpu else None)
             for s in config.input_spec
         }
+        # forward called with one argument per input, each named, in forward's order: the call
+        # with every input, as one line written for this model (see _positional_call).
+        names = self.signature.names
+        self._n_args = len(names)
+        takes_every_input = not self.signature.dict_arg and sorted(names) == sorted(self._convert)
+        self._call_all = _positional_call(names, self._convert) if takes_every_input else None
 
     @classmethod
     def load(cls, package: Package, device: str, options: Mapping[str, Any]) -> TorchScriptModel:
@@ -168,25 +175,41 @@ class TorchScriptModel:
     def run(
         self, inputs: Mapping[str, Any], requested: Sequence[str] | None, output_device: str | None = None
     ) -> dict[str, Any]:
-        convert = self._convert
-        guard = _InferenceGuard(True) if _InferenceGuard is not None else None
+        guard = _InferenceGuard(True)
         try:
-            sig = self.signature
-            if sig.dict_arg:
-                result = self._forward({name: convert[name](arr) for name, arr in inputs.items()})
-            elif len(inputs) == len(sig.names):
-                result = self._forward(*[convert[n](inputs[n]) for n in sig.names])
+            call_all = self._call_all
+            if call_all is not None and len(inputs) == self._n_args:
+                result = call_all(self._forward, inputs)
             else:
-                missing = [n for n in sig.required if n not in inputs]
-                if missing:
-                    raise SpecError(
-                        f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: {sig.text} has no "
-                        "default for them"
-                    )
-                result = self._forward(**{name: convert[name](arr) for name, arr in inputs.items()})
+                result = self._call(inputs)
+            if requested is None and output_device is None and type(result) is dict:
+                # The usual answer, a dict of CPU tensors, as numpy arrays; anything else (a
+                # List[str], a tensor elsewhere) takes _outputs from the start.
+                out = {}
+                for name, value in result.items():
+                    if type(value) is not _Tensor or not value.is_cpu:
+                        break
+                    out[name] = value.numpy()
+                else:
+                    return out
             return self._outputs(result, requested, output_device)
         finally:
             del guard
+
+    def _call(self, inputs: Mapping[str, Any]) -> Any:
+        """Call forward with what the inputs are (all of them by name, a dict, or some left to defaults)."""
+        convert = self._convert
+        sig = self.signature
+        if sig.dict_arg:
+            return self._forward({name: convert[name](arr) for name, arr in inputs.items()})
+        if len(inputs) == len(sig.names):
+            return self._forward(*[convert[n](inputs[n]) for n in sig.names])
+        missing = [n for n in sig.required if n not in inputs]
+        if missing:
+            raise SpecError(
+                f"Model {self.name!r} needs input(s) {', '.join(map(repr, missing))}: {sig.text} has no default for them"
+            )
+        return self._forward(**{name: convert[name](arr) for name, arr in inputs.items()})
 
     def _outputs(self, result: Any, requested: Sequence[str] | None, output_device: str | None) -> dict[str, Any]:
         # What forward may return, as the original Neuropod read it: a dict; a
@@ -214,7 +237,7 @@ class TorchScriptModel:
                 if output_device is not None:  # left on the model's GPU, as a torch tensor (DLPack-capable)
                     out[name] = value if value.device == self.device else value.to(self.device)
                     continue
-                if value.device.type != "cpu":
+                if not value.is_cpu:
                     value = value.cpu()
                 out[name] = value.numpy()
             elif isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -277,6 +300,20 @@ def _converter(spec: TensorSpec, device: torch.device | None) -> Callable[[Any],
     if device is None:
         return torch.from_numpy
     return gpu_model_input(device)
+
+
+def _positional_call(names: Sequence[str], convert: Mapping[str, Callable[[Any], Any]]) -> Callable[[Any, Any], Any]:
+    """``call(forward, inputs)``: forward with every input converted, one argument per name, in order.
+
+    Written as Python source for these names (as :func:`neuropod.spec.SpecValidator` writes its
+    checks), so a call is one line: no list built, no loop of lookups. A missing name is the
+    KeyError the general call would raise.
+    """
+    env: dict[str, Any] = {f"c{i}": convert[name] for i, name in enumerate(names)}
+    args = ", ".join(f"c{i}(i[{name!r}])" for i, name in enumerate(names))
+    exec(f"def call(f, i):\n    return f({args})", env)  # our own source: names enter only as repr() literals
+    call: Callable[[Any, Any], Any] = env["call"]
+    return call
 
 
 def _to_str_list(arr: np.ndarray) -> list[str]:
