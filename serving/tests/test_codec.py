@@ -654,3 +654,23 @@ def test_known_and_fresh_decodes_agree(rows: list[int], dtype: str) -> None:
         for _ in range(2):
             back = parse_infer_response(bytearray(answer.content), answer.json_length).outputs
             assert all(back[k].tolist() == v.tolist() for k, v in arrays.items())
+
+
+@pytest.mark.parametrize("datatype", [d for d in NUMERIC if d != "BOOL"])
+def test_decoded_arrays_carry_numpys_own_dtype(datatype: str) -> None:
+    """Binary tensors, REST and gRPC, decode to arrays of numpy's own dtype instance (not an
+    equal copy): a model's compiled spec check compares dtypes by identity, so an equal copy
+    would send every served request through the general checks."""
+    from neuropod_serving.protocol import grpc_codec
+
+    array = _sample(datatype, (2, 3))
+    native = np.dtype(DATATYPES[datatype])
+    body = build_infer_request({"x": array}, binary=True)
+    rest = parse_infer_request(body.content, str(body.json_length)).inputs["x"]
+    grpc = grpc_codec.deserialize_model_infer_request(
+        grpc_codec.serialize_model_infer_request("m", {"x": array})
+    ).decode(None).inputs["x"]
+    for decoded in (rest, grpc):
+        assert np.array_equal(decoded, array)
+        if native.byteorder in ("=", "|") and np.little_endian:
+            assert decoded.dtype is native

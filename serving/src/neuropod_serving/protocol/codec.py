@@ -56,9 +56,19 @@ SHAPE_PARAMETER = "neuropod_shape"
 #: The HTTP header that says how long the JSON part of a binary body is.
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
+
+def _wire_dtype(dtype: str) -> np.dtype[Any]:
+    """The little-endian dtype of ``dtype``: numpy's own instance of it where the host is
+    little-endian (an equal copy from newbyteorder would make every decoded array miss the
+    spec's compiled checks, which compare dtypes by identity)."""
+    native = np.dtype(dtype)
+    little = native.newbyteorder("<")
+    return native if little == native else little
+
+
 # Binary tensors are little-endian on the wire whatever the host is.
 _WIRE_DTYPES: dict[str, np.dtype[Any]] = {
-    datatype: np.dtype(dtype).newbyteorder("<") for datatype, dtype in DATATYPES.items() if dtype != "string"
+    datatype: _wire_dtype(dtype) for datatype, dtype in DATATYPES.items() if dtype != "string"
 }
 _NATIVE_DTYPES: dict[str, np.dtype[Any]] = {
     datatype: np.dtype(dtype) for datatype, dtype in DATATYPES.items() if dtype != "string"

@@ -542,6 +542,8 @@ class Engine:
         :raises NeuropodError: the model failed (BackendError, WorkerError...).
         """
         runner = self._runner(served)
+        if requested is not None and requested == runner.output_names:
+            requested = None  # every output, in the spec's order (what clients that name them send): as asked for none
         if options is not None:
             return await self._infer_with(runner, served, inputs, requested, options)
         try:
@@ -623,6 +625,8 @@ class Engine:
             is not run, as with a ``timeout`` in ``options``.
         """
         runner = self._runner(served)
+        if requested is not None and requested == runner.output_names:
+            requested = None  # as in infer: the model's common call, which needs no list of outputs
         if options is not None:
             return self._infer_blocking_with(runner, served, inputs, requested, options, time_left)
         try:
