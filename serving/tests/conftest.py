@@ -140,3 +140,28 @@ def python_package(dest: Path, name: str, code: str, *, batched: bool = True) ->
         [{"name": "x", "dtype": "float32", "shape": shape}], [{"name": "y", "dtype": "float32", "shape": shape}],
     )  # fmt: skip
     return path
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid``, through /proc/<pid>/task/*/children."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                kids = {int(c) for c in task.read_text().split()}
+            except OSError:
+                continue
+            todo += sorted(kids - found)
+            found |= kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -37,7 +37,7 @@ httpx = pytest.importorskip("httpx")
 from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response  # noqa: E402
 from neuropod_serving.server import Engine, ModelRegistry, create_app  # noqa: E402
 
-from conftest import adder_and_echo, free_port, private_caches, serve_in_thread  # noqa: E402
+from conftest import adder_and_echo, alive, descendants, free_port, private_caches, serve_in_thread  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for worker processes")
 
@@ -54,31 +54,6 @@ def repo() -> Iterator[Path]:
         (root / "token").write_text(f"{TOKEN}\nsecond line is ignored\n")
         yield root
     shutil.rmtree(root, ignore_errors=True)
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live descendant of ``pid``, through /proc/<pid>/task/*/children."""
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            try:
-                kids = {int(c) for c in task.read_text().split()}
-            except OSError:
-                continue
-            todo += sorted(kids - found)
-            found |= kids
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 class _Served:
@@ -171,7 +146,7 @@ def test_serve_process_with_token(repo: Path) -> None:
         assert http.get("/v2/models/nope", headers=AUTH).status_code == 404
         _check_adder(served)
         _check_echo(served)
-        children = _descendants(pid)
+        children = descendants(pid)
     finally:
         out, err, took = _stop(served)
     assert served.proc.returncode in (0, -signal.SIGTERM), err
@@ -184,9 +159,9 @@ def test_serve_process_with_token(repo: Path) -> None:
     assert any(line.startswith("echo") for line in lines), out
     assert "serving 2 model(s)" in out and "bearer token required" in out and TOKEN not in out + err
     deadline = time.monotonic() + 5
-    while any(map(_alive, children)) and time.monotonic() < deadline:
+    while any(map(alive, children)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [c for c in children if _alive(c)], "processes left behind after SIGTERM"
+    assert not [c for c in children if alive(c)], "processes left behind after SIGTERM"
 
 
 def test_serve_process_quiet_with_workers(repo: Path) -> None:
@@ -194,8 +169,8 @@ def test_serve_process_quiet_with_workers(repo: Path) -> None:
     pid = served.proc.pid
     try:
         # Two models, two workers each, every one a child of the server.
-        workers = _descendants(pid)
-        cmdlines = [Path(f"/proc/{w}/cmdline").read_bytes().split(b"\0") for w in workers if _alive(w)]
+        workers = descendants(pid)
+        cmdlines = [Path(f"/proc/{w}/cmdline").read_bytes().split(b"\0") for w in workers if alive(w)]
         assert sum(b"neuropod.ope.worker" in c for c in cmdlines) == 4, cmdlines
         for batch in (1, 3, 7):
             _check_adder(served, batch)
@@ -203,16 +178,16 @@ def test_serve_process_quiet_with_workers(repo: Path) -> None:
         # Concurrent requests, answered by both workers.
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda b: _check_adder(served, b), range(1, 17)))
-        assert _descendants(pid) == workers, "a worker was restarted while serving"
+        assert descendants(pid) == workers, "a worker was restarted while serving"
     finally:
         out, err, took = _stop(served)
     assert served.proc.returncode in (0, -signal.SIGTERM), err
     assert took < 10
     assert "MODEL" not in out and "serving" not in out, out  # --quiet
     deadline = time.monotonic() + 5
-    while any(map(_alive, workers)) and time.monotonic() < deadline:
+    while any(map(alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [w for w in workers if _alive(w)], "worker processes left behind after SIGTERM"
+    assert not [w for w in workers if alive(w)], "worker processes left behind after SIGTERM"
 
 
 # --- the fuzz -------------------------------------------------------------------------------

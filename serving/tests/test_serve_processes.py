@@ -33,7 +33,7 @@ httpx = pytest.importorskip("httpx")
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from conftest import adder_and_echo, free_port, private_caches  # noqa: E402
+from conftest import adder_and_echo, alive, descendants, free_port, private_caches  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT spreading and /proc")
 
@@ -45,29 +45,6 @@ def repo() -> Iterator[Path]:
         adder_and_echo(root / "models", echo_as_zip=False)
         yield root
     shutil.rmtree(root, ignore_errors=True)
-
-
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            try:
-                kids = {int(c) for c in task.read_text().split()}
-            except OSError:
-                continue
-            todo += sorted(kids - found)
-            found |= kids
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @dataclass
@@ -85,7 +62,7 @@ class _Group:
     def servers(self) -> list[int]:
         """The pids of the server processes (the parent's spawned children, not its resource tracker)."""
         found = []
-        for pid in sorted(_descendants(self.proc.pid)):
+        for pid in sorted(descendants(self.proc.pid)):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
@@ -135,9 +112,9 @@ def _stop(group: _Group, sig: int = signal.SIGTERM) -> float:
 def _gone(pids: list[int], within: float = 10.0) -> list[int]:
     """The pids still alive after waiting up to ``within`` seconds for them to go."""
     deadline = time.monotonic() + within
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +275,7 @@ def test_sigterm_stops_every_process(repo: Path, tmp_path: Path) -> None:
     with httpclient.InferenceServerClient(f"127.0.0.1:{served.http}") as client:
         x = np.ones((2, 2), np.float32)
         np.testing.assert_allclose(_infer_http(client, x, x), 2 * x)
-    family = sorted(_descendants(served.proc.pid))
+    family = sorted(descendants(served.proc.pid))
     assert len(served.servers()) == 2
     # Each process runs each model in 2 OPE workers of its own.
     workers = [p for p in family if b"neuropod.ope.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
