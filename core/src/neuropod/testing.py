@@ -487,10 +487,11 @@ def gpu_missing() -> str | None:
     return None if host.has_gpu else (host.note or "no GPU")
 
 
-def gpu_memory_used(device: str = "cuda:0") -> int:
-    """Bytes in use on a GPU as NVML counts them (every process's, the driver's own included), for tests
-    that check a closed model gave its memory back. NVML indexes GPUs as CUDA does without
-    ``CUDA_VISIBLE_DEVICES``."""
+def gpu_memory_used(device: str = "cuda:0", *, pid: int | None = None) -> int:
+    """Bytes in use on a GPU as NVML counts them, for tests that check a closed model gave its memory back:
+    process ``pid``'s alone when given, else every process's (the driver's own included). NVML indexes
+    GPUs as CUDA does without ``CUDA_VISIBLE_DEVICES``. A ``pid`` that NVML does not list (a process in
+    another PID namespace, or one holding no memory there) reads as -1."""
     import pynvml
 
     from neuropod.devices import parse_device
@@ -498,7 +499,12 @@ def gpu_memory_used(device: str = "cuda:0") -> int:
     pynvml.nvmlInit()
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(int(parse_device(device).split(":")[1]))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        if pid is None:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == pid and isinstance(process.usedGpuMemory, int):
+                return int(process.usedGpuMemory)
+        return -1
     finally:
         pynvml.nvmlShutdown()
 
@@ -512,8 +518,11 @@ def assert_gpu_memory_given_back(
     keeps for its lifetime (the CUDA context, cuBLAS workspaces) is not
     counted. While loaded the model must take at least ``min_taken`` bytes,
     so the check shows something; after ``close()`` used memory must be within
-    ``tolerance`` of the reading before.
+    ``tolerance`` of the reading before. The readings are of this process alone
+    where NVML lists it (other processes on the GPU, such as pytest-xdist's
+    other workers, come and go meanwhile), else of the whole GPU.
     """
+    import os
     import time
 
     from neuropod.model import load_neuropod
@@ -523,15 +532,21 @@ def assert_gpu_memory_given_back(
         model.infer(inputs)
     assert device.startswith("cuda:"), f"the model loaded on {device}, not a GPU"
     time.sleep(0.5)
-    before = gpu_memory_used(device)
+    pid: int | None = os.getpid()
+    if gpu_memory_used(device, pid=pid) < 0:  # the model ran here, so NVML does not see this process as such
+        pid = None
+    before = gpu_memory_used(device, pid=pid)
     model = load_neuropod(path, **load_kwargs)
     model.infer(inputs)
-    loaded = gpu_memory_used(device)
+    loaded = gpu_memory_used(device, pid=pid)
     model.close()
     time.sleep(0.5)
-    after = gpu_memory_used(device)
+    after = gpu_memory_used(device, pid=pid)
     mib = 2**20
-    figures = f"before {before / mib:.0f} MiB, loaded {loaded / mib:.0f} MiB, after {after / mib:.0f} MiB on {device}"
+    scope = "this process" if pid is not None else "all processes"
+    figures = (
+        f"before {before / mib:.0f} MiB, loaded {loaded / mib:.0f} MiB, after {after / mib:.0f} MiB on {device}, {scope}"
+    )
     assert loaded - before >= min_taken, f"the model took less than {min_taken / mib:.0f} MiB on the GPU ({figures})"
     assert abs(after - before) <= tolerance, f"close() left {(after - before) / mib:.1f} MiB behind ({figures})"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import os
 import subprocess
 import sys
 import weakref
@@ -389,7 +390,8 @@ def test_an_exported_program_with_and_without_params(tmp_path: Path) -> None:
     params = models.mlp_params()
     (b,) = jax_export.symbolic_shape("b")
     struct = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), params)
-    exported = jax_export.export(jax.jit(models.mlp))(struct, jax.ShapeDtypeStruct((b, 3), np.float32))
+    # For the CPU, where the reference call below runs (on a GPU machine the default would be the GPU alone).
+    exported = jax_export.export(jax.jit(models.mlp), platforms=("cpu",))(struct, jax.ShapeDtypeStruct((b, 3), np.float32))
     path = create_jax_neuropod(tmp_path / "e", "e", X_SPEC, MLP_OUT, exported=exported, params=params)
     x = xs(6)
     with neuropod.load_neuropod(path) as model:
@@ -400,6 +402,33 @@ def test_an_exported_program_with_and_without_params(tmp_path: Path) -> None:
     path = create_jax_neuropod(tmp_path / "p", "p", X_SPEC, MLP_OUT, exported=plain)
     with neuropod.load_neuropod(path) as model:
         np.testing.assert_array_equal(model.infer({"x": x})["y"], x[:, :2] * 2)
+
+
+def test_a_model_runs_on_its_device_whatever_the_default_device(tmp_path: Path) -> None:
+    """A process may set JAX's default device elsewhere (to its CPU, on a GPU machine): a loaded model
+    still runs where it was loaded, with parameters or without. Two host devices stand in for the two
+    kinds here: the default is set to the second, the model loads on the first."""
+    (b,) = jax_export.symbolic_shape("b")
+    plain = jax_export.export(jax.jit(lambda x: {"y": x[:, :2] * 2, "norm": x[:, 0]}), platforms=("cpu",))(
+        jax.ShapeDtypeStruct((b, 3), np.float32)
+    )
+    create_jax_neuropod(tmp_path / "plain", "plain", X_SPEC, MLP_OUT, exported=plain)
+    with_params = mlp_package(tmp_path)
+    code = (
+        "import sys, jax, numpy as np, neuropod\n"
+        "jax.config.update('jax_default_device', jax.devices('cpu')[1])\n"
+        "for path in sys.argv[1:]:\n"
+        "    with neuropod.load_neuropod(path) as model:\n"
+        "        out = model.infer({'x': np.ones((2, 3), np.float32)})\n"
+        "        handle = model._handle\n"
+        "        leaves = handle._call(*handle._take_inputs({'x': np.ones((2, 3), np.float32)}))\n"
+        "        print(sorted(d.id for leaf in leaves for d in leaf.devices()), out['y'].shape)\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "plain"), str(with_params)],
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[0, 0] (2, 2)"] * 2
 
 
 def test_ope_worker(tmp_path: Path) -> None:

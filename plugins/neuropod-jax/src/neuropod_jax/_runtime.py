@@ -390,24 +390,21 @@ def _jitted_call(exported: Any, params: tuple[Any, ...] | None, params_tree: Any
     """``call(*inputs)``: the program in one ``jax.jit``, returning its result's leaves as a list.
 
     Flattening the result inside the jitted function makes it free per call.
-    Inputs are numpy arrays; JAX runs the program where the parameters are, or
-    on its default device when there are none, so only a model without
-    parameters on another device is run under ``jax.default_device``.
+    Inputs are numpy arrays; JAX runs the program where the parameters are.
+    A program without parameters is pinned to ``device`` by its input
+    sharding, so it runs there whatever JAX's default device is (a process
+    may set ``jax_default_device`` to its CPU on a GPU machine), at no cost
+    per call.
     """
     call = exported.call
     if params_tree is None:
-        jitted = jax.jit(lambda *xs: jax.tree_util.tree_leaves(call(*xs)))
+        jitted = jax.jit(
+            lambda *xs: jax.tree_util.tree_leaves(call(*xs)), in_shardings=jax.sharding.SingleDeviceSharding(device)
+        )
     else:
         unflatten = jax.tree_util.tree_unflatten
         jitted = jax.jit(lambda leaves, *xs: jax.tree_util.tree_leaves(call(unflatten(params_tree, leaves), *xs)))
     run: Callable[..., Any] = jitted if params is None else functools.partial(jitted, params)
-    if params is None and device != jax.devices()[0]:
-        placed = run
-
-        def run(*xs: Any) -> Any:
-            with jax.default_device(device):
-                return placed(*xs)
-
     if x64:
         narrow = run
 
