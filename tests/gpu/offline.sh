@@ -16,7 +16,8 @@
 # instead of skipping), most telling first, each step bounded so that the whole fits BUDGET seconds
 # (default 480): the `gpu`-marked tests of every suite, bench/bench_gpu.py --quick, then whole suites
 # (in parallel with pytest-xdist when it is there). A step the budget cannot fit is listed as skipped.
-# One line per step goes to summary.txt and the logs to logs.tgz, in $OUT when set.
+# One line per step goes to summary.txt and the logs to logs.tgz, in $OUT when set (two files: a device
+# tool that brings back a few files only gets both).
 set -uo pipefail
 cmd=${1:?usage: offline.sh prepare|run DIR}
 dir=${2:?usage: offline.sh prepare|run DIR}
@@ -88,6 +89,8 @@ run)
     step gpu_serving 90 "${pt[@]}" -m gpu serving/tests/test_shared_memory.py serving/tests/test_config_override.py \
         serving/tests/test_gpu_instance_groups.py
     step bench_gpu 150 "$py" bench/bench_gpu.py --quick
+    # torch alone compiling and loading an AOTInductor package (a crash there is torch's, not ours)
+    step aoti_probe 150 "$py" tests/gpu/aoti_probe.py
     step full_torchscript 120 "${pt[@]}" "${xdist[@]}" plugins/neuropod-torchscript/tests
     step full_jax 60 "${pt[@]}" "${xdist[@]}" plugins/neuropod-jax/tests
     step full_core 120 "${pt[@]}" "${xdist[@]}" core/tests
