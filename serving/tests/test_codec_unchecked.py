@@ -81,6 +81,14 @@ CASES = [
     ("[NaN, 1]", "FP32", "float32", "[2]", "", ""),
     ("[Infinity, 1]", "FP32", "float32", "[2]", "", ""),
     (DEEP, "FP32", "float32", "[1]", "", ""),
+    # Read together with pad's numbers (one conversion for every input) only where that gives the same arrays.
+    ("[16777217, 1]", "FP32", "float32", "[2]", "", ""),
+    ("[9007199254740993, 1]", "FP32", "float32", "[2]", "", ""),
+    ("[9007199254740993, 1.5]", "FP64", "float64", "[2]", "", ""),
+    ("[true, 1.5]", "FP32", "float32", "[2]", "", ""),
+    ("[[1.5]]", "FP32", "float32", "[1]", "", ""),
+    ("[[1.5, 2]]", "FP32", "float32", "[1, 2]", "", ""),
+    ('["1.5", "2"]', "FP32", "float32", "[2]", "", ""),
     ("[1, 2]", "FP32", "float32", "[2.0]", "", ""),
     ("[1, 2]", "FP32", "float32", "[18446744073709551616]", "", ""),
     ("[1, 2]", "FP32", "float32", "[" + ",".join(["1"] * 33) + "]", "", ""),
@@ -140,4 +148,6 @@ def test_the_common_body_takes_the_quick_way(monkeypatch: pytest.MonkeyPatch) ->
     assert decoded.keys() == inputs.keys()
     for name, array in inputs.items():
         assert decoded[name].dtype == np.float32 and np.array_equal(decoded[name], array)
-        assert decoded[name].flags.writeable
+        assert decoded[name].flags.writeable and decoded[name].flags.c_contiguous
+    # All made by one conversion: views of one buffer.
+    assert decoded["x0"].base is not None and decoded["x0"].base is decoded["x99"].base

@@ -822,7 +822,8 @@ def _json_inputs(
     name, a numeric datatype the spec agrees with, a shape of plain dims, numbers as ``data``
     (at most :data:`_MAX_DIMS` levels), no other key and no parameters. Else :class:`_Recheck`.
     Float arrays as read are added to ``floats`` (for the caller's range check)."""
-    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    plan: list[tuple[str, list[Any], int, tuple[np.dtype[Any], str, str], Any]] = []
+    names: set[str] = set()
     for obj in entries:
         if type(obj) is not dict:
             raise _Recheck()
@@ -832,19 +833,28 @@ def _json_inputs(
         name = obj.get("name")
         shape = obj.get("shape")
         target = _JSON_TARGETS.get(obj.get("datatype"))
-        if type(name) is not str or not name or name in arrays or target is None or type(shape) is not list:
+        if type(name) is not str or not name or name in names or target is None or type(shape) is not list:
             raise _Recheck()
         if specs is not None:
             spec = specs.get(name)
             if spec is None or spec.dtype != target[2]:
                 raise _Recheck()
         count = _count(shape) if len(shape) <= _MAX_DIMS else 0
+        if not count or "data" not in obj:
+            raise _Recheck()
+        names.add(name)
+        plan.append((name, shape, count, target, obj["data"]))
+    joined = _joined(plan) if len(plan) > 1 else None
+    if joined is not None:
+        return joined
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for name, shape, count, target, data in plan:
         try:
-            parsed = np.array(obj["data"])
-        except (KeyError, ValueError, TypeError, OverflowError, RecursionError):
+            parsed = np.array(data)
+        except (ValueError, TypeError, OverflowError, RecursionError):
             raise _Recheck() from None
         kind = parsed.dtype.kind
-        if not count or parsed.size != count or kind not in target[1] or parsed.ndim > _MAX_DIMS:
+        if parsed.size != count or kind not in target[1] or parsed.ndim > _MAX_DIMS:
             raise _Recheck()
         if kind == "f":
             floats.append(parsed)
@@ -852,6 +862,43 @@ def _json_inputs(
             raise _Recheck()
         arrays[name] = parsed.astype(target[0], copy=False).reshape(shape)
     return arrays
+
+
+def _joined(plan: list[tuple[str, list[Any], int, tuple[np.dtype[Any], str, str], Any]]) -> dict[str, np.ndarray[Any, Any]] | None:
+    """The inputs of :func:`_json_inputs`'s ``plan`` made by one numpy conversion of all their numbers
+    (a request of many small tensors spends most of its decoding in numpy's per-call costs), or None
+    where that might not give the very arrays that one conversion per tensor gives: only FP32 or FP64
+    tensors, all of one datatype, each ``data`` a flat list of its element count whose first item is
+    not a bool (numpy makes a bool array, which the per-tensor way refuses, only of bools alone),
+    together read as floats below 2**53 in magnitude (so an integer among them converts exactly, as it
+    would in an integer array of its own, and none needs the caller's range check). The arrays are
+    views of one buffer."""
+    target = plan[0][3]
+    if target[0] not in _JOINABLE:
+        return None
+    numbers: list[Any] = []
+    for _, _, count, dtype, data in plan:
+        if dtype is not target or type(data) is not list or len(data) != count or type(data[0]) is bool:
+            return None
+        numbers += data
+    try:
+        parsed = np.array(numbers)
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        return None
+    if parsed.dtype.kind != "f" or parsed.ndim != 1 or not np.abs(parsed).max() < _EXACT_INTEGERS:
+        return None
+    flat = parsed.astype(target[0], copy=False)
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    at = 0
+    for name, shape, count, _, _ in plan:
+        arrays[name] = flat[at : at + count].reshape(shape)
+        at += count
+    return arrays
+
+
+_JOINABLE = (np.dtype(np.float32), np.dtype(np.float64))
+# Every integer below this in magnitude is a float64 exactly.
+_EXACT_INTEGERS = 2.0**53
 
 
 _NONE = object()
