@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,13 @@ class OnnxModel:
         self.device = device
         self._device_id = int(device.split(":", 1)[1]) if device != "cpu" else 0
         self._run = sess.run
+        # The common call goes straight to the session's C++ object, past InferenceSession.run's Python
+        # checks, which re-check what the spec check has already made sure of (every graph input is in
+        # the feed: a scan of the feed's names for each graph input, about 60 us with 100 inputs and 1 us
+        # with two; OrtValue ownership, which numpy feeds do not have). On a GPU the wrapper stays: it
+        # also handles CUDA graph capture and its execution providers' fallback.
+        inner = getattr(sess, "_sess", None) if device == "cpu" else None
+        self._run_plain: Callable[[list[str], dict[str, Any], Any], list[Any]] = getattr(inner, "run", None) or sess.run
         self._output_names = [o.name for o in sess.get_outputs()]
         self._input_names = [i.name for i in sess.get_inputs()]
         self._n_inputs = len(self._input_names)
@@ -194,7 +201,7 @@ class OnnxModel:
     ) -> dict[str, Any]:
         if requested is None and output_device is None and self._plain and type(inputs) is dict \
                 and len(inputs) == self._n_inputs:  # fmt: skip
-            values = self._run(self._output_names, inputs)
+            values = self._run_plain(self._output_names, inputs, None)
             one = self._one_output  # the usual model: a dict literal, no zip
             return {one: values[0]} if one is not None else dict(zip(self._output_names, values))
         if len(inputs) != self._n_inputs:
