@@ -602,8 +602,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the table shows medians (default 3)")
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)), help="default 1,8,32")
     parser.add_argument("--protocols", default="rest,grpc", help="rest, grpc or both (default)")
-    parser.add_argument("--batch-delay-us", type=int, default=500,
-                        help="the small --max-queue-delay-us tried beside 0 (default 500)")  # fmt: skip
+    parser.add_argument("--batch-delay-us", type=int, default=2000,
+                        help="the --max-queue-delay-us tried beside 0 (default 2000)")  # fmt: skip
     parser.add_argument("--grpc-processes", type=int, default=2, help="gRPC load processes (default 2)")
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
     parser.add_argument("--baseline-only", action="store_true", help="with --baseline-python: measure only the "

@@ -303,6 +303,10 @@ def _x(**fields: Any) -> dict[str, Any]:
         (_x(data=[1.0, "2"]), "tensor 'x': FP32 data must be JSON numbers; got strings"),
         (_x(data=[[1.0], [2.0, 3.0]]), "tensor 'x': 'data' must be a list"),
         (_x(data=[True, False]), "tensor 'x': FP32 data must be JSON numbers"),
+        # numpy reads a true or false among numbers as 1 or 0: still refused.
+        (_x(data=[1.5, True]), "tensor 'x': FP32 data must be JSON numbers; got true or false among them"),
+        (_x(data=[[False], [2.5]], shape=[2, 1]), "tensor 'x': FP32 data must be JSON numbers; got true or false"),
+        (_x(datatype="INT64", data=[7, True]), "tensor 'x': INT64 data must be JSON integers; got true or false"),
         (_x(data=[None, None]), "tensor 'x': FP32 data must be JSON numbers; got null"),
         (_x(datatype="INT32", data=[1, 2.5]), "tensor 'x': INT32 data must be JSON integers"),
         (_x(datatype="UINT8", data=[1, 256]), "tensor 'x': UINT8 data must lie in [0, 255]"),
@@ -323,6 +327,12 @@ def test_bad_json_tensors_name_the_tensor(tensor: dict[str, Any], message: str) 
     error = _error(_json_request(tensor))
     assert message in str(error), str(error)
     assert error.status == 400
+
+
+def test_numbers_that_equal_true_and_false_are_numbers() -> None:
+    body = _json_request(_x(data=[1.0, 0.0]), {**_x(data=[0, 1]), "name": "i", "datatype": "INT64"})
+    inputs = parse_infer_request(body).inputs
+    assert inputs["x"].tolist() == [1.0, 0.0] and inputs["i"].tolist() == [0, 1]
 
 
 def test_bad_request_structure() -> None:

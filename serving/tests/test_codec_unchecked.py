@@ -133,6 +133,23 @@ def test_odd_bytes_answer_as_the_checked_way(monkeypatch: pytest.MonkeyPatch) ->
         )
 
 
+def test_a_true_among_many_float_tensors_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One true in one of 100 tensors read the quick way (one conversion for all of them, then one per
+    tensor) is found and refused, as the checked way refuses it; 1.0 and 0 sent as numbers are not."""
+    rng = np.random.default_rng(0)
+    tensors = [{"name": f"x{i}", "datatype": "FP32", "shape": [10, 5], "data": rng.standard_normal(50).tolist()}
+               for i in range(100)]  # fmt: skip
+    tensors[40]["data"][7] = True
+    tensors[70]["data"][:2] = [1.0, 0]
+    body = json.dumps({"inputs": tensors}).encode()
+    quick = _outcome(body, None, quick=True, monkeypatch=monkeypatch)
+    assert quick == _outcome(body, None, quick=False, monkeypatch=monkeypatch)
+    assert quick[0] == "error" and "tensor 'x40': FP32 data must be JSON numbers; got true or false" in quick[1]
+    tensors[40]["data"][7] = 1.0
+    ok = parse_infer_request(json.dumps({"inputs": tensors}).encode()).inputs
+    assert ok["x40"][1, 2] == 1.0 and ok["x70"].ravel()[:2].tolist() == [1.0, 0.0]
+
+
 def test_the_common_body_takes_the_quick_way(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the neuropod client sends for 100 float32 inputs is read without the text scans, and
     reads as the arrays sent."""

@@ -612,9 +612,10 @@ def _numbers_from_json(data: object, datatype: str, shape: list[int], count: int
         # numpy turns ints past int64 mixed with smaller ones into float64 (or
         # objects), which would round them: look at the JSON values themselves.
         return _big_ints(data, target, datatype, shape, name)
-    if kind not in wanted:
+    if kind not in wanted or (kind != "b" and _bool_among(parsed, data)):
         what = {"b": "true or false", "iu": "JSON integers", "iuf": "JSON numbers"}[wanted]
-        raise ProtocolError(f"tensor {name!r}: {datatype} data must be {what}; got {_describe_kind(parsed)}")
+        got = _describe_kind(parsed) if kind not in wanted else "true or false among them"
+        raise ProtocolError(f"tensor {name!r}: {datatype} data must be {what}; got {got}")
     # Only integer targets have a range to check: JSON integers sent for an FP
     # tensor ([1, 2] for FP32) are plain numbers and convert like any other.
     if kind in "iu" and target.kind in "iu" and not np.can_cast(parsed.dtype, target):
@@ -630,6 +631,30 @@ def _in_range(parsed: np.ndarray[Any, Any], dtype: np.dtype[Any]) -> bool:
         return True
     info = np.iinfo(dtype)
     return not (parsed.min() < info.min or parsed.max() > info.max)
+
+
+def _bool_among(parsed: np.ndarray[Any, Any], data: object) -> bool:
+    """Whether JSON ``data``, which numpy read as the numbers ``parsed``, holds a true or false: numpy
+    reads them as 1 and 0 among numbers, so only the elements equal to 0 or 1 are looked at (none, in
+    most tensors of floats: then this is a few vector operations)."""
+    flat = parsed.ravel()
+    at = np.flatnonzero((flat == 0) | (flat == 1))
+    if not at.size:
+        return False
+    values = data if parsed.ndim == 1 and type(data) is list else _flatten(data, "")
+    return any(type(values[i]) is bool for i in at.tolist())
+
+
+def _bools_among(read: list[tuple[np.ndarray[Any, Any], Any]]) -> bool:
+    """:func:`_bool_among` of each (array, data) pair of ``read``, the arrays looked at in one go."""
+    if not read:
+        return False
+    flat = read[0][0].ravel() if len(read) == 1 else np.concatenate([parsed.ravel() for parsed, _ in read])
+    at = np.flatnonzero((flat == 0) | (flat == 1))
+    if not at.size:
+        return False
+    ends = np.cumsum([parsed.size for parsed, _ in read])
+    return any(_bool_among(*read[k]) for k in sorted(set(np.searchsorted(ends, at, side="right").tolist())))
 
 
 def _big_ints(data: object, target: np.dtype[Any], datatype: str, shape: list[int], name: str) -> np.ndarray[Any, Any]:
@@ -848,6 +873,7 @@ def _json_inputs(
     if joined is not None:
         return joined
     arrays: dict[str, np.ndarray[Any, Any]] = {}
+    numeric: list[tuple[np.ndarray[Any, Any], Any]] = []  # a true or false among numbers is refused
     for name, shape, count, target, data in plan:
         try:
             parsed = np.array(data)
@@ -860,7 +886,11 @@ def _json_inputs(
             floats.append(parsed)
         elif target[1] == "iu" and not _in_range(parsed, target[0]):
             raise _Recheck()
+        if kind != "b":
+            numeric.append((parsed, data))
         arrays[name] = parsed.astype(target[0], copy=False).reshape(shape)
+    if _bools_among(numeric):
+        raise _Recheck()
     return arrays
 
 
@@ -871,8 +901,8 @@ def _joined(plan: list[tuple[str, list[Any], int, tuple[np.dtype[Any], str, str]
     tensors, all of one datatype, each ``data`` a flat list of its element count whose first item is
     not a bool (numpy makes a bool array, which the per-tensor way refuses, only of bools alone),
     together read as floats below 2**53 in magnitude (so an integer among them converts exactly, as it
-    would in an integer array of its own, and none needs the caller's range check). The arrays are
-    views of one buffer."""
+    would in an integer array of its own, and none needs the caller's range check), with no true or
+    false among them. The arrays are views of one buffer."""
     target = plan[0][3]
     if target[0] not in _JOINABLE:
         return None
@@ -886,6 +916,8 @@ def _joined(plan: list[tuple[str, list[Any], int, tuple[np.dtype[Any], str, str]
     except (ValueError, TypeError, OverflowError, RecursionError):
         return None
     if parsed.dtype.kind != "f" or parsed.ndim != 1 or not np.abs(parsed).max() < _EXACT_INTEGERS:
+        return None
+    if _bool_among(parsed, numbers):  # a true or false among the numbers: the per-tensor way says which
         return None
     flat = parsed.astype(target[0], copy=False)
     arrays: dict[str, np.ndarray[Any, Any]] = {}
@@ -1065,6 +1097,7 @@ def _decode_tensors(
                         if (
                             parsed is not None and parsed.size == count and parsed.dtype.kind in target[1]
                             and (target[1] != "iu" or _in_range(parsed, target[0]))
+                            and (parsed.dtype.kind == "b" or not _bool_among(parsed, obj["data"]))
                         ):  # fmt: skip
                             arrays[name] = parsed.astype(target[0], copy=False).reshape(shape)
                             fast = None  # a JSON tensor: the header is not planned
