@@ -533,9 +533,10 @@ def assert_gpu_memory_given_back(
     assert device.startswith("cuda:"), f"the model loaded on {device}, not a GPU"
     time.sleep(0.5)
     pid: int | None = os.getpid()
-    if gpu_memory_used(device, pid=pid) < 0:  # the model ran here, so NVML does not see this process as such
-        pid = None
     before = gpu_memory_used(device, pid=pid)
+    if before < 0:  # NVML does not list this process (another PID namespace): the whole GPU, then
+        pid = None
+        before = gpu_memory_used(device)
     model = load_neuropod(path, **load_kwargs)
     model.infer(inputs)
     loaded = gpu_memory_used(device, pid=pid)

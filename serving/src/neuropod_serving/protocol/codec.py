@@ -898,17 +898,17 @@ def _joined(plan: list[tuple[str, list[Any], int, tuple[np.dtype[Any], str, str]
     """The inputs of :func:`_json_inputs`'s ``plan`` made by one numpy conversion of all their numbers
     (a request of many small tensors spends most of its decoding in numpy's per-call costs), or None
     where that might not give the very arrays that one conversion per tensor gives: only FP32 or FP64
-    tensors, all of one datatype, each ``data`` a flat list of its element count whose first item is
-    not a bool (numpy makes a bool array, which the per-tensor way refuses, only of bools alone),
-    together read as floats below 2**53 in magnitude (so an integer among them converts exactly, as it
-    would in an integer array of its own, and none needs the caller's range check), with no true or
-    false among them. The arrays are views of one buffer."""
+    tensors, all of one datatype, each ``data`` a flat list of its element count, together read as
+    floats below 2**53 in magnitude (so an integer among them converts exactly, as it would in an
+    integer array of its own, and none needs the caller's range check), with no true or false among
+    them (a tensor of bools alone, which the per-tensor way refuses, reads as 1 and 0 here). The
+    arrays are views of one buffer."""
     target = plan[0][3]
     if target[0] not in _JOINABLE:
         return None
     numbers: list[Any] = []
     for _, _, count, dtype, data in plan:
-        if dtype is not target or type(data) is not list or len(data) != count or type(data[0]) is bool:
+        if dtype is not target or type(data) is not list or len(data) != count:
             return None
         numbers += data
     try:
