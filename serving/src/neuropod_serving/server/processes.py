@@ -269,6 +269,9 @@ def _child_main(options: dict[str, Any], index: int, conn: Connection) -> None:
         member.failed(f"unexpected {type(e).__name__} in server process {index}: {e}")
         raise
     finally:
+        # Leaving: a SIGTERM from now on (the parent stopping the group because another process
+        # failed) must not raise SystemExit again inside the interpreter's exit handlers.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         member.stopping()
 
 
