@@ -544,6 +544,20 @@ def test_long_request_json_reads_as_pythons_json_does(text: str) -> None:
     assert repr(got) == repr(want)
 
 
+def test_short_and_long_screens_for_long_integers_agree() -> None:
+    """Short bodies are screened for integers of 19 digits or more with bytes methods, long ones
+    with numpy: both give the same answer on every text (digits, dots, other bytes, UTF-8)."""
+    import random
+
+    from neuropod_serving.protocol import codec
+
+    rng = random.Random(0)
+    alphabet = ["1", "9", "0", ".", ",", "e", "-", "[", "\u00e9", "1" * 18, "2" * 19]
+    for _ in range(3000):
+        raw = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))).encode()
+        assert codec._long_integer_short(raw) == codec._long_integer(raw), raw
+
+
 def test_json_output_numbers_read_back_as_the_same_values() -> None:
     """Numeric JSON outputs (written by orjson) hold the same numbers as Python's json writes;
     NaN and infinities are still written NaN, Infinity and -Infinity."""
