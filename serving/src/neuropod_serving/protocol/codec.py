@@ -485,7 +485,9 @@ def build_infer_response(
 @functools.lru_cache(maxsize=256)
 def _response_head(model_name: str, model_version: str | None) -> str:
     """The JSON of a response header without an id, written once per model and version."""
-    header = {"model_name": model_name} if model_version is None else {"model_name": model_name, "model_version": model_version}
+    header = {"model_name": model_name}
+    if model_version is not None:
+        header["model_version"] = model_version
     return _ENCODER.encode(header)
 
 
