@@ -274,6 +274,16 @@ def fuzz_zip(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return zpath.read_bytes()
 
 
+def test_11_a_member_without_a_name_is_refused(tmp_path: Path, cache: Path) -> None:
+    """A damaged central directory can hold a member whose name is empty (found by the fuzz below)."""
+    zpath = tmp_path / "nameless.zip"
+    with zipfile.ZipFile(zpath, "w") as zf:
+        zf.writestr(zipfile.ZipInfo(""), b"data")
+    with pytest.raises(PackageError, match=r"member '' has no file name"):
+        read_package(zpath)
+    assert [n for n in _leftovers(cache) if n.startswith(".")] == []
+
+
 @settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=8),
        st.none() | st.floats(0, 1))

@@ -479,7 +479,7 @@ def _safe_members(zf: zipfile.ZipFile, source: Path, max_bytes: int, max_files: 
         rel = "/".join(parts)
         for i in range(1, len(parts)):
             dirs.add("/".join(parts[:i]))
-        if info.is_dir():
+        if name.endswith("/"):  # a directory (ZipInfo.is_dir, which an empty name would crash)
             dirs.add(rel)
             continue
         if not rel:
