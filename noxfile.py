@@ -3,6 +3,7 @@
     nox -t ci                      what CI runs (README's test command)
     nox -s tests_core              core tests on Python 3.10 to 3.13
     nox -s tests_onnx              the ONNX plugin on onnxruntime 1.31.1, 1.24.4 and 1.20.1
+    nox -s tests_storage           packages by URL: a real S3 server (moto's) through s3fs, and a local web server
     nox -s tests_envs              two real backend environments (onnxruntime 1.20.1, 1.24.4) beside 1.31.1
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s tests_torch             the torch.export / AOTInductor plugin on torch 2.13.0
@@ -104,6 +105,17 @@ def tests_core(session: nox.Session) -> None:
     """The core's tests, with no backend framework installed."""
     session.install(f"{CORE}[test]")
     _pytest(session, "core/tests")
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # about 1 min
+def tests_storage(session: nox.Session) -> None:
+    """Packages loaded by URL (neuropod.storage, the core's s3 and http extras): moto's S3 server
+    on 127.0.0.1 driven through s3fs, and a local web server, with the ONNX demo model."""
+    session.install(f"{CORE}[test,s3,http]", str(ROOT / "plugins/neuropod-onnx"), f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
+    # moto brings boto3, which must take the botocore that s3fs's aiobotocore pinned.
+    botocore = session.run("python", "-c", "import botocore; print(botocore.__version__)", silent=True)
+    session.install("moto[server]>=5", f"botocore=={str(botocore).strip()}")
+    _pytest(session, "core/tests/test_storage.py", "core/tests/test_storage_urls.py")
 
 
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
@@ -415,7 +427,7 @@ def docs(session: nox.Session) -> None:
     ``nox -s docs -- PAGE.md ...`` runs those pages only; ``-- --linkcheck`` also checks external links
     (needs the network)."""
     session.install(
-        *DOCS_TOOLS, f"{CORE}[test]", *[f"{p}" for p in PLUGINS], f"{SERVING}[server,client]",
+        *DOCS_TOOLS, f"{CORE}[test,http]", *[f"{p}" for p in PLUGINS], f"{SERVING}[server,client]",
         f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", f"torch=={TORCH_DEFAULT}", f"jax=={JAX_DEFAULT}",
         f"jaxlib=={JAX_DEFAULT}", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}", "tritonclient[http,grpc]>=2.73",
         f"{EXAMPLE}",  # the outside backend, whose README runs too

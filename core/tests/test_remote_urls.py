@@ -47,8 +47,8 @@ def test_without_a_handler_loading_says_what_to_install(monkeypatch: pytest.Monk
     for url in ("grpc://127.0.0.1:8001/adder", "https://gpu-pool/adder"):
         with pytest.raises(PluginNotInstalledError, match=re.escape(plugins.pip_install("'neuropod-serving[client]'"))):
             neuropod.load_neuropod(url)
-    with pytest.raises(PluginNotInstalledError, match="No handler for s3:// model URLs.*installed schemes: none"):
-        neuropod.load_neuropod("s3://bucket/model")
+    with pytest.raises(PluginNotInstalledError, match="No handler for kafka:// model URLs.*installed schemes: none"):
+        neuropod.load_neuropod("kafka://broker/model")
 
 
 def test_the_handler_of_the_scheme_gets_the_urls_and_the_options(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -361,7 +362,10 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         print(json.dumps(data, indent=2), file=out)
         return 0
     extracted = f" (extracted to {_safe(pkg.root)})" if pkg.root != pkg.source else ""
-    print(f"Package:   {_safe(pkg.source)}{extracted}", file=out)
+    url = getattr(args, "package_url", None)
+    if url is not None:  # downloaded: where it came from first
+        extracted = f" (downloaded to {_safe(pkg.source)}{', extracted to ' + _safe(pkg.root) if extracted else ''})"
+    print(f"Package:   {_safe(url or pkg.source)}{extracted}", file=out)
     print(f"Name:      {_safe(cfg.name)}", file=out)
     print(f"Platform:  {_safe(cfg.platform)}", file=out)
     print(f"Versions:  {_safe(describe_range(cfg.platform_version_semver))}", file=out)
@@ -439,7 +443,8 @@ def cmd_explain(args: argparse.Namespace, out: TextIO) -> int:
     _remote_options(args)  # refuses --auth-token-file for a package
     pkg = read_package(args.package)
     if not args.quiet_spec:
-        args_inspect = argparse.Namespace(package=args.package, no_verify=False, json=False)
+        args_inspect = argparse.Namespace(package=args.package, no_verify=False, json=False,
+                                          package_url=getattr(args, "package_url", None))  # fmt: skip
         cmd_inspect(args_inspect, out)
         print(file=out)
     resolution = plan(pkg, device=args.device, backend=args.backend, host=args.host)
@@ -889,7 +894,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                        "first line (as `neuropod serve --auth-token-file` requires it)")  # fmt: skip
 
     s = sub.add_parser("inspect", help="show a package's name, platform, range, spec and files (or a remote model's)")
-    s.add_argument("package", help="a package, or a remote model's URL (grpc://host:8001/model, http://...)")
+    s.add_argument("package", help="a package (a path, or a URL: s3://, gs://, az://, https://...zip), or a remote "
+                   "model's URL (grpc://host:8001/model, http://...)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--no-verify", action="store_true", help="do not check the manifest")
     token_arg(s)
@@ -901,7 +907,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     s = sub.add_parser("explain", help="show which backend would run a package here, and why not the others "
                                        "(for a URL: which servers have it ready)")
-    s.add_argument("package", help="a package, or a remote model's URL (grpc://host:8001/model, http://...)")
+    s.add_argument("package", help="a package (a path, or a URL: s3://, gs://, az://, https://...zip), or a remote "
+                   "model's URL (grpc://host:8001/model, http://...)")
     s.add_argument("--host", help="plan for the machine described in this JSON file")
     s.add_argument("--quiet-spec", action="store_true", help="print only the resolution")
     token_arg(s)
@@ -909,7 +916,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_explain)
 
     s = sub.add_parser("test", help="run the package's bundled test data and compare")
-    s.add_argument("package", help="a package file or directory (a remote model has no bundled test data)")
+    s.add_argument("package", help="a package file or directory, or its URL (s3://, gs://, az://, https://...zip; a "
+                   "remote model has no bundled test data)")
     s.add_argument("--trust-pickle", action="store_true", help="allow reading an old test_data.pkl (runs code!)")
     s.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance of the comparison (default 1e-5)")
     s.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance of the comparison (default 1e-6)")
@@ -917,7 +925,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_test)
 
     s = sub.add_parser("infer", help="run a package (or a remote model) on inputs from .npy files")
-    s.add_argument("package", help="a package, or a remote model's URL (grpc://host:8001/model, http://...)")
+    s.add_argument("package", help="a package (a path, or a URL: s3://, gs://, az://, https://...zip), or a remote "
+                   "model's URL (grpc://host:8001/model, http://...)")
     s.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", required=True,
                    help="an input tensor from a .npy file")
     s.add_argument("--output", "-o", action="append", default=[], metavar="NAME", help="only these outputs")
@@ -948,7 +957,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_env_list)
     e = env_sub.add_parser("prepare", help="build the lock environments packages need, without loading them "
                            "(e.g. while building a container image)")
-    e.add_argument("packages", nargs="+", metavar="PACKAGE", help="a package whose requirements.lock to build")
+    e.add_argument("packages", nargs="+", metavar="PACKAGE", help="a package (or its URL) whose requirements.lock to "
+                   "build")
     e.add_argument("--verbose", "-v", action="store_true", help="show pip's output, not only a line per step")
     e.set_defaults(func=cmd_env_prepare)
     e = env_sub.add_parser("prune", help="remove the lock environments no package has used for --days days")
@@ -969,6 +979,30 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return p
 
 
+def _fetch_package_urls(args: argparse.Namespace) -> None:
+    """Download the packages named by URL (``s3://``, ``gs://``, ``az://``, an https zip) into the
+    cache, each argument then the local copy (see :mod:`neuropod.storage`); what is downloaded is
+    said on stderr."""
+    from neuropod import storage
+
+    urls = [v for v in [getattr(args, "package", None), *(getattr(args, "packages", None) or [])]
+            if storage.is_package_url(v)]  # fmt: skip
+    if not urls:
+        return
+    logger = logging.getLogger("neuropod.storage")
+    if not any(getattr(h, "_neuropod_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("neuropod: %(message)s"))
+        handler._neuropod_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    if storage.is_package_url(getattr(args, "package", None)):
+        args.package_url = storage.shown(args.package)
+        args.package = str(storage.fetch(args.package))
+    if getattr(args, "packages", None):
+        args.packages = [str(storage.fetch(p)) if storage.is_package_url(p) else p for p in args.packages]
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Run the ``neuropod`` command and return its exit status.
 
@@ -982,6 +1016,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
     out = _safe_stream(out or sys.stdout)
     try:
+        _fetch_package_urls(args)
         return int(args.func(args, out))
     except KeyboardInterrupt:
         return 130
@@ -992,7 +1027,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except NeuropodError as e:
         if getattr(e, "code", None) == "unauthenticated" and getattr(args, "auth_token_file", None) is None:
             return _fail(args, f"{e}; pass the token with --auth-token-file FILE")
-        return _fail(args, str(e))
+        url = getattr(args, "package_url", None)  # a downloaded package: named by its URL
+        return _fail(args, str(e).replace(args.package, url) if url is not None else str(e))
     except OSError as e:
         return _fail(args, _describe_os_error(e))
     except (UnicodeError, MemoryError, RecursionError) as e:

@@ -418,6 +418,11 @@ def load_neuropod(
     """Load a package with the best backend installed here.
 
     :param neuropod_path: a package directory or zip (or a :class:`Package` already read),
+        the URL of one in an object store or on a web server (``s3://bucket/adder.neuropod``,
+        a directory prefix ``s3://bucket/models/adder/``, ``gs://``, ``az://``, ``abfs://``,
+        or an ``https://`` URL ending in ``.zip`` or ``.neuropod``: downloaded once per
+        version of the object into the cache, see :mod:`neuropod.storage`; needs the
+        core's extra for the store, e.g. ``pip install 'neuropod[s3]'``),
         or the URL of a model on an Open Inference Protocol server
         (``grpc://host:8001/model``, ``http://``, ``https://``, ``grpcs://``;
         a list of URLs spreads calls over several servers). Remote models need
@@ -439,7 +444,9 @@ def load_neuropod(
         with ``restart=True`` the next call starts a new worker (after checking
         the package is unchanged), else later calls raise. Loading is not
         bounded by it. None: wait as long as the model runs.
-    :param load_options: passed to the backend's ``load_model`` hook
+    :param load_options: ``storage_options`` (for a package URL: the fsspec filesystem's
+        options, such as credentials or ``client_kwargs={"endpoint_url": ...}``); the rest are
+        passed to the backend's ``load_model`` hook
         (for example thread counts); backends reject options they do not know.
         Two options of the original Neuropod are taken here: ``visible_gpu=N``
         (``device="cuda:N"``; ``None`` for the CPU) and ``load_custom_ops=False``
@@ -451,8 +458,18 @@ def load_neuropod(
     :raises NoBackendError: nothing here can run it; the message has the table.
     :raises BackendError: the framework failed to load the model.
     """
-    from neuropod import remote
+    from neuropod import remote, storage
 
+    storage_options = load_options.pop("storage_options", None)
+    url = None
+    if storage.is_package_url(neuropod_path):
+        url = neuropod_path
+        neuropod_path = storage.fetch(url, storage_options=storage_options)  # type: ignore[arg-type]
+    elif storage_options is not None:
+        raise ValueError(
+            "storage_options applies to package URLs (s3://, gs://, az://, abfs://, or an http(s) URL of a .zip or "
+            f".neuropod file), not to {neuropod_path!r:.100}"
+        )
     if remote.is_remote(neuropod_path):
         return remote.load_remote(
             neuropod_path,  # type: ignore[arg-type]
@@ -464,7 +481,12 @@ def load_neuropod(
     check_flag("load_custom_ops", load_custom_ops)
     _check_load_args(neuropod_path, device=device, backend=backend, verify=verify, use_ope=use_ope,
                      workers=workers, restart=restart, timeout=timeout)  # fmt: skip
-    package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)  # type: ignore[arg-type]  # a list is remote, above
+    try:
+        package = neuropod_path if isinstance(neuropod_path, Package) else read_package(neuropod_path, verify=verify)  # type: ignore[arg-type]  # a list is remote, above
+    except PackageError as e:
+        if url is None:
+            raise
+        raise storage.as_downloaded(e, neuropod_path, url) from None  # type: ignore[arg-type]
     resolution = plan(package, device=device, backend=backend)
     chosen = resolution.raise_if_unresolved()
     if use_ope or chosen.backend.location != "in-process" or package.requirements_lock is not None:

@@ -1,0 +1,479 @@
+"""Packages in object stores and on web servers: ``load_neuropod("s3://bucket/adder.neuropod")``.
+
+A package URL names a zip (an object) or a package directory (a prefix:
+``s3://bucket/models/adder/``) in S3 (``s3://``), Google Cloud Storage
+(``gs://``), Azure (``az://``, ``abfs://``, ``abfss://``), or a zip on a web
+server (``https://`` and ``http://`` URLs whose path ends in ``.zip`` or
+``.neuropod``; any other http URL is a model on a server, see
+:mod:`neuropod.remote`). The filesystems are fsspec's (s3fs, gcsfs, adlfs,
+aiohttp for http), installed by the core's extras (``neuropod[s3]``,
+``neuropod[gcs]``, ``neuropod[azure]``, ``neuropod[http]``); the core
+itself imports none of them until a URL is loaded.
+
+Downloads live in the cache (:func:`neuropod.cache.cache_dir`)::
+
+    downloads/<key>/
+        package.zip    the object, or
+        package/       the prefix's files
+        record.json    written last: the URL (no credentials, no query),
+                       what identified the object, each file's size
+
+The key is the sha256 of the URL and what the store says identifies the
+object's content: its ETag, version id, generation or MD5 and its size (a
+directory: those of every file under it). A load whose object still has the
+same identity takes the download already made, without reading it again; a
+changed object has a new key, so it is downloaded again. An object without
+any of them (a web server that sends no ETag nor Last-Modified) is
+downloaded on every load.
+
+A download is streamed to a partial file in chunks (memory stays one chunk),
+retried from where it stopped when the connection fails, checked against
+the store's identity once complete (an object rewritten meanwhile is fetched
+again), then renamed into place with its record last: an interrupted or
+concurrent download never leaves anything a later load would take. Processes
+fetching the same object wait for one another (a lock per key); a partial
+file left by a killed one is resumed by the next. The package's manifest is
+checked by the load itself, as for a local package.
+
+Credentials come from each filesystem's own chain (environment variables,
+config files, instance metadata) or ``storage_options``; neither the URL's
+user, password and query nor any option is logged or written to the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from neuropod import cache
+from neuropod.errors import NeuropodError, PackageError, PluginNotInstalledError
+
+log = logging.getLogger("neuropod.storage")
+
+#: URL scheme -> (fsspec protocol, the filesystem's distribution, the core's extra that installs it).
+SCHEMES: dict[str, tuple[str, str, str]] = {
+    "s3": ("s3", "s3fs", "s3"),
+    "s3a": ("s3", "s3fs", "s3"),
+    "gs": ("gs", "gcsfs", "gcs"),
+    "gcs": ("gs", "gcsfs", "gcs"),
+    "az": ("az", "adlfs", "azure"),
+    "abfs": ("abfs", "adlfs", "azure"),
+    "abfss": ("abfs", "adlfs", "azure"),
+    "http": ("http", "aiohttp", "http"),
+    "https": ("https", "aiohttp", "http"),
+}
+#: An http(s) URL whose path ends so is a package to download; any other is a model on a server.
+PACKAGE_SUFFIXES = (".zip", ".neuropod")
+#: Bytes read and written at a time: what a download holds in memory.
+CHUNK = 8 * 1024 * 1024
+#: Attempts at one file before a download fails; the waits between them (seconds) double from the first.
+ATTEMPTS = 5
+FIRST_WAIT_S = 0.5
+#: What an object's info may hold that identifies its content, by filesystem: compared before a
+#: cached download is taken and after a download, to see that the object did not change.
+_IDENTITY_FIELDS = (
+    "ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "Content-MD5", "content_md5",
+    "LastModified", "last_modified", "Last-Modified", "updated", "mtime",
+)  # fmt: skip
+_ZIP = "package.zip"
+_DIR = "package"
+_RECORD = "record.json"
+
+
+def is_package_url(value: object) -> bool:
+    """Whether ``load_neuropod`` should download ``value``: a str URL of an object store, or an
+    http(s) URL whose path ends in ``.zip`` or ``.neuropod``. Imports nothing."""
+    if not isinstance(value, str) or "://" not in value:
+        return False
+    scheme = value.split("://", 1)[0].lower()
+    if scheme not in SCHEMES:
+        return False
+    if scheme in ("http", "https"):
+        return urlsplit(value).path.rstrip("/").lower().endswith(PACKAGE_SUFFIXES)
+    return True
+
+
+def shown(url: str) -> str:
+    """``url`` as messages and records show it: without user, password, query or fragment."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme.lower(), host, parts.path, "", ""))
+
+
+def downloads_dir() -> Path:
+    """Where downloaded packages live: ``downloads/`` in the package cache."""
+    return cache.cache_dir() / "downloads"
+
+
+def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path:
+    """The local copy of the package at ``url``: downloaded once per version of the object.
+
+    :param storage_options: passed to the fsspec filesystem (credentials, ``endpoint_url``,
+        ``anon``...), e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``
+        for s3fs. None: the filesystem's own defaults and credential chain.
+    :returns: a zip file or a package directory in the cache.
+    :raises PluginNotInstalledError: the scheme's filesystem is not installed (says which extra).
+    :raises PackageError: nothing at the URL, no access, or the download failed; names the URL.
+    """
+    if not is_package_url(url):
+        raise PackageError(f"{shown(url)} is not a package URL (s3://, gs://, az://, abfs://, or an http(s) "
+                           f"URL of a .zip or .neuropod file)")  # fmt: skip
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(f"storage_options must be a dict of the filesystem's options, not {type(storage_options).__name__}")
+    fs, path = _filesystem(url, dict(storage_options or {}))
+    where = shown(url)
+    info = _info(fs, path, where)
+    if info.get("type") == "directory":
+        files = _listing(fs, path, where)
+        identity: Any = {name: _identity(i) for name, i in files.items()}
+        kind = _DIR
+    else:
+        files = {"": info}
+        identity = _identity(info)
+        kind = _ZIP
+    key = hashlib.sha256(json.dumps({"url": where, "kind": kind, "identity": identity}, sort_keys=True,
+                                    default=str).encode()).hexdigest()  # fmt: skip
+    cacheable = all(_validated(i) for i in identity.values()) if kind == _DIR else _validated(identity)
+    root = _make_downloads_dir()
+    entry = root / key
+    if cacheable and _complete(entry, key, kind, files):
+        return entry / kind
+    with _lock(root, key):
+        if cacheable and _complete(entry, key, kind, files):  # downloaded by another process meanwhile
+            return entry / kind
+        _download(fs, path, files, root, key, kind, where, identity, resumable=cacheable)
+        return entry / kind
+
+
+def as_downloaded(error: PackageError, local: str | os.PathLike[str], url: str) -> PackageError:
+    """``error``, raised for the download of ``url`` at ``local``, as a message about the URL."""
+    text = str(error)
+    if os.fspath(local) in text:
+        return PackageError(text.replace(os.fspath(local), shown(url)))
+    return PackageError(f"{text} (the package downloaded from {shown(url)})")
+
+
+# --- the filesystem ------------------------------------------------------------------------------
+
+
+def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
+    scheme = url.split("://", 1)[0].lower()
+    protocol, distribution, extra = SCHEMES[scheme]
+    hint = f"pip install 'neuropod[{extra}]'"
+    try:
+        import fsspec
+    except ImportError:
+        raise PluginNotInstalledError(
+            f"Loading {shown(url)} needs fsspec and {distribution}: {hint}"
+        ) from None
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as e:
+        raise PluginNotInstalledError(f"Loading {shown(url)} needs {distribution} ({e}): {hint}") from None
+    if protocol in ("http", "https"):
+        # Ours is the only retry; fsspec's http filesystem must not read whole files into memory.
+        options.setdefault("block_size", CHUNK)
+        target = url
+    else:
+        target = protocol + "://" + url.split("://", 1)[1]
+    try:
+        fs, path = fsspec.core.url_to_fs(target, **options)
+    except (TypeError, ValueError) as e:
+        raise PackageError(f"Cannot open {shown(url)} with these storage_options: {e}") from None
+    return fs, path
+
+
+def _info(fs: Any, path: str, where: str) -> dict[str, Any]:
+    # fsspec keeps filesystems (and s3fs their listings) between calls: what is read here must be
+    # what the store holds now, or a changed object would pass for the one downloaded before.
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(path)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        raise PackageError(f"No Neuropod package at {where}: {_what_is_missing(fs, path)}") from None
+    except Exception as e:  # noqa: BLE001  # every filesystem raises its own: each one worded
+        raise _store_error(e, where, "reading what is") from None
+    if info.get("type") == "directory" and not fs.find(path):
+        raise PackageError(f"No Neuropod package at {where}: the prefix holds no files")
+    return dict(info)
+
+
+def _what_is_missing(fs: Any, path: str) -> str:
+    """Why ``path`` is not found: its bucket (container) does not exist, or nothing is at the path."""
+    bucket = path.split("/", 1)[0]
+    if "://" not in path and bucket and bucket != path.rstrip("/"):
+        try:
+            exists = fs.exists(bucket)
+        except Exception:  # noqa: BLE001  # asking cannot make the answer worse
+            exists = True
+        if not exists:
+            return f"the bucket {bucket!r} does not exist (or these credentials cannot see it)"
+    return "no such object or prefix"
+
+
+def _listing(fs: Any, path: str, where: str) -> dict[str, dict[str, Any]]:
+    """The files under the prefix ``path`` by their path relative to it, each checked to be a safe one."""
+    try:
+        found = fs.find(path, detail=True)
+    except Exception as e:  # noqa: BLE001
+        raise _store_error(e, where, "listing what is") from None
+    base = PurePosixPath(path.rstrip("/"))
+    files: dict[str, dict[str, Any]] = {}
+    for full, info in sorted(found.items()):
+        if info.get("type") == "directory":
+            continue
+        try:
+            rel = PurePosixPath(full.rstrip("/")).relative_to(base)
+        except ValueError:
+            raise PackageError(f"{where}: the store listed {full!r}, which is not under the prefix") from None
+        parts = rel.parts
+        if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+            raise PackageError(f"{where}: refusing the object {full!r}: its path under the prefix is not a plain "
+                               "relative path")  # fmt: skip
+        files[rel.as_posix()] = dict(info)
+    return files
+
+
+def _identity(info: Mapping[str, Any]) -> dict[str, Any]:
+    """What identifies an object's content, from its info: the fields the store gave, and its size."""
+    found = {k: info[k] for k in _IDENTITY_FIELDS if info.get(k) not in (None, "")}
+    found["size"] = info.get("size")
+    return found
+
+
+def _validated(identity: Mapping[str, Any]) -> bool:
+    """Whether ``identity`` holds more than the size: only then may a download made earlier be reused."""
+    return len(identity) > 1 and identity.get("size") is not None
+
+
+def _store_error(e: BaseException, where: str, doing: str) -> PackageError:
+    """A filesystem's exception as a PackageError naming the URL and, for access, what to do."""
+    name = type(e).__name__
+    text = str(e) or name
+    if isinstance(e, PermissionError) or any(s in name for s in ("Credential", "Auth", "Forbidden", "AccessDenied")) \
+            or any(s in text for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403")):  # fmt: skip
+        return PackageError(
+            f"No access to {where} while {doing} there ({name}: {text}). Give credentials the filesystem's "
+            "usual way (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, ~/.aws/credentials or an instance "
+            "role; for GCS: GOOGLE_APPLICATION_CREDENTIALS; for Azure: AZURE_STORAGE_CONNECTION_STRING) or as "
+            "load_neuropod(..., storage_options={...})."
+        )
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+        return PackageError(f"No Neuropod package at {where}: the bucket does not exist ({text})")
+    return PackageError(f"Cannot read {where} while {doing} there: {name}: {text}")
+
+
+# --- the downloads directory -----------------------------------------------------------------------
+
+
+def _make_downloads_dir() -> Path:
+    root = downloads_dir()
+    try:
+        base = root.parent
+        if not base.is_dir():
+            base.parent.mkdir(parents=True, exist_ok=True)
+            base.mkdir(mode=0o700, exist_ok=True)  # private, as the package cache
+        root.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise PackageError(f"Cannot create the download cache at {root}: {e.strerror}. Set NEUROPOD_CACHE_DIR "
+                           "to a writable directory.") from None  # fmt: skip
+    return root
+
+
+@contextlib.contextmanager
+def _lock(root: Path, key: str) -> Iterator[None]:
+    """One process at a time downloads an object; the others wait, then take its download."""
+    locks = root / "locks"
+    try:
+        locks.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(locks / key, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as e:
+        raise PackageError(f"Cannot create a lock in the download cache at {locks}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _complete(entry: Path, key: str, kind: str, files: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether ``entry`` is a finished download of these files: its record names the key, and every
+    file is there, a regular file of its size (a stat each; the load checks the package's hashes)."""
+    try:
+        record = json.loads((entry / _RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("key") != key or record.get("sizes") is None:
+        return False
+    sizes = record["sizes"]
+    if not isinstance(sizes, dict) or set(sizes) != set(files):
+        return False
+    for name, size in sizes.items():
+        target = entry / kind / name if name else entry / kind
+        try:
+            st = os.lstat(target)
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return False
+    return True
+
+
+def _download(
+    fs: Any, path: str, files: Mapping[str, Mapping[str, Any]], root: Path, key: str, kind: str, where: str,
+    identity: Any, *, resumable: bool,
+) -> None:  # fmt: skip
+    """Download ``files`` into ``root/key`` (the caller holds the key's lock), replacing what is there."""
+    total = sum(int(i.get("size") or 0) for i in files.values())
+    limit = cache.max_package_bytes()
+    if total > limit:
+        raise PackageError(f"{where} is {total:,} bytes, more than the {limit:,} a package may hold "
+                           "(NEUROPOD_MAX_PACKAGE_BYTES)")  # fmt: skip
+    # What a killed download left is resumed: the same key is the same bytes, when the store said
+    # what identifies them (else it starts again).
+    partial = root / f"{key}.partial"
+    if not resumable or (kind == _ZIP and partial.is_dir()) or (kind == _DIR and partial.is_file()):
+        _remove(partial)
+    if kind == _DIR:
+        partial.mkdir(mode=0o700, exist_ok=True)
+    started = time.monotonic()
+    log.info("downloading %s (%s bytes)", where, f"{total:,}")
+    sizes: dict[str, int] = {}
+    for name, info in files.items():
+        source = path if not name else path.rstrip("/") + "/" + name
+        target = partial if not name else partial / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        sizes[name] = _download_file(fs, source, target, info, where if not name else f"{where.rstrip('/')}/{name}")
+    # The object (or any file under the prefix) rewritten while it was read would mix two versions.
+    after: Any
+    if kind == _DIR:
+        after = {n: _identity(i) for n, i in _listing(fs, path, where).items()}
+    else:
+        after = _identity(_info(fs, path, where))
+    if after != identity:
+        _remove(partial)
+        raise PackageError(f"{where} changed while it was being downloaded; load it again once it is complete")
+    elapsed = max(time.monotonic() - started, 1e-9)
+    log.info("downloaded %s: %s bytes in %.1f s (%.1f MB/s)", where, f"{total:,}", elapsed, total / elapsed / 1e6)
+    tmp = Path(os.fspath(root / f".{key}.{secrets.token_hex(4)}.tmp"))
+    tmp.mkdir(mode=0o700)
+    try:
+        os.rename(partial, tmp / kind)
+        _fsync_tree(tmp / kind)
+        record = {"key": key, "url": where, "identity": identity, "sizes": sizes, "downloaded": time.time()}
+        with open(tmp / _RECORD, "w") as f:
+            json.dump(record, f, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        final = root / key
+        if os.path.lexists(final):
+            _remove(final)
+        os.rename(tmp, final)
+    finally:
+        if os.path.lexists(tmp):
+            _remove(tmp)
+
+
+def _download_file(fs: Any, source: str, target: Path, info: Mapping[str, Any], where: str) -> int:
+    """Stream one object into ``target``, resuming from its length, retrying failures; its size."""
+    size = info.get("size")
+    wait = FIRST_WAIT_S
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            have = target.stat().st_size if target.exists() else 0
+            if size is not None and have > size:
+                target.unlink()
+                have = 0
+            if size is not None and have == size:
+                return have
+            if have:
+                log.info("resuming %s from byte %s", where, f"{have:,}")
+            return _copy(fs, source, target, have, size)
+        except FileNotFoundError:
+            raise PackageError(f"No Neuropod package at {where}: the object went away while it was being "
+                               "downloaded") from None  # fmt: skip
+        except NeuropodError:
+            raise
+        except Exception as e:  # noqa: BLE001  # a connection lost, a timeout: retried from where it stopped
+            error = _store_error(e, where, "downloading what is")
+            if "No access" in str(error) or attempt == ATTEMPTS:
+                raise error from None
+            log.warning("downloading %s failed (%s: %s); retrying in %.1f s (attempt %d of %d)", where,
+                        type(e).__name__, e, wait, attempt + 1, ATTEMPTS)  # fmt: skip
+            time.sleep(wait)
+            wait *= 2
+    raise AssertionError("unreachable")
+
+
+def _copy(fs: Any, source: str, target: Path, offset: int, size: int | None) -> int:
+    """Append ``source`` from ``offset`` to ``target``, a chunk at a time; the length written in all."""
+    with fs.open(source, "rb", block_size=CHUNK, cache_type="none") as src:
+        if offset:
+            try:
+                src.seek(offset)
+            except (OSError, ValueError):  # no ranges here: start again
+                offset = 0
+        mode = "ab" if offset else "wb"
+        with open(target, mode) as out:
+            if not offset:
+                out.truncate(0)
+            written = offset
+            while True:
+                chunk = src.read(CHUNK)
+                if not chunk:
+                    break
+                out.write(chunk)
+                written += len(chunk)
+                if size is not None and written > size:
+                    raise OSError(errno.EFBIG, f"the object holds more than the {size:,} bytes its store listed")
+            out.flush()
+            os.fsync(out.fileno())
+    if size is not None and written != size:
+        raise OSError(errno.EIO, f"the download stopped at {written:,} of {size:,} bytes")
+    return written
+
+
+def _fsync_tree(path: Path) -> None:
+    if path.is_file():
+        return  # written and synced by _copy
+    for dirpath, _dirs, _files in os.walk(path):
+        with contextlib.suppress(OSError):
+            fd = os.open(dirpath, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    trash = path.parent / f".trash-{secrets.token_hex(8)}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    except OSError:
+        trash = path
+    if trash.is_dir() and not trash.is_symlink():
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            trash.unlink()
+
+
+__all__ = ["PACKAGE_SUFFIXES", "SCHEMES", "as_downloaded", "downloads_dir", "fetch", "is_package_url", "shown"]

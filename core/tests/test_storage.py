@@ -1,0 +1,406 @@
+"""Packages loaded by URL from a real S3 server (moto's, on 127.0.0.1, through s3fs exactly as a
+user's load goes) and from a real web server (ranges, a redirect, a 404, a dropped connection).
+
+The model is the ONNX demo (``out = (x + y) * 2``); expected outputs are computed with numpy.
+``nox -s tests_storage`` installs what these need; without it they skip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("s3fs", reason="needs neuropod[s3] (nox -s tests_storage installs it)")
+pytest.importorskip("aiohttp", reason="needs neuropod[http] (nox -s tests_storage installs it)")
+moto_server = pytest.importorskip("moto.server", reason="needs moto[server] (nox -s tests_storage installs it)")
+pytest.importorskip("neuropod_onnx", reason="needs neuropod-onnx and onnxruntime")
+pytest.importorskip("onnxruntime", reason="needs onnxruntime")
+
+import neuropod  # noqa: E402
+from neuropod import storage  # noqa: E402
+from neuropod.errors import PackageError  # noqa: E402
+
+X = np.array([[1, 2], [3, 4]], np.float32)
+Y = np.array([[7, 8], [9, 10]], np.float32)
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _zip_of(directory: Path) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(directory.rglob("*")):
+            if path.is_file():
+                zf.write(path, path.relative_to(directory).as_posix())
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The demo package as a directory and a zip, another package (another name) and a tampered zip."""
+    from neuropod_onnx.demo import INPUT_SPEC, OUTPUT_SPEC, build_demo, demo_model_bytes
+    from neuropod_onnx.packager import create_onnx_neuropod
+
+    root = tmp_path_factory.mktemp("packages")
+    directory, _, _ = build_demo(root)
+    other = create_onnx_neuropod(root / "other.neuropod", "demo_adder_v2", INPUT_SPEC, OUTPUT_SPEC,
+                                 onnx_model=demo_model_bytes())  # fmt: skip
+    tampered = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(_zip_of(directory))) as src, zipfile.ZipFile(tampered, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith(".onnx"):
+                data = data.replace(b"neuropod-demo", b"neuropod-demX")  # same size, other bytes
+            dst.writestr(item, data)
+    return {"dir": directory, "zip": _zip_of(directory), "other": _zip_of(other), "tampered": tampered.getvalue()}
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    """moto's S3 server on a free port of 127.0.0.1: its endpoint URL."""
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def bucket(s3_server: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh bucket on the S3 server (and a private cache for the test)."""
+    import boto3
+
+    monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / "cache"))
+    client = boto3.client("s3", endpoint_url=s3_server)
+    name = "b-" + hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:16]
+    client.create_bucket(Bucket=name)
+    return _Bucket(client, name, s3_server)
+
+
+class _Bucket:
+    def __init__(self, client: Any, name: str, endpoint: str) -> None:
+        self.client, self.name, self.endpoint = client, name, endpoint
+        self.options = {"client_kwargs": {"endpoint_url": endpoint}}
+
+    def put(self, key: str, data: bytes) -> str:
+        self.client.put_object(Bucket=self.name, Key=key, Body=data)
+        return f"s3://{self.name}/{key}"
+
+    def put_tree(self, prefix: str, directory: Path) -> str:
+        for path in sorted(directory.rglob("*")):
+            if path.is_file():
+                self.put(f"{prefix}/{path.relative_to(directory).as_posix()}", path.read_bytes())
+        return f"s3://{self.name}/{prefix}/"
+
+
+def _check_demo(model: Any) -> None:
+    np.testing.assert_array_equal(model.infer({"x": X, "y": Y})["out"], (X + Y) * 2)
+
+
+def _downloads(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "neuropod.storage" and r.getMessage().startswith("downloading")]
+
+
+# --- S3 ------------------------------------------------------------------------------------------
+
+
+def test_a_zip_object_and_a_prefix_load_by_url(bucket: _Bucket, packages: dict[str, Any]) -> None:
+    for url in (bucket.put("models/adder.neuropod", packages["zip"]), bucket.put_tree("models/adder", packages["dir"])):
+        with neuropod.load_neuropod(url, storage_options=bucket.options) as model:
+            assert model.name == "demo_adder"
+            _check_demo(model)
+
+
+def test_a_second_load_takes_the_download(
+    bucket: _Bucket, packages: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "neuropod.storage")
+    url = bucket.put("adder.neuropod", packages["zip"])
+    for _ in range(3):
+        with neuropod.load_neuropod(url, storage_options=bucket.options) as model:
+            _check_demo(model)
+    assert len(_downloads(caplog)) == 1, caplog.text
+    entries = [p for p in storage.downloads_dir().iterdir() if len(p.name) == 64]
+    assert len(entries) == 1 and (entries[0] / "package.zip").read_bytes() == packages["zip"]
+    record = (entries[0] / "record.json").read_text()
+    assert url in record and "testing" not in record  # no credential in the cache
+
+
+def test_a_changed_object_is_downloaded_again(
+    bucket: _Bucket, packages: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "neuropod.storage")
+    url = bucket.put("adder.neuropod", packages["zip"])
+    with neuropod.load_neuropod(url, storage_options=bucket.options) as model:
+        assert model.name == "demo_adder"
+    bucket.put("adder.neuropod", packages["other"])
+    with neuropod.load_neuropod(url, storage_options=bucket.options) as model:
+        assert model.name == "demo_adder_v2"
+        _check_demo(model)
+    assert len(_downloads(caplog)) == 2, caplog.text
+
+
+def test_a_tampered_object_is_refused(bucket: _Bucket, packages: dict[str, Any]) -> None:
+    url = bucket.put("adder.neuropod", packages["tampered"])
+    with pytest.raises(PackageError, match=r"^Package s3://b-[0-9a-f]+/adder\.neuropod does not match its manifest\.json "
+                       r"\(changed: 0/data/model\.onnx\)"):  # fmt: skip
+        neuropod.load_neuropod(url, storage_options=bucket.options)
+
+
+def test_missing_bucket_key_and_credentials_say_so(bucket: _Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(PackageError, match=rf"No Neuropod package at s3://{bucket.name}/nope\.neuropod: no such object"):
+        neuropod.load_neuropod(f"s3://{bucket.name}/nope.neuropod", storage_options=bucket.options)
+    with pytest.raises(PackageError, match=r"s3://no-such-bucket/adder\.neuropod: the bucket 'no-such-bucket' does "
+                       "not exist"):  # fmt: skip
+        neuropod.load_neuropod("s3://no-such-bucket/adder.neuropod", storage_options=bucket.options)
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    with pytest.raises(PackageError, match=r"No access to s3://.*AWS_ACCESS_KEY_ID.*storage_options") as e:
+        neuropod.load_neuropod(f"s3://{bucket.name}/nope.neuropod",
+                               storage_options={**bucket.options, "skip_instance_cache": True})  # fmt: skip
+    assert "Traceback" not in str(e.value)
+
+
+_KILLED_FETCH = textwrap.dedent("""
+    import builtins, sys, time
+    from neuropod import storage
+
+    class Slow:  # a download file whose every chunk takes 20 ms to write
+        def __init__(self, f):
+            self.f = f
+        def write(self, b):
+            time.sleep(0.02)
+            return self.f.write(b)
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    storage.CHUNK = 64 * 1024
+    storage.open = lambda *a, **k: Slow(builtins.open(*a, **k))  # what storage writes downloads with
+    storage.fetch(sys.argv[1], storage_options={"client_kwargs": {"endpoint_url": sys.argv[2]}})
+""")
+
+
+def test_a_killed_download_is_resumed_by_the_next(
+    bucket: _Bucket, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "neuropod.storage")
+    data = np.random.default_rng(0).bytes(8 * 1024 * 1024)
+    url = bucket.put("big.zip", data)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_FETCH, url, bucket.endpoint], env=os.environ.copy())
+    partial: list[Path] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        partial = [p for p in storage.downloads_dir().glob("*.partial") if p.stat().st_size > 1024 * 1024] \
+            if storage.downloads_dir().is_dir() else []  # fmt: skip
+        if partial:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert partial, "the download never got going"
+    have = partial[0].stat().st_size
+    assert 0 < have < len(data)
+    assert not [p for p in storage.downloads_dir().iterdir() if len(p.name) == 64]  # nothing a load would take
+    path = storage.fetch(url, storage_options=bucket.options)
+    assert path.read_bytes() == data
+    assert any(m.startswith(f"resuming {url} from byte") for m in (r.getMessage() for r in caplog.records)), caplog.text
+    assert not list(storage.downloads_dir().glob("*.partial"))
+
+
+_TWO_LOADS = textwrap.dedent("""
+    import logging, sys, time
+    import numpy as np
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    import neuropod
+    while time.time() < float(sys.argv[3]):
+        time.sleep(0.001)
+    with neuropod.load_neuropod(sys.argv[1], storage_options={"client_kwargs": {"endpoint_url": sys.argv[2]}}) as m:
+        x = np.array([[1, 2], [3, 4]], np.float32)
+        print("out", m.infer({"x": x, "y": x})["out"].tolist())
+""")
+
+
+def test_two_processes_loading_one_url_download_it_once(bucket: _Bucket, packages: dict[str, Any]) -> None:
+    url = bucket.put("adder.neuropod", packages["zip"])
+    start = str(time.time() + 2.0)  # both start loading at the same instant
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_LOADS, url, bucket.endpoint, start], env=os.environ.copy(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert "out [[4.0, 8.0], [12.0, 16.0]]" in out, (out, err)
+    downloads = sum(err.count("neuropod.storage downloading ") for _, err in outs)
+    assert downloads == 1, [err for _, err in outs]
+
+
+def test_the_command_takes_package_urls(bucket: _Bucket, packages: dict[str, Any]) -> None:
+    url = bucket.put("adder.neuropod", packages["zip"])
+    env = {**os.environ, "AWS_ENDPOINT_URL": bucket.endpoint}  # the S3 endpoint, as the AWS tools read it
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "neuropod", *args], capture_output=True, text=True, env=env,
+                              timeout=120)  # fmt: skip
+
+    r = run("inspect", url)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"Package:   {url} (downloaded to ") and "Name:      demo_adder" in r.stdout
+    assert f"neuropod: downloading {url}" in r.stderr
+    r = run("test", url)
+    assert r.returncode == 0 and "PASSED" in r.stdout, r.stderr
+    assert "downloading" not in r.stderr  # the download the first command made
+    bucket.put("adder.neuropod", packages["tampered"])
+    r = run("inspect", url)
+    assert r.returncode == 2 and f"neuropod inspect: error: Package {url} does not match its manifest" in r.stderr, r.stderr
+    r = run("explain", f"s3://{bucket.name}/nope.neuropod")
+    assert r.returncode == 2, r.stderr
+    assert f"error: No Neuropod package at s3://{bucket.name}/nope.neuropod: no such object" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# --- https:// (a local web server) ----------------------------------------------------------------
+
+
+class _Files(http.server.BaseHTTPRequestHandler):
+    """Files of ``root`` with ETags and byte ranges; ``/old/...`` redirects to ``/...``; the first
+    GET of a name in ``drop`` stops halfway (the connection closed)."""
+
+    root: Path
+    drop: set[str]
+    protocol_version = "HTTP/1.1"
+
+    def do_HEAD(self) -> None:
+        self._serve(head=True)
+
+    def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def _serve(self, head: bool) -> None:
+        if self.path.startswith("/old/"):
+            self.send_response(302)
+            self.send_header("Location", self.path[len("/old"):])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        path = self.root / self.path.lstrip("/")
+        if not path.is_file():
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = path.read_bytes()
+        start, end = 0, len(data) - 1
+        ranged = self.headers.get("Range")
+        if ranged and ranged.startswith("bytes="):
+            a, _, b = ranged[6:].partition("-")
+            start = int(a) if a else 0
+            end = min(int(b), len(data) - 1) if b else len(data) - 1
+        body = data[start : end + 1]
+        self.send_response(206 if ranged else 200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest()[:16] + '"')
+        if ranged:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        self.end_headers()
+        if head:
+            return
+        if path.name in self.drop and len(body) > 1024:
+            self.drop.discard(path.name)
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def web(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, type[_Files]]]:
+    monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(storage, "FIRST_WAIT_S", 0.05)
+    handler = type("Files", (_Files,), {"root": tmp_path / "www", "drop": set()})
+    handler.root.mkdir()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_https_urls_of_zips_load_through_redirects_and_retries(
+    web: tuple[str, type[_Files]], packages: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "neuropod.storage")
+    base, handler = web
+    (handler.root / "adder.neuropod").write_bytes(packages["zip"])
+    with neuropod.load_neuropod(f"{base}/adder.neuropod") as model:
+        _check_demo(model)
+    with neuropod.load_neuropod(f"{base}/old/adder.neuropod") as model:  # a redirect, then the same object
+        _check_demo(model)
+    # A connection that drops halfway is retried from where it stopped.
+    (handler.root / "again.zip").write_bytes(packages["zip"])
+    handler.drop.add("again.zip")
+    with neuropod.load_neuropod(f"{base}/again.zip") as model:
+        _check_demo(model)
+    assert not handler.drop  # it did drop
+    assert any("retrying" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_https_404_says_no_package(web: tuple[str, type[_Files]]) -> None:
+    base, _ = web
+    with pytest.raises(PackageError, match=r"No Neuropod package at http://127\.0\.0\.1:\d+/missing\.zip"):
+        neuropod.load_neuropod(f"{base}/missing.zip")
+
+
+def test_the_cache_holds_only_finished_downloads(bucket: _Bucket, packages: dict[str, Any]) -> None:
+    url = bucket.put("adder.neuropod", packages["zip"])
+    storage.fetch(url, storage_options=bucket.options)
+    names = sorted(p.name for p in storage.downloads_dir().iterdir())
+    assert names[-1] == "locks" and all(len(n) == 64 for n in names[:-1]), names
+    shutil.rmtree(storage.downloads_dir())  # a cleared cache is downloaded into again
+    assert storage.fetch(url, storage_options=bucket.options).read_bytes() == packages["zip"]
