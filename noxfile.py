@@ -27,6 +27,7 @@
                                    (-- --from-data: only redraw from docs/_static/perf/data/)
     nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~12 min)
     nox -s bench_remote            remote models' latency against in-process, tritonclient and the transport floor
+    nox -s bench_storage           packages by URL from a local S3 server against local disk (cold, cached, memory)
     nox -s bench_ray               the Ray Serve deployment (1, 2 replicas, Ray's floor) against neuropod serve (~4 min)
     nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
     nox -s wheels                  the same wheels, installed alone into a fresh venv and smoke-tested
@@ -536,6 +537,17 @@ def bench_remote(session: nox.Session) -> None:
     session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
                     f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", "tritonclient[grpc,http]")  # fmt: skip
     session.run("python", "bench/bench_remote.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_storage(session: nox.Session) -> None:
+    """Packages loaded by URL from moto's S3 server against local disk: cold download bandwidth
+    against s3fs alone, a cached load against a local one, peak memory (1 MiB and 1 GiB; about
+    4 min, 4 GB of disk)."""
+    session.install(f"{CORE}[s3]")
+    botocore = session.run("python", "-c", "import botocore; print(botocore.__version__)", silent=True)
+    session.install("moto[server]>=5", f"botocore=={str(botocore).strip()}")
+    session.run("python", "bench/bench_storage.py", *session.posargs)
 
 
 @nox.session(python=DEFAULT_PYTHON)

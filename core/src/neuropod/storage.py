@@ -42,6 +42,9 @@ user, password and query nor any option is logged or written to the cache.
 
 from __future__ import annotations
 
+import base64
+import collections
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -52,6 +55,7 @@ import os
 import secrets
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
@@ -77,8 +81,13 @@ SCHEMES: dict[str, tuple[str, str, str]] = {
 }
 #: An http(s) URL whose path ends so is a package to download; any other is a model on a server.
 PACKAGE_SUFFIXES = (".zip", ".neuropod")
-#: Bytes read and written at a time: what a download holds in memory.
-CHUNK = 8 * 1024 * 1024
+#: Bytes read and written at a time: a download holds about ``PARALLEL + 1`` of them in memory.
+CHUNK = 16 * 1024 * 1024
+#: Range reads of an object store's object in flight at once.
+PARALLEL = 4
+#: Seconds the first download of a URL waits for the chunk read ahead once the store said what the
+#: object is (beyond them, the download proper reads it).
+READ_AHEAD_WAIT_S = 30.0
 #: Attempts at one file before a download fails; the waits between them (seconds) double from the first.
 ATTEMPTS = 5
 FIRST_WAIT_S = 0.5
@@ -137,7 +146,17 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
         raise TypeError(f"storage_options must be a dict of the filesystem's options, not {type(storage_options).__name__}")
     fs, path = _filesystem(url, dict(storage_options or {}))
     where = shown(url)
-    info = _info(fs, path, where)
+    root = _make_downloads_dir()
+    # A URL never downloaded here: its first chunk is read while the store is asked what the
+    # object is, a round trip less for a small package (used only when its MD5 proves it whole).
+    seen = root / "urls" / hashlib.sha256(where.encode()).hexdigest()
+    first = _read_ahead(fs, path) if _ranged(fs) and not path.endswith("/") and not seen.exists() else None
+    try:
+        info = _info(fs, path, where)
+    except BaseException:
+        if first is not None:
+            first.cancel()
+        raise
     if info.get("type") == "directory":
         files = _listing(fs, path, where)
         identity: Any = {name: _identity(i) for name, i in files.items()}
@@ -149,15 +168,51 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
     key = hashlib.sha256(json.dumps({"url": where, "kind": kind, "identity": identity}, sort_keys=True,
                                     default=str).encode()).hexdigest()  # fmt: skip
     cacheable = all(_validated(i) for i in identity.values()) if kind == _DIR else _validated(identity)
-    root = _make_downloads_dir()
     entry = root / key
     if cacheable and _complete(entry, key, kind, files):
         return entry / kind
     with _lock(root, key):
         if cacheable and _complete(entry, key, kind, files):  # downloaded by another process meanwhile
             return entry / kind
-        _download(fs, path, files, root, key, kind, where, identity, resumable=cacheable)
-        return entry / kind
+        whole = _whole(first, fs, info) if kind == _ZIP else None
+        _download(fs, path, files, root, key, kind, where, identity, resumable=cacheable, whole=whole)
+    with contextlib.suppress(OSError):
+        seen.parent.mkdir(mode=0o700, exist_ok=True)
+        seen.touch()
+    return entry / kind
+
+
+def _read_ahead(fs: Any, path: str) -> concurrent.futures.Future[bytes]:
+    """The first :data:`CHUNK` of ``path``, read on a thread of its own."""
+    future: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+
+    def read() -> None:
+        try:
+            future.set_result(fs.cat_file(path, start=0, end=CHUNK))
+        except BaseException as e:  # noqa: BLE001  # whatever it was, the download proper says it
+            future.set_exception(e)
+
+    if future.set_running_or_notify_cancel():
+        threading.Thread(target=read, name="neuropod-read-ahead", daemon=True).start()
+    return future
+
+
+def _whole(first: concurrent.futures.Future[bytes] | None, fs: Any, info: Mapping[str, Any]) -> bytes | None:
+    """The bytes read ahead when they are the whole object ``info`` describes, as its listed MD5
+    proves (read before the store was asked, they could be an older version); else None."""
+    size = info.get("size")
+    if first is None or size is None or size > CHUNK:
+        return None
+    expected = _listed_md5(fs, info)
+    if expected is None:
+        return None
+    try:
+        data = first.result(timeout=READ_AHEAD_WAIT_S)
+    except Exception:  # noqa: BLE001  # not there, not in time: the download proper reads it
+        return None
+    if len(data) != size or hashlib.md5(data, usedforsecurity=False).hexdigest() != expected:
+        return None
+    return data
 
 
 def as_downloaded(error: PackageError, local: str | os.PathLike[str], url: str) -> PackageError:
@@ -337,9 +392,12 @@ def _complete(entry: Path, key: str, kind: str, files: Mapping[str, Mapping[str,
 
 def _download(
     fs: Any, path: str, files: Mapping[str, Mapping[str, Any]], root: Path, key: str, kind: str, where: str,
-    identity: Any, *, resumable: bool,
+    identity: Any, *, resumable: bool, whole: bytes | None = None,
 ) -> None:  # fmt: skip
-    """Download ``files`` into ``root/key`` (the caller holds the key's lock), replacing what is there."""
+    """Download ``files`` into ``root/key`` (the caller holds the key's lock), replacing what is there.
+
+    :param whole: a zip object's bytes already read (and proven whole by its MD5): written, not read again.
+    """
     total = sum(int(i.get("size") or 0) for i in files.values())
     limit = cache.max_package_bytes()
     if total > limit:
@@ -355,20 +413,34 @@ def _download(
     started = time.monotonic()
     log.info("downloading %s (%s bytes)", where, f"{total:,}")
     sizes: dict[str, int] = {}
+    same = True  # every file's bytes have the MD5 its store listed (so none changed meanwhile)
     for name, info in files.items():
         source = path if not name else path.rstrip("/") + "/" + name
         target = partial if not name else partial / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        sizes[name] = _download_file(fs, source, target, info, where if not name else f"{where.rstrip('/')}/{name}")
-    # The object (or any file under the prefix) rewritten while it was read would mix two versions.
-    after: Any
-    if kind == _DIR:
-        after = {n: _identity(i) for n, i in _listing(fs, path, where).items()}
-    else:
-        after = _identity(_info(fs, path, where))
-    if after != identity:
-        _remove(partial)
-        raise PackageError(f"{where} changed while it was being downloaded; load it again once it is complete")
+        expected = _listed_md5(fs, info)
+        if whole is not None:
+            with open(target, "wb") as out:
+                out.write(whole)
+                out.flush()
+                os.fsync(out.fileno())
+            sizes[name], md5 = len(whole), expected
+        else:
+            sizes[name], md5 = _download_file(fs, source, target, info,
+                                              where if not name else f"{where.rstrip('/')}/{name}",
+                                              md5=expected is not None)  # fmt: skip
+        same = same and expected is not None and md5 == expected
+    # The object (or any file under the prefix) rewritten while it was read would mix two versions,
+    # or put another version under this one's key: asked again, unless the MD5s said so already.
+    if not same:
+        after: Any
+        if kind == _DIR:
+            after = {n: _identity(i) for n, i in _listing(fs, path, where).items()}
+        else:
+            after = _identity(_info(fs, path, where))
+        if after != identity:
+            _remove(partial)
+            raise PackageError(f"{where} changed while it was being downloaded; load it again once it is complete")
     elapsed = max(time.monotonic() - started, 1e-9)
     log.info("downloaded %s: %s bytes in %.1f s (%.1f MB/s)", where, f"{total:,}", elapsed, total / elapsed / 1e6)
     tmp = Path(os.fspath(root / f".{key}.{secrets.token_hex(4)}.tmp"))
@@ -390,8 +462,11 @@ def _download(
             _remove(tmp)
 
 
-def _download_file(fs: Any, source: str, target: Path, info: Mapping[str, Any], where: str) -> int:
-    """Stream one object into ``target``, resuming from its length, retrying failures; its size."""
+def _download_file(
+    fs: Any, source: str, target: Path, info: Mapping[str, Any], where: str, *, md5: bool
+) -> tuple[int, str | None]:
+    """Stream one object into ``target``, resuming from its length, retrying failures: its size,
+    and with ``md5`` the MD5 of its bytes (hashed as they are written)."""
     size = info.get("size")
     wait = FIRST_WAIT_S
     for attempt in range(1, ATTEMPTS + 1):
@@ -400,11 +475,13 @@ def _download_file(fs: Any, source: str, target: Path, info: Mapping[str, Any], 
             if size is not None and have > size:
                 target.unlink()
                 have = 0
+            digest = _md5_of_prefix(target, have) if md5 else None
             if size is not None and have == size:
-                return have
+                return have, digest.hexdigest() if digest is not None else None
             if have:
                 log.info("resuming %s from byte %s", where, f"{have:,}")
-            return _copy(fs, source, target, have, size)
+            written = _copy(fs, source, target, have, size, digest)
+            return written, digest.hexdigest() if digest is not None else None
         except FileNotFoundError:
             raise PackageError(f"No Neuropod package at {where}: the object went away while it was being "
                                "downloaded") from None  # fmt: skip
@@ -421,8 +498,41 @@ def _download_file(fs: Any, source: str, target: Path, info: Mapping[str, Any], 
     raise AssertionError("unreachable")
 
 
-def _copy(fs: Any, source: str, target: Path, offset: int, size: int | None) -> int:
-    """Append ``source`` from ``offset`` to ``target``, a chunk at a time; the length written in all."""
+def _md5_of_prefix(target: Path, length: int) -> Any:
+    """An MD5 fed the first ``length`` bytes of ``target`` (a download being resumed)."""
+    digest = hashlib.md5(usedforsecurity=False)
+    if length:
+        with open(target, "rb") as f:
+            while length > 0:
+                chunk = f.read(min(CHUNK, length))
+                if not chunk:
+                    break
+                digest.update(chunk)
+                length -= len(chunk)
+    return digest
+
+
+def _listed_md5(fs: Any, info: Mapping[str, Any]) -> str | None:
+    """The MD5 (hex) of an object's bytes as its store lists it, where it surely is one: an S3
+    ETag of 32 hex digits (an object uploaded whole), GCS's md5Hash. None otherwise (multipart
+    uploads, Azure, web servers' ETags, which mean what each server likes)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol in ("s3", "s3a"):
+        etag = str(info.get("ETag") or "").strip('"').lower()
+        return etag if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag) else None
+    if protocol in ("gs", "gcs") and info.get("md5Hash"):
+        try:
+            return base64.b64decode(str(info["md5Hash"]), validate=True).hex()
+        except ValueError:
+            return None
+    return None
+
+
+def _copy(fs: Any, source: str, target: Path, offset: int, size: int | None, digest: Any = None) -> int:
+    """Append ``source`` from ``offset`` to ``target``, a chunk at a time (each fed to ``digest``
+    too, when given); the length written in all."""
+    if size is not None and size - offset > CHUNK and _ranged(fs):
+        return _copy_ranges(fs, source, target, offset, size, digest)
     with fs.open(source, "rb", block_size=CHUNK, cache_type="none") as src:
         if offset:
             try:
@@ -439,6 +549,8 @@ def _copy(fs: Any, source: str, target: Path, offset: int, size: int | None) -> 
                 if not chunk:
                     break
                 out.write(chunk)
+                if digest is not None:
+                    digest.update(chunk)
                 written += len(chunk)
                 if size is not None and written > size:
                     raise OSError(errno.EFBIG, f"the object holds more than the {size:,} bytes its store listed")
@@ -446,6 +558,52 @@ def _copy(fs: Any, source: str, target: Path, offset: int, size: int | None) -> 
             os.fsync(out.fileno())
     if size is not None and written != size:
         raise OSError(errno.EIO, f"the download stopped at {written:,} of {size:,} bytes")
+    return written
+
+
+def _ranged(fs: Any) -> bool:
+    """Whether ``fs`` is an object store, whose every object takes range reads (a web server may not)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+
+
+def _copy_ranges(fs: Any, source: str, target: Path, offset: int, size: int, digest: Any = None) -> int:
+    """:func:`_copy` of an object store's object: :data:`PARALLEL` range reads of a chunk each in flight
+    (one request's latency hides behind the others', as ``aws s3 cp`` does), written in order, so a
+    download that stops leaves a prefix to resume from. Memory: about ``PARALLEL + 1`` chunks."""
+    ranges = iter(range(offset, size, CHUNK))
+    written = offset
+    with concurrent.futures.ThreadPoolExecutor(PARALLEL, thread_name_prefix="neuropod-download") as pool, \
+            open(target, "ab" if offset else "wb") as out:  # fmt: skip
+        if not offset:
+            out.truncate(0)
+        pending: collections.deque[tuple[int, concurrent.futures.Future[bytes]]] = collections.deque()
+
+        def more() -> None:
+            start = next(ranges, None)
+            if start is not None:
+                end = min(start + CHUNK, size)
+                pending.append((end - start, pool.submit(fs.cat_file, source, start=start, end=end)))
+
+        for _ in range(PARALLEL):
+            more()
+        try:
+            while pending:
+                length, future = pending.popleft()
+                chunk = future.result()
+                if len(chunk) != length:
+                    raise OSError(errno.EIO, f"a range read gave {len(chunk):,} bytes instead of {length:,}")
+                out.write(chunk)
+                if digest is not None:
+                    digest.update(chunk)
+                written += length
+                del chunk
+                more()
+        finally:
+            for _, future in pending:
+                future.cancel()
+            out.flush()
+            os.fsync(out.fileno())
     return written
 
 

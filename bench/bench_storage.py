@@ -1,0 +1,204 @@
+"""Packages loaded by URL from a local S3 server against the same packages on local disk.
+
+    python bench/bench_storage.py [--sizes 1,1024] [--rounds 3] [--json PATH]
+
+moto's S3 server runs in a process of its own on 127.0.0.1; each package (a zip
+holding a random, incompressible file of the size, in MiB) is uploaded to it once.
+For each size, in the same run:
+
+* **raw**: s3fs alone copying the object to a file (``S3FileSystem.get``, what an
+  ``aws s3 cp``-style copy step does), as bytes per second;
+* **cold**: ``neuropod.storage.fetch`` with an empty download cache (the object
+  streamed into the cache, synced, checked against the store and put in place),
+  as bytes per second. Target: at least 0.8 of raw;
+* **warm**: a load by URL whose download is cached (``fetch``, which asks the
+  store for the object's identity, then ``read_package`` of the download),
+  against ``read_package`` of the same zip on local disk. Target: at most 10 ms
+  added. (The backend's own load of the model is the same on both sides and is
+  left out.)
+* **memory**: a cold ``fetch`` in a fresh process, its peak resident memory over
+  what it held before the call. Target: O(chunk), whatever the size: at most
+  ``PARALLEL + 2`` chunks (range reads in flight, the one being written, and the
+  client's own), 96 MB with the defaults.
+
+Medians of ``--rounds`` rounds (warm: 5x more); the two sides alternate in each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import add_json_option, record, verdict, write_json
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+
+# A cold fetch in a fresh process: its peak resident memory over what it held before.
+CHILD = r"""
+import json, sys
+from neuropod import storage
+
+def status_mb(field):  # this process's own memory (VmHWM: its peak, which exec started afresh)
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+import s3fs  # imported before the measure, as a long-running process has it
+before = status_mb("VmRSS")
+storage.fetch(sys.argv[1], storage_options={"client_kwargs": {"endpoint_url": sys.argv[2]}})
+print(json.dumps({"before_mb": before, "peak_mb": status_mb("VmHWM")}))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_s3() -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("moto's S3 server did not start")
+
+
+def _package(work: Path, size_mb: int) -> Path:
+    """A zip package holding ``size_mb`` MiB of random bytes (deflate cannot shrink them)."""
+    from neuropod.package import parse_config, write_package
+
+    blob = work / f"weights-{size_mb}.bin"
+    with open(blob, "wb") as f:
+        for _ in range(size_mb):
+            f.write(os.urandom(1 << 20))
+    config = parse_config({"name": f"big{size_mb}", "platform": "opaque", "platform_version_semver": "*",
+                           "input_spec": [], "output_spec": [], "input_tensor_device": {}}, "bench")  # fmt: skip
+    path = write_package(work / f"big{size_mb}.neuropod", config, {"0/data/weights.bin": blob}, package_as_zip=True,
+                         zip_compression=zipfile.ZIP_STORED)  # fmt: skip
+    blob.unlink()
+    return Path(path)
+
+
+def _clear(directory: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,1024", help="package sizes in MiB, comma-separated (default 1,1024)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    add_json_option(ap)
+    args = ap.parse_args()
+    os.environ.update(CREDENTIALS)
+    import boto3
+    import s3fs
+
+    import neuropod
+    from neuropod import storage
+    from neuropod.package import read_package
+
+    print(f"neuropod {neuropod.__version__}, s3fs {s3fs.__version__}, Python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} CPUs; moto's S3 server on 127.0.0.1; {args.rounds} rounds, medians")  # fmt: skip
+    server, endpoint = _start_s3()
+    try:
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-storage-") as tmp:
+            work = Path(tmp)
+            os.environ["NEUROPOD_CACHE_DIR"] = str(work / "cache")
+            client = boto3.client("s3", endpoint_url=endpoint)
+            client.create_bucket(Bucket="models")
+            options = {"client_kwargs": {"endpoint_url": endpoint}}
+            fs = s3fs.S3FileSystem(**options)
+            slack_mb = (storage.PARALLEL + 2) * storage.CHUNK / (1 << 20)
+            print(f"{'size':>8} {'raw MB/s':>9} {'cold MB/s':>10} {'cold/raw':>9} {'local load':>11} "
+                  f"{'by URL':>9} {'added':>9} {'peak growth':>12}")  # fmt: skip
+            for size_mb in [int(s) for s in args.sizes.split(",")]:
+                zpath = _package(work, size_mb)
+                key = zpath.name
+                client.upload_file(str(zpath), "models", key)
+                url = f"s3://models/{key}"
+                nbytes = zpath.stat().st_size
+                raw_s, cold_s = [], []
+                for r in range(args.rounds):
+                    for side in (("raw", "cold") if r % 2 == 0 else ("cold", "raw")):
+                        if side == "raw":
+                            dest = work / "copy.bin"
+                            t0 = time.perf_counter()
+                            fs.get(f"models/{key}", str(dest))
+                            raw_s.append(time.perf_counter() - t0)
+                            dest.unlink()
+                        else:
+                            _clear(storage.downloads_dir())
+                            t0 = time.perf_counter()
+                            storage.fetch(url, storage_options=options)
+                            cold_s.append(time.perf_counter() - t0)
+                # Warm: the download above is in the cache; the local zip is the same bytes.
+                read_package(zpath)  # both sides' extraction made once, before timing
+                read_package(storage.fetch(url, storage_options=options))
+                local_s, url_s = [], []
+                for r in range(args.rounds * 5):
+                    for side in (("local", "url") if r % 2 == 0 else ("url", "local")):
+                        t0 = time.perf_counter()
+                        if side == "local":
+                            read_package(zpath)
+                            local_s.append(time.perf_counter() - t0)
+                        else:
+                            read_package(storage.fetch(url, storage_options=options))
+                            url_s.append(time.perf_counter() - t0)
+                _clear(storage.downloads_dir())
+                child = subprocess.run([sys.executable, "-c", CHILD, url, endpoint], capture_output=True, text=True,
+                                       timeout=1800, env=dict(os.environ))  # fmt: skip
+                if child.returncode != 0:
+                    raise SystemExit(f"the memory child failed:\n{child.stderr[-3000:]}")
+                mem: dict[str, float] = json.loads(child.stdout.strip().splitlines()[-1])
+                growth = mem["peak_mb"] - mem["before_mb"]
+                raw_bw = nbytes / statistics.median(raw_s) / 1e6
+                cold_bw = nbytes / statistics.median(cold_s) / 1e6
+                local, by_url = statistics.median(local_s), statistics.median(url_s)
+                added = by_url - local
+                print(f"{size_mb:>5} MiB {raw_bw:>9.1f} {cold_bw:>10.1f} {cold_bw / raw_bw:>9.2f} "
+                      f"{local * 1e3:>8.1f} ms {by_url * 1e3:>6.1f} ms {added * 1e3:>6.1f} ms {growth:>9.1f} MB",
+                      flush=True)  # fmt: skip
+                record(f"{size_mb} MiB", key=f"size{size_mb}", raw_mb_s=raw_bw, cold_mb_s=cold_bw,
+                       cold_over_raw=cold_bw / raw_bw, local_load_s=local, url_load_s=by_url, added_s=added,
+                       peak_growth_mb=growth)  # fmt: skip
+                verdict(f"{size_mb} MiB cold >= 0.8 of raw", cold_bw / raw_bw >= 0.8, f"{cold_bw / raw_bw:.2f}",
+                        key=f"cold{size_mb}")  # fmt: skip
+                verdict(f"{size_mb} MiB warm adds <= 10 ms", added <= 0.010, f"{added * 1e3:.1f} ms",
+                        key=f"warm{size_mb}")  # fmt: skip
+                verdict(f"{size_mb} MiB peak memory growth <= {slack_mb:.0f} MB", growth <= slack_mb,
+                        f"{growth:.1f} MB", key=f"memory{size_mb}")  # fmt: skip
+                client.delete_object(Bucket="models", Key=key)
+                zpath.unlink()
+                _clear(Path(os.environ["NEUROPOD_CACHE_DIR"]))
+    finally:
+        server.terminate()
+        server.wait(10)
+    write_json(args.json, "storage", {"s3fs": s3fs.__version__})
+
+
+if __name__ == "__main__":
+    main()
+
