@@ -284,20 +284,28 @@ def cache_dir() -> Path:
 
 
 def _make_packages_dir() -> Path:
+    return make_private_dir("packages", "package cache")
+
+
+def make_private_dir(name: str, what: str) -> Path:
+    """``name`` in the cache directory, both made private (mode 0700) if missing.
+
+    :param what: what it holds, for the error ("package cache", "download cache").
+    :raises PackageError: it cannot be made.
+    """
     root = cache_dir()
-    packages = root / "packages"
+    path = root / name
     try:
         # Private: whoever can write here can change the models this cache serves.
         if not root.is_dir():
             root.parent.mkdir(parents=True, exist_ok=True)
             root.mkdir(mode=0o700, exist_ok=True)
-        packages.mkdir(mode=0o700, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
     except OSError as e:
         raise PackageError(
-            f"Cannot create the package cache at {packages}: {e.strerror}. "
-            "Set NEUROPOD_CACHE_DIR to a writable directory."
+            f"Cannot create the {what} at {path}: {e.strerror}. Set NEUROPOD_CACHE_DIR to a writable directory."
         ) from None
-    return packages
+    return path
 
 
 def extract(
@@ -342,7 +350,7 @@ def _extract_once(
         except _Invalid:
             pass
         packages = _make_packages_dir()
-        with _lock(packages, digest):
+        with entry_lock(packages, digest):
             try:  # made or repaired by another process while this one waited for the lock?
                 return _check_entry(packages / digest, digest)
             except _Invalid:
@@ -358,8 +366,9 @@ def _extract_once(
 
 
 @contextlib.contextmanager
-def _lock(packages: Path, digest: str) -> Iterator[None]:
-    """Serialize the processes that extract or repair one entry.
+def entry_lock(packages: Path, digest: str) -> Iterator[None]:
+    """Serialize the processes that extract or repair one entry (or download one object: see
+    :mod:`neuropod.storage`), by a lock named ``digest`` beside ``packages``.
 
     Without it, N workers starting together would each unpack the same zip
     (N times the disk), and one repairing a bad entry could delete the good
@@ -409,13 +418,13 @@ def _extract_and_commit(
         raise PackageError(f"Extracting zip package {source} into the cache failed: {e}") from None
     finally:
         if os.path.lexists(tmp):
-            _remove(tmp)
+            remove_path(tmp)
 
 
 def _commit(tmp: Path, final: Path, digest: str) -> Entry:
     """Put ``tmp`` in place as ``final`` (the caller holds the entry's lock)."""
     if os.path.lexists(final):
-        _remove(final)  # a bad entry (the caller checked it): file, empty directory, changed files
+        remove_path(final)  # a bad entry (the caller checked it): file, empty directory, changed files
     try:
         os.rename(tmp, final)
     except OSError as e:
@@ -423,7 +432,7 @@ def _commit(tmp: Path, final: Path, digest: str) -> Entry:
     return _check_entry(final, digest)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
     """Move ``path`` out of the way atomically, then delete it; gone already is fine."""
     trash = path.parent / f".trash-{secrets.token_hex(8)}"
     try:
@@ -656,18 +665,18 @@ def verify_cache(repair: bool = False) -> list[str]:
         if _HEX64.fullmatch(child.name):
             # Under the entry's lock, so that a load repairing it meanwhile is
             # not undone, and what is removed is what was found bad.
-            with _lock(packages, child.name):
+            with entry_lock(packages, child.name):
                 try:
                     _check_entry(path, child.name, rehash=True)
                     reason = None
                 except _Invalid as e:
                     reason = str(e)
                 if reason and repair:
-                    _remove(path)
+                    remove_path(path)
         else:
             reason = _stray(child)
             if reason and repair:
-                _remove(path)
+                remove_path(path)
         if reason:
             problems.append(f"{path}: {reason}" + (" (removed)" if repair else ""))
     return problems
@@ -693,11 +702,14 @@ __all__ = [
     "FileRecord",
     "ZIP_READ_ERRORS",
     "cache_dir",
+    "entry_lock",
     "extract",
     "file_kind",
+    "make_private_dir",
     "max_package_bytes",
     "max_package_files",
     "open_regular",
+    "remove_path",
     "scan_tree",
     "sha256_file",
     "verify_cache",

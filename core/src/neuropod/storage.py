@@ -47,17 +47,15 @@ import collections
 import concurrent.futures
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import secrets
-import shutil
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -146,7 +144,7 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
         raise TypeError(f"storage_options must be a dict of the filesystem's options, not {type(storage_options).__name__}")
     fs, path = _filesystem(url, dict(storage_options or {}))
     where = shown(url)
-    root = _make_downloads_dir()
+    root = cache.make_private_dir("downloads", "download cache")
     # A URL never downloaded here: its first chunk is read while the store is asked what the
     # object is, a round trip less for a small package (used only when its MD5 proves it whole).
     seen = root / "urls" / hashlib.sha256(where.encode()).hexdigest()
@@ -171,7 +169,7 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
     entry = root / key
     if cacheable and _complete(entry, key, kind, files):
         return entry / kind
-    with _lock(root, key):
+    with cache.entry_lock(root, key):
         if cacheable and _complete(entry, key, kind, files):  # downloaded by another process meanwhile
             return entry / kind
         whole = _whole(first, fs, info) if kind == _ZIP else None
@@ -264,8 +262,6 @@ def _info(fs: Any, path: str, where: str) -> dict[str, Any]:
         raise PackageError(f"No Neuropod package at {where}: {_what_is_missing(fs, path)}") from None
     except Exception as e:  # noqa: BLE001  # every filesystem raises its own: each one worded
         raise _store_error(e, where, "reading what is") from None
-    if info.get("type") == "directory" and not fs.find(path):
-        raise PackageError(f"No Neuropod package at {where}: the prefix holds no files")
     return dict(info)
 
 
@@ -302,6 +298,8 @@ def _listing(fs: Any, path: str, where: str) -> dict[str, dict[str, Any]]:
             raise PackageError(f"{where}: refusing the object {full!r}: its path under the prefix is not a plain "
                                "relative path")  # fmt: skip
         files[rel.as_posix()] = dict(info)
+    if not files:
+        raise PackageError(f"No Neuropod package at {where}: the prefix holds no files")
     return files
 
 
@@ -335,36 +333,6 @@ def _store_error(e: BaseException, where: str, doing: str) -> PackageError:
 
 
 # --- the downloads directory -----------------------------------------------------------------------
-
-
-def _make_downloads_dir() -> Path:
-    root = downloads_dir()
-    try:
-        base = root.parent
-        if not base.is_dir():
-            base.parent.mkdir(parents=True, exist_ok=True)
-            base.mkdir(mode=0o700, exist_ok=True)  # private, as the package cache
-        root.mkdir(mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise PackageError(f"Cannot create the download cache at {root}: {e.strerror}. Set NEUROPOD_CACHE_DIR "
-                           "to a writable directory.") from None  # fmt: skip
-    return root
-
-
-@contextlib.contextmanager
-def _lock(root: Path, key: str) -> Iterator[None]:
-    """One process at a time downloads an object; the others wait, then take its download."""
-    locks = root / "locks"
-    try:
-        locks.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(locks / key, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-    except OSError as e:
-        raise PackageError(f"Cannot create a lock in the download cache at {locks}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _complete(entry: Path, key: str, kind: str, files: Mapping[str, Mapping[str, Any]]) -> bool:
@@ -407,7 +375,7 @@ def _download(
     # what identifies them (else it starts again).
     partial = root / f"{key}.partial"
     if not resumable or (kind == _ZIP and partial.is_dir()) or (kind == _DIR and partial.is_file()):
-        _remove(partial)
+        cache.remove_path(partial)
     if kind == _DIR:
         partial.mkdir(mode=0o700, exist_ok=True)
     started = time.monotonic()
@@ -439,7 +407,7 @@ def _download(
         else:
             after = _identity(_info(fs, path, where))
         if after != identity:
-            _remove(partial)
+            cache.remove_path(partial)
             raise PackageError(f"{where} changed while it was being downloaded; load it again once it is complete")
     elapsed = max(time.monotonic() - started, 1e-9)
     log.info("downloaded %s: %s bytes in %.1f s (%.1f MB/s)", where, f"{total:,}", elapsed, total / elapsed / 1e6)
@@ -455,11 +423,11 @@ def _download(
             os.fsync(f.fileno())
         final = root / key
         if os.path.lexists(final):
-            _remove(final)
+            cache.remove_path(final)
         os.rename(tmp, final)
     finally:
         if os.path.lexists(tmp):
-            _remove(tmp)
+            cache.remove_path(tmp)
 
 
 def _download_file(
@@ -617,21 +585,6 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    trash = path.parent / f".trash-{secrets.token_hex(8)}"
-    try:
-        os.rename(path, trash)
-    except FileNotFoundError:
-        return
-    except OSError:
-        trash = path
-    if trash.is_dir() and not trash.is_symlink():
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            trash.unlink()
 
 
 __all__ = ["PACKAGE_SUFFIXES", "SCHEMES", "as_downloaded", "downloads_dir", "fetch", "is_package_url", "shown"]
