@@ -747,7 +747,7 @@ def _fast_engine(repo: Path, policy: BatchPolicy, monkeypatch: pytest.MonkeyPatc
     threads = _Threads(served.model.infer)
     served.model.infer = threads  # type: ignore[method-assign]
     engine = Engine(registry, batching=policy, metrics=ServerMetrics())
-    runner = engine._runners["adder"]
+    runner = engine._runners[("adder", "1")]
 
     async def warm() -> None:
         for _ in range(1000):  # a new model is assumed slow until its runs (on threads) show otherwise

@@ -161,7 +161,7 @@ def _busy(calls: list[Callable[[], Any]], settle: Callable[[], bool]) -> tuple[T
 
 
 def _pending(engine: Engine, name: str) -> int:
-    return engine._runners[name].gate.pending
+    return engine._runners[(name, "1")].gate.pending
 
 
 def _rest_adder_ok(http: Any) -> None:
@@ -265,7 +265,7 @@ def test_a_full_queue_is_refused_at_once(repository: Path, batched: bool) -> Non
 def test_model_runs_at_once_are_bounded(repository: Path) -> None:
     """Two runs at once: four slow calls take two rounds, and the model never runs more than two."""
     with serving(repository, limits=ModelLimits(max_concurrent=2)) as s:
-        gate = s.engine._runners["sleeper"].gate
+        gate = s.engine._runners[("sleeper", "1")].gate
         most = 0
         stop = threading.Event()
 
@@ -361,7 +361,7 @@ def test_a_full_garbage_collection_in_a_run_leaves_a_fast_model_on_the_loop(repo
     heap: list[Any] = []
     try:
         served = engine.get("adder")
-        runner = engine._runners["adder"]
+        runner = engine._runners[("adder", "1")]
         real = served.model.infer
         extra: list[Any] = []  # what the next run does besides the model's own work
 

@@ -194,7 +194,7 @@ def test_requests_in_flight_finish_on_the_old_model_during_a_reload(server: Serv
     thread = threading.Thread(target=slow_call)
     thread.start()
     deadline = time.monotonic() + 10
-    while server.engine._runners["sleeper"].gate.pending == 0:
+    while server.engine._runners[("sleeper", "1")].gate.pending == 0:
         assert time.monotonic() < deadline, "the slow call never reached the server"
         time.sleep(0.01)
     server.triton.load_model("sleeper")

@@ -180,6 +180,21 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
     return entry / kind
 
 
+def list_objects(url: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """What is at ``url`` now, as the store lists it: ``{"": info}`` for one object, else each
+    object under the prefix by its path relative to it (the infos carry ETags, sizes...).
+
+    :raises PluginNotInstalledError: the scheme's filesystem is not installed (says which extra).
+    :raises PackageError: nothing at the URL, or no access; names the URL.
+    """
+    fs, path = _filesystem(url, dict(storage_options or {}))
+    where = shown(url)
+    info = _info(fs, path, where)
+    if info.get("type") == "directory":
+        return _listing(fs, path, where)
+    return {"": info}
+
+
 def _read_ahead(fs: Any, path: str) -> concurrent.futures.Future[bytes]:
     """The first :data:`CHUNK` of ``path``, read on a thread of its own."""
     future: concurrent.futures.Future[bytes] = concurrent.futures.Future()
@@ -587,4 +602,4 @@ def _fsync_tree(path: Path) -> None:
                 os.close(fd)
 
 
-__all__ = ["PACKAGE_SUFFIXES", "SCHEMES", "as_downloaded", "downloads_dir", "fetch", "is_package_url", "shown"]
+__all__ = ["PACKAGE_SUFFIXES", "SCHEMES", "as_downloaded", "downloads_dir", "fetch", "is_package_url", "list_objects", "shown"]

@@ -81,12 +81,27 @@ def _delay_us(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``neuropod serve``."""
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="a package (directory or zip) or a folder of packages")
+    parser.add_argument(
+        "paths", nargs="+", metavar="PATH",
+        help="a package (directory or zip), or a model repository: a folder of packages, or of model folders "
+        "holding numbered versions (MODEL/1/, MODEL/2/); a local path or a URL (s3://, gs://, az://, abfs://)",
+    )  # fmt: skip
     parser.add_argument("--http-port", type=_port, default=8000, help="REST port (default 8000)")
     parser.add_argument("--grpc-port", type=_port_or_off, default=8001, help="gRPC port (default 8001; 0: no gRPC)")
     parser.add_argument(
         "--metrics-port", type=_port_or_off, default=8002,
         help="port answering only GET /metrics (default 8002; 0: none; /metrics is on the REST port too)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--version-policy", type=_version_policy, default=None, metavar="POLICY",
+        help="which versions of each model to serve: 'latest' (the default), 'latest:N', 'all', or "
+        "'specific:V,V' (versions are MODEL/<number>/ folders; a package standing alone is version 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--poll-interval", type=_seconds, default=None, metavar="S",
+        help="look at the repository every S seconds: load new models and versions (and changed ones), "
+        "unload removed ones once their requests finish; a version that fails to load is reported and "
+        "replaces nothing. Repository load and unload requests are then refused (default: no polling)",
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument(
@@ -237,19 +252,21 @@ def _check_tls(cert: Path, key: Path) -> None:
 
 def startup_table(registry: object, engine: object | None = None) -> str:
     """One row per model: name, platform, backend, device, batching and inputs."""
-    from neuropod_serving.server import Engine, ModelRegistry
+    from neuropod_serving.server import MODEL_VERSION, Engine, ModelRegistry
 
     assert isinstance(registry, ModelRegistry)
+    versioned = any(s.version != MODEL_VERSION for s in registry)
     rows = [("MODEL", "PLATFORM", "BACKEND", "DEVICE", "BATCHED", "INPUTS")]
-    for served in registry:
+    for served in sorted(registry, key=lambda s: (s.name, int(s.version))):
         m = served.model
         inputs = ", ".join(f"{s.name}: {s.dtype}{list(s.shape)}".replace("'", "") for s in m.inputs)
         if isinstance(engine, Engine):
-            on, why = engine.batched(m.name)
+            on, why = engine.batched(served.name, served.version)
             batched = "yes" if on else f"no ({why})"
         else:
             batched = "no"
-        rows.append((m.name, m.platform, m.backend.id, m.device, batched, inputs))
+        name = f"{served.name} (version {served.version})" if versioned else served.name
+        rows.append((name, m.platform, m.backend.id, m.device, batched, inputs))
     n = len(rows[0]) - 1
     widths = [max(len(r[i]) for r in rows) for i in range(n)]
     return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(r[:n], widths)), r[n]]).rstrip() for r in rows)
@@ -311,11 +328,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     # A port taken by another server fails it before they load.
     _check_ports(args)
     if processes > 1:
-        from neuropod_serving.server import find_packages
+        from neuropod.storage import is_package_url
         from neuropod_serving.server.processes import run_group
+        from neuropod_serving.server.versions import scan_local
 
         for path in args.paths:  # a PATH without packages fails now, not N times
-            find_packages(path)
+            if not is_package_url(path):
+                scan_local(path)
 
         def line(models: int, count: int) -> str:
             return _serving_line(args, models, token, tls, processes=count)
@@ -344,7 +363,7 @@ def serve_models(
     from neuropod_serving.server import BatchPolicy, Engine, ModelLimits, ModelRegistry
     from neuropod_serving.server.metrics import ServerMetrics, WorkerRunWatch
 
-    registry = ModelRegistry.load(args.paths, workers=args.workers)
+    registry = ModelRegistry.load(args.paths, workers=args.workers, policy=getattr(args, "version_policy", None))
     batching = BatchPolicy(args.max_batch_size, args.max_queue_delay_us / 1e6) if args.max_batch_size > 1 else None
     limits = ModelLimits(args.max_concurrent_runs, args.max_queued_requests)
     shared_memory = None
@@ -364,6 +383,9 @@ def serve_models(
     if group is not None:
         engine.group = group
         group.attach(engine)
+    poll = getattr(args, "poll_interval", None)
+    if poll is not None:
+        engine.start_polling(poll)
     try:
         if table and not args.quiet:
             print(startup_table(registry, engine), file=out)
@@ -404,6 +426,9 @@ def run_ray(args: argparse.Namespace, out: TextIO) -> int:
         ) from None
     from neuropod_serving.server import find_packages
 
+    if getattr(args, "poll_interval", None) is not None or getattr(args, "version_policy", None) is not None:
+        raise NeuropodError("--poll-interval and --version-policy are not options of --ray: it serves the packages "
+                            "of its PATHs, one version each")  # fmt: skip
     token = read_token(args.auth_token_file) if args.auth_token_file is not None else None
     packages = [pkg for path in args.paths for pkg in find_packages(path)]
     ray.init(address=args.address, logging_level=logging.WARNING if args.quiet else logging.INFO)
@@ -634,6 +659,15 @@ def _http_protocol(args: argparse.Namespace) -> Any:
     return OneWriteProtocol.with_limits(
         max_head_bytes=args.max_head_bytes, max_headers=args.max_headers, head_timeout_s=args.head_timeout
     )
+
+
+def _version_policy(text: str) -> Any:
+    from neuropod_serving.server.versions import VersionPolicy
+
+    try:
+        return VersionPolicy.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _seconds(text: str) -> float:

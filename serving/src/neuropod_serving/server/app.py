@@ -38,7 +38,7 @@ from neuropod_serving.server.engine import CLIENT_ERRORS, Engine, RequestTimeout
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from neuropod_serving.server.model_config import model_config
-from neuropod_serving.server.registry import MODEL_VERSION, ModelBusyError, ServedModel, UnknownModelError
+from neuropod_serving.server.registry import ModelBusyError, ServedModel, UnknownModelError
 from neuropod_serving.server.statistics import NO_STATISTICS
 
 log = logging.getLogger("neuropod_serving.server")
@@ -337,7 +337,7 @@ def _encode(served: ServedModel, request: InferRequest, outputs: dict[str, Any])
         served.name,
         outputs,
         binary=request.binary_outputs(outputs),
-        model_version=MODEL_VERSION,
+        model_version=served.version,
         id=request.id,
     )
     return response.content, response.json_length
@@ -432,8 +432,8 @@ def create_app(
         if not isinstance(metrics, ServerMetrics):
             return _error(404, NO_STATISTICS)
         name = request.path_params.get("model")
-        models = [served(request)] if name is not None else sorted(engine.registry, key=lambda s: s.name)
-        return JSONResponse({"model_stats": [metrics.statistics(s.name, MODEL_VERSION) for s in models]})
+        models = [served(request)] if name is not None else sorted(engine.registry, key=lambda s: (s.name, int(s.version)))
+        return JSONResponse({"model_stats": [metrics.statistics(s.name, s.version) for s in models]})
 
     async def prometheus(request: Request) -> Response:
         if not isinstance(metrics, ServerMetrics):

@@ -36,25 +36,28 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from neuropod.errors import NeuropodError, SpecError
+from neuropod.errors import NeuropodError, PackageError, SpecError
 from neuropod.spec import SpecValidator
 from neuropod_serving.protocol.options import RequestOptions
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol, writable
 from neuropod_serving.server.classification import Classifier
 from neuropod_serving.server.metrics import NoMetrics, Recorder
 from neuropod_serving.server.registry import (
+    MODEL_VERSION,
+    Catalog,
     ModelBusyError,
     ModelRegistry,
     ModelSettings,
     ServedModel,
     UnknownModelError,
 )
+from neuropod_serving.server.versions import Found
 
 if TYPE_CHECKING:
     from neuropod_serving.server.processes import GroupMember
@@ -317,7 +320,12 @@ class Engine:
         #: This process's place in ``neuropod serve --processes`` (None: a server of one process):
         #: repository operations, metrics and readiness then go through the group.
         self.group: GroupMember | None = None
-        self._runners: dict[str, _Runner] = {}
+        self._runners: dict[tuple[str, str], _Runner] = {}
+        #: Set by :meth:`close`: stops the repository poll (:meth:`start_polling`).
+        self._closing = threading.Event()
+        self._poller: threading.Thread | None = None
+        #: Seconds between polls of the repository; None: it is not polled.
+        self.poll_interval_s: float | None = None
         self._lock = threading.Lock()
         for served in registry:
             self._start(served)
@@ -326,12 +334,16 @@ class Engine:
     # -- models ----------------------------------------------------------------
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
-        """:raises UnknownModelError: no such model or version is loaded."""
+        """:raises UnknownModelError: no such model or version is loaded (None: its latest)."""
         return self.registry.get(name, version)
 
-    def serving(self, name: str) -> ModelServing:
-        """How model ``name`` is served (batching, instances). :raises UnknownModelError: it is not loaded."""
-        runner = self._runners.get(name)
+    def serving(self, name: str, version: str | None = None) -> ModelServing:
+        """How model ``name`` (that version; None: its latest) is served (batching, instances).
+
+        :raises UnknownModelError: it is not loaded.
+        """
+        served = self.registry.get(name, version)
+        runner = self._runners.get((served.name, served.version))
         if runner is None:
             raise UnknownModelError(f"Request for unknown model: {name!r} is not found")
         if runner.batcher is not None and not runner.batcher.merging:
@@ -340,9 +352,10 @@ class Engine:
             return replace(runner.serving, batching=None)
         return runner.serving
 
-    def batched(self, name: str) -> tuple[bool, str]:
+    def batched(self, name: str, version: str | None = None) -> tuple[bool, str]:
         """Whether requests to model ``name`` are batched, and if not, why (for the start-up table)."""
-        runner = self._runners[name]
+        served = self.registry.get(name, version)
+        runner = self._runners[(served.name, served.version)]
         if runner.batcher is not None and not runner.batcher.merging:
             return False, "batching off: its outputs did not keep the batch's rows (a package the original Neuropod wrote)"
         if runner.batcher is not None:
@@ -411,7 +424,7 @@ class Engine:
                 name, functools.partial(self._timed, runner), policy, inflight=workers, observe=observe,
                 rows_promised=_shared_symbols(model),
             )  # fmt: skip
-        self._runners[served.name] = runner
+        self._runners[(served.name, served.version)] = runner
 
     @property
     def most_in_flight(self) -> int:
@@ -422,39 +435,181 @@ class Engine:
         return max([default, *(r.most_in_flight for r in list(self._runners.values()))])
 
     def load(self, name: str, *, settings: ModelSettings | None = None, drain_s: float = 30.0) -> ServedModel:
-        """Load (or reload) model ``name`` from the repository; see :meth:`ModelRegistry.load_model`.
+        """Load (or reload) the versions of model ``name`` the version policy serves.
 
-        ``settings`` (a load's config override) serve this model instead of the server's
-        options; a load without them serves it with the server's options again.
+        ``settings`` (a load's config override) serve them instead of the server's options; a
+        load without them serves them with the server's options again.
 
-        On a reload, requests already running or queued on the model loaded before finish
-        on it (for up to ``drain_s`` seconds) before it is closed; new ones go to the new one.
-        When the load fails, the model loaded before keeps serving and the error is raised.
+        Each version is loaded before the one it replaces stops serving: requests already
+        running or queued on a replaced (or dropped) version finish on it, for up to
+        ``drain_s`` seconds, before it is closed; new ones go to the new one. A version that
+        fails to load replaces nothing: the versions loaded before keep serving, its failure
+        is the ``reason`` of its repository index entry, and it is raised.
+
+        :returns: the latest version of the model now served.
+        :raises UnknownModelError: no package of the repository has that name.
+        :raises PackageError: several packages are one of its versions, or one fails to load.
         """
         with self._lock:
-            served, old = self.registry.load_model(name, settings)
-            old_runner = self._runners.get(name)
-            self._start(served)
-            self._update_loaded()
-            self._notify(name, served)
-        if old_runner is not None:
-            if old_runner.batcher is not None:
-                old_runner.batcher.close()
-            if not old_runner.gate.drain(drain_s):
-                log.warning("model %r reloaded while requests still ran on the old one after %g s", name, drain_s)
-            old_runner.executor.shutdown(wait=False)
-        if old is not None:
-            old.model.close()
-        return served
+            catalog = self.registry.scan()
+            try:
+                plan = self.registry.plan(name, catalog)
+            except NeuropodError as e:
+                if name in self.registry or not isinstance(e, UnknownModelError):
+                    self._failed_all(name, e)
+                raise
+            retired, failures = self._apply(name, plan, catalog, settings, force=True)
+        self._retire(retired, drain_s)
+        if failures:
+            raise PackageError("; ".join(failures))
+        return self.registry.get(name)
 
-    def unload(self, name: str) -> None:
-        """Stop serving model ``name`` and close it. :raises UnknownModelError: it is not loaded."""
+    def poll(self, drain_s: float = 30.0) -> None:
+        """Bring the loaded models in step with the repository as it is now: load the versions
+        the policy serves that are new or whose files changed, and unload those removed from it
+        (after their requests finish, as :meth:`load`). A version that fails to load is logged
+        once, listed with its reason, and tried again only once its files change; it replaces
+        nothing. When a repository PATH cannot be listed, nothing is unloaded this time."""
+        retired: list[tuple[ServedModel, _Runner | None]] = []
+        with self._lock:
+            catalog = self.registry.scan()
+            removals = not catalog.errors
+            for error in catalog.errors:
+                log.warning("polling the model repository: %s; nothing is unloaded until it can be listed", error)
+            for name in sorted(set(catalog.models) | set(self.registry.names())):
+                if name not in catalog.models:
+                    if removals:
+                        log.info("model %r is no longer in the repository: unloading it", name)
+                        retired += self._remove(name, self.registry.versions(name))
+                        self._notify(name, None)
+                    continue
+                try:
+                    plan = self.registry.plan(name, catalog)
+                except NeuropodError as e:
+                    if self._failed_all(name, e):
+                        log.error("model %r: %s", name, e)
+                    continue
+                done, _ = self._apply(name, plan, catalog, None, force=False, removals=removals)
+                retired += done
+            self._update_loaded()
+        self._retire(retired, drain_s)
+
+    def start_polling(self, interval_s: float) -> None:
+        """Call :meth:`poll` every ``interval_s`` seconds on a thread of its own, until :meth:`close`."""
+        if interval_s <= 0:
+            raise ValueError(f"the poll interval is a number of seconds above 0, not {interval_s}")
+        self.poll_interval_s = interval_s
+
+        def run() -> None:
+            while not self._closing.wait(interval_s):
+                try:
+                    self.poll()
+                except Exception:  # a poll's bug must not stop the next one
+                    log.exception("polling the model repository failed")
+
+        self._poller = threading.Thread(target=run, name="neuropod-repository-poll", daemon=True)
+        self._poller.start()
+
+    def _apply(
+        self, name: str, plan: dict[str, Found], catalog: Catalog, settings: ModelSettings | None, *,
+        force: bool, removals: bool = True,
+    ) -> tuple[list[tuple[ServedModel, _Runner | None]], list[str]]:  # fmt: skip
+        """Make the loaded versions of ``name`` those of ``plan`` (with the engine's lock held).
+
+        :param force: load every version of the plan again; else only those new or changed
+            (and not those whose unchanged files failed before).
+        :param removals: unload the loaded versions the repository no longer holds.
+        :returns: the models replaced or dropped, with their runners (for :meth:`_retire`),
+            and the failures of the plan's versions.
+        """
+        registry = self.registry
+        options = registry.load_options if settings is None else registry.options_for(settings)
+        retired: list[tuple[ServedModel, _Runner | None]] = []
+        failures: list[str] = []
+        changed = False
+        for version, found in plan.items():
+            current = registry.loaded(name, version)
+            if not force and current is not None and (current.where, current.stamp) == (found.where, found.stamp):
+                continue
+            failed = registry.failure(name, version)
+            if not force and failed is not None and found.stamp and failed[1] == found.stamp:
+                failures.append(failed[0])  # unchanged since it failed: not tried again
+                continue
+            try:
+                served = registry.open(found, name, options)
+            except NeuropodError as e:
+                kept = f"; still serving the model loaded before from {current.where}" if current is not None else ""
+                registry.failed(name, version, f"the last load failed: {e}{kept}", found.stamp)
+                if not force:
+                    log.error("loading version %s of model %r failed: %s%s", version, name, e, kept)
+                failures.append(f"version {version}: {e}" if version != MODEL_VERSION else str(e))
+                continue
+            served.settings = settings
+            old = registry.put(served)
+            old_runner = self._runners.get((name, version))
+            self._start(served)
+            if old is not None:
+                retired.append((old, old_runner))
+            if not force:
+                log.info("loaded version %s of model %r from %s", version, name, found.where)
+            changed = True
+        present = set(catalog.models.get(name, {}))
+        dropped = [
+            v for v in registry.versions(name)
+            # A version no longer served by the policy goes once every version that replaces it
+            # loaded: a broken new version replaces nothing.
+            if v not in plan and ((v not in present and removals) or (v in present and not failures))
+        ]  # fmt: skip
+        if dropped:
+            if not force:
+                log.info("unloading version(s) %s of model %r", ", ".join(dropped), name)
+            retired += self._remove(name, dropped)
+            changed = True
+        if changed or force:
+            self._update_loaded()
+            self._notify(name, registry.latest(name))
+        return retired, failures
+
+    def _failed_all(self, name: str, error: NeuropodError) -> bool:
+        """Keep ``error`` as the failure of every loaded version of ``name``; whether it is new."""
+        new = False
+        for version in self.registry.versions(name):
+            served = self.registry.loaded(name, version)
+            assert served is not None
+            reason = f"the last load failed: {error}; still serving the model loaded before from {served.where}"
+            if self.registry.failure(name, version) != (reason, served.stamp):
+                new = True
+            self.registry.failed(name, version, reason, served.stamp)
+        return new
+
+    def _remove(self, name: str, versions: Iterable[str]) -> list[tuple[ServedModel, _Runner | None]]:
+        """Stop serving those versions of ``name`` (with the engine's lock held); close them with :meth:`_retire`."""
+        return [(self.registry.remove(name, v), self._runners.pop((name, v), None)) for v in list(versions)]
+
+    def _retire(self, retired: list[tuple[ServedModel, _Runner | None]], drain_s: float) -> None:
+        """Close models no longer served, once the requests running or queued on them finished
+        (for up to ``drain_s`` seconds each)."""
+        for old, runner in retired:
+            if runner is not None:
+                if runner.batcher is not None:
+                    runner.batcher.close()
+                if not runner.gate.drain(drain_s):
+                    log.warning("model %r version %s stopped serving while requests still ran on it after %g s",
+                                old.name, old.version, drain_s)  # fmt: skip
+                runner.executor.shutdown(wait=False)
+            old.model.close()
+
+    def unload(self, name: str, drain_s: float = 30.0) -> None:
+        """Stop serving every version of model ``name`` and close them once their requests finish.
+
+        :raises UnknownModelError: it is not loaded.
+        """
         with self._lock:
             self.registry.get(name)
-            self._stop(name)
-            self.registry.unload_model(name)
+            retired = self._remove(name, self.registry.versions(name))
             self._update_loaded()
             self._notify(name, None)
+        self._retire(retired, drain_s)
 
     def _notify(self, name: str, served: ServedModel | None) -> None:
         for listener in self.listeners:
@@ -463,8 +618,8 @@ class Engine:
             except Exception:  # a listener's bug must not fail a load that succeeded
                 log.exception("a listener of model %r's load or unload failed", name)
 
-    def _stop(self, name: str) -> None:
-        runner = self._runners.pop(name, None)
+    def _stop(self, key: tuple[str, str]) -> None:
+        runner = self._runners.pop(key, None)
         if runner is None:
             return
         if runner.batcher is not None:
@@ -475,11 +630,14 @@ class Engine:
         self.metrics.loaded(len(self.registry))
 
     def close(self) -> None:
-        """Stop every batcher and thread and close every model."""
+        """Stop every batcher and thread (the repository poll's too) and close every model."""
+        self._closing.set()
+        if self._poller is not None and self._poller is not threading.current_thread():
+            self._poller.join()
         with self._lock:
             runners = list(self._runners.values())
-            for name in list(self._runners):
-                self._stop(name)
+            for key in list(self._runners):
+                self._stop(key)
             for runner in runners:
                 runner.executor.shutdown(wait=True)
             self.registry.close()
@@ -493,7 +651,7 @@ class Engine:
 
         :raises SpecError: an unknown, missing or misfitting input, or an unknown requested output.
         """
-        runner = self._runners[served.name]
+        runner = self._runners[(served.name, served.version)]
         self._check_missing(runner, inputs)
         runner.validator.check_inputs(inputs)
         if requested is not None:
@@ -607,7 +765,7 @@ class Engine:
         except (SpecError, ModelBusyError):
             raise
         except NeuropodError as e:
-            if self._runners.get(served.name) is not runner:
+            if self._runners.get((served.name, served.version)) is not runner:
                 raise self._closed_under(runner) from e
             raise
 
@@ -662,7 +820,7 @@ class Engine:
         except (SpecError, ModelBusyError, RequestTimeoutError):
             raise
         except NeuropodError as e:
-            if self._runners.get(served.name) is not runner:
+            if self._runners.get((served.name, served.version)) is not runner:
                 raise self._closed_under(runner) from e
             raise
 
@@ -706,7 +864,7 @@ class Engine:
         except (SpecError, ModelBusyError, RequestTimeoutError):
             raise
         except NeuropodError as e:
-            if self._runners.get(served.name) is not runner:
+            if self._runners.get((served.name, served.version)) is not runner:
                 raise self._closed_under(runner) from e
             raise
         ordered = _ordered(runner, outputs, requested)
@@ -743,7 +901,7 @@ class Engine:
         except (SpecError, ModelBusyError, RequestTimeoutError):
             raise
         except NeuropodError as e:
-            if self._runners.get(served.name) is not runner:
+            if self._runners.get((served.name, served.version)) is not runner:
                 raise self._closed_under(runner) from e
             raise
         ordered = _ordered(runner, outputs, requested)
@@ -752,7 +910,7 @@ class Engine:
     def _runner(self, served: ServedModel) -> _Runner:
         """The runner of ``served``, or of the model that replaced it in a reload since the
         request looked it up (its spec checks apply then)."""
-        runner = self._runners.get(served.name)
+        runner = self._runners.get((served.name, served.version))
         if runner is None:
             raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited")
         return runner

@@ -43,7 +43,6 @@ from neuropod_serving.server import repository
 from neuropod_serving.server.engine import Engine
 from neuropod_serving.server.grpc_service import InferCall, Servicer, _Refused, authenticate, status_of
 from neuropod_serving.server.limits import escape_log
-from neuropod_serving.server.registry import MODEL_VERSION
 
 log = logging.getLogger("neuropod_serving.server")
 access = logging.getLogger("neuropod_serving.access")
@@ -94,7 +93,7 @@ class RepositoryServicer:
         return rpb.RepositoryIndexResponse(
             models=[
                 rpb.RepositoryIndexResponse.ModelIndex(
-                    name=e.name, version=MODEL_VERSION, state=e.state, reason=e.reason
+                    name=e.name, version=e.version, state=e.state, reason=e.reason
                 )
                 for e in entries
             ]

@@ -59,7 +59,7 @@ from neuropod_serving.server.engine import CLIENT_ERRORS, Engine, RequestTimeout
 from neuropod_serving.server.limits import bearer_refusal, escape_log
 from neuropod_serving.server.metrics import ServerMetrics
 from neuropod_serving.server.model_config import model_config, model_config_message
-from neuropod_serving.server.registry import MODEL_VERSION, ModelBusyError, UnknownModelError
+from neuropod_serving.server.registry import ModelBusyError, UnknownModelError
 from neuropod_serving.server.statistics import NO_STATISTICS, statistics_response
 
 log = logging.getLogger("neuropod_serving.server")
@@ -146,7 +146,7 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
             )
         else:
             models = sorted(self.engine.registry, key=lambda s: s.name)
-        return statistics_response([metrics.statistics(s.name, MODEL_VERSION) for s in models])
+        return statistics_response([metrics.statistics(s.name, s.version) for s in models])
 
     def model_infer(self, call: InferCall, context: Any) -> bytes:
         with self._counted(call) as state:
@@ -216,7 +216,7 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
     def _finish(self, state: _InferState, served: Any, decoded: Any, outputs: dict[str, Any]) -> bytes:
         try:
             response = codec.serialize_model_infer_response(
-                served.name, outputs, model_version=MODEL_VERSION, id=decoded.id
+                served.name, outputs, model_version=served.version, id=decoded.id
             )
         except ProtocolError as e:
             # An output the protocol cannot carry is the model's fault, not the request's.

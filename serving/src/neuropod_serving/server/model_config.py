@@ -101,7 +101,7 @@ def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
 
     :raises UnknownModelError: the model was unloaded meanwhile.
     """
-    serving = engine.serving(served.name)
+    serving = engine.serving(served.name, served.version)
     model = served.model
     package = getattr(model, "package", None)
     platform, backend = triton_platform(model.platform, getattr(package, "data_dir", None))

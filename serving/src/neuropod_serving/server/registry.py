@@ -7,8 +7,7 @@ load (and report on) models before it imports Starlette and uvicorn.
 from __future__ import annotations
 
 import os
-import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from neuropod.errors import NeuropodError, PackageError
 from neuropod.model import NeuropodModel
 from neuropod.spec import TensorSpec
 from neuropod_serving.protocol import model_metadata
+from neuropod_serving.server.versions import Found, RemoteRepository, VersionPolicy, is_package, scan_local
 
 #: The one version every served model has: a package carries no version of
 #: its own, and OIP clients that name a version expect one to exist.
@@ -78,6 +78,14 @@ class ServedModel:
     path: Path
     #: How it is served; None until the engine starts it with the server's options.
     settings: ModelSettings | None = None
+    #: Its version: its folder's number in a repository of Triton's layout, else 1.
+    version: str = MODEL_VERSION
+    #: The name it is served under when not its package's (its model folder's, in Triton's layout).
+    alias: str | None = None
+    #: Where it was loaded from, as messages show it (a local path, or a URL); "" for ``path``.
+    where: str = ""
+    #: What its files were when it was loaded (see :class:`~neuropod_serving.server.versions.Found`).
+    stamp: str = ""
     #: The body of ``GET /v2/models/{name}``, built once.
     metadata: dict[str, Any] = field(init=False)
     #: The model's name, and its input spec by name (what every request is decoded against).
@@ -85,9 +93,12 @@ class ServedModel:
     input_specs: dict[str, TensorSpec] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.name = self.alias or self.model.name
         self.metadata = model_metadata(
-            self.model.name, self.model.inputs, self.model.outputs, platform=self.model.platform, versions=[MODEL_VERSION]
+            self.name, self.model.inputs, self.model.outputs, platform=self.model.platform, versions=[self.version]
         )
+        if not self.where:
+            self.where = str(self.path)
         # Which backend and device run it, for remote clients (`neuropod explain URL`).
         # MLServer's metadata has model-level parameters too; other clients ignore them.
         self.metadata["parameters"] = {"neuropod_backend": self.model.backend.id, "neuropod_device": self.model.device}
@@ -95,31 +106,13 @@ class ServedModel:
             # A package the original Neuropod wrote: its spec symbols hold within the inputs and
             # within the outputs separately, and a remote client must check its answers that way.
             self.metadata["parameters"]["neuropod_symbols"] = "separate"
-        self.name = self.model.name
         self.input_specs = {s.name: s for s in self.model.inputs}
-
-
-def is_package(path: Path) -> bool:
-    """Whether ``path`` is a package: a directory with a config.json, or a zip with one at
-    its top level (or under its single top-level folder, as some tools zip it)."""
-    if path.is_dir():
-        return (path / _CONFIG).is_file()
-    if not path.is_file() or not zipfile.is_zipfile(path):
-        return False
-    try:
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-    except (OSError, zipfile.BadZipFile):
-        return False
-    if _CONFIG in names:
-        return True
-    tops = {n.split("/", 1)[0] for n in names}
-    return len(tops) == 1 and f"{tops.pop()}/{_CONFIG}" in names
 
 
 def find_packages(path: str | os.PathLike[str]) -> list[Path]:
     """The packages a command-line PATH names: itself when it is a package, else the
     packages directly inside it (sorted, so start-up order does not depend on the file system).
+    Versions of models in Triton's layout are not among them (see :func:`.versions.scan_local`).
 
     :raises PackageError: PATH does not exist, or is neither a package nor a folder holding one.
     """
@@ -140,7 +133,7 @@ def find_packages(path: str | os.PathLike[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class RepositoryEntry:
-    """One package of the repository (the PATHs given at start), loaded or not."""
+    """One version of a model of the repository (the PATHs given at start), loaded or not."""
 
     name: str
     path: Path | None
@@ -151,17 +144,43 @@ class RepositoryEntry:
     reason: str = ""
     #: False when the package could not even be read (its name is then the file's).
     readable: bool = True
+    version: str = MODEL_VERSION
+    #: Where it is, as messages show it (a local path or a URL).
+    where: str = ""
 
     def to_json(self) -> dict[str, Any]:
         # "reason" on every entry, "" when there is none: MLServer's types (and KServe's) require it.
-        return {"name": self.name, "version": MODEL_VERSION, "state": self.state, "reason": self.reason}
+        return {"name": self.name, "version": self.version, "state": self.state, "reason": self.reason}
+
+
+@dataclass
+class Catalog:
+    """One scan of the repository: every version of every model found, by model name."""
+
+    #: Model name -> version -> what was found for it (several: packages that conflict).
+    models: dict[str, dict[str, list[Found]]] = field(default_factory=dict)
+    #: Packages standing alone whose name could not be read: (shown name, what was found, why).
+    unreadable: list[tuple[str, Found, str]] = field(default_factory=list)
+    #: Why repository PATHs could not be scanned (each names its PATH).
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, name: str, found: Found) -> None:
+        self.models.setdefault(name, {}).setdefault(found.version, []).append(found)
+
+
+def _by_version(version: str) -> int:
+    return int(version) if version.isdigit() else -1
 
 
 class ModelRegistry:
-    """The served models by name, and the repository (PATHs) they were found in.
+    """The served models by name and version, and the repository (PATHs) they were found in.
 
     Lookups take no lock (a dict read is atomic); loading and unloading are
     serialized by the :class:`~neuropod_serving.server.engine.Engine` that owns it.
+
+    :param paths: the repository: local paths and package URLs (``s3://bucket/models/``).
+    :param policy: which versions of a model are served (default: the latest).
+    :param storage_options: the filesystem options of URL paths (None: their credential chains).
     """
 
     def __init__(
@@ -171,11 +190,21 @@ class ModelRegistry:
         paths: Iterable[str | os.PathLike[str]] = (),
         loader: Callable[..., NeuropodModel] | None = None,
         load_options: dict[str, Any] | None = None,
+        policy: VersionPolicy | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._models: dict[str, ServedModel] = {}
-        #: Why the last load of a model failed, by name, until it loads or is unloaded.
-        self._failures: dict[str, str] = {}
-        self.paths = [Path(p) for p in paths]
+        from neuropod.storage import is_package_url
+
+        self._models: dict[str, dict[str, ServedModel]] = {}
+        #: Why the last load of a version failed, and the stamp of the files that failed, by
+        #: (name, version), until it loads or is unloaded.
+        self._failures: dict[tuple[str, str], tuple[str, str]] = {}
+        self._sources: list[Path | RemoteRepository] = [
+            RemoteRepository(p, storage_options) if is_package_url(p) else Path(p) for p in paths
+        ]
+        #: The repository PATHs as messages show them.
+        self.paths = [s.where if isinstance(s, RemoteRepository) else str(s) for s in self._sources]
+        self.policy = policy if policy is not None else VersionPolicy()
         self._loader = loader
         #: The keyword arguments every model is loaded with (``workers`` among them).
         self.load_options: dict[str, Any] = dict(load_options or {})
@@ -189,37 +218,162 @@ class ModelRegistry:
         *,
         workers: int = 1,
         loader: Callable[..., NeuropodModel] | None = None,
+        policy: VersionPolicy | None = None,
+        storage_options: Mapping[str, Any] | None = None,
         **load_options: Any,
     ) -> ModelRegistry:
-        """Find and load every package under ``paths``.
+        """Find every package under ``paths`` and load the versions ``policy`` serves.
 
         :param workers: above 1, each model runs in that many out-of-process
             workers (``use_ope=True``), so CPU-bound models are not held to one GIL.
         :param loader: ``neuropod.load_neuropod`` unless given (tests).
-        :raises PackageError: two packages share a name, or a PATH holds none.
-            Models already loaded are closed before it is raised.
+        :raises PackageError: two packages share a name and version, a PATH holds none, or a
+            package cannot be read or loaded. Models already loaded are closed before it is raised.
         """
         if workers > 1:
             load_options = {**load_options, "use_ope": True, "workers": workers}
-        paths = list(paths)
-        registry = cls(paths=paths, loader=loader, load_options=load_options)
+        registry = cls(paths=paths, loader=loader, load_options=load_options, policy=policy,
+                       storage_options=storage_options)  # fmt: skip
         try:
-            packages = [pkg for path in paths for pkg in find_packages(path)]
-            for pkg in packages:
-                registry._load_path(pkg)
+            catalog = registry.scan(strict=True)
+            for _, found, reason in catalog.unreadable:
+                raise PackageError(f"{found.where}: {reason}")
+            for name in sorted(catalog.models):
+                for found in registry.plan(name, catalog).values():
+                    if found.problem or found.path is None:
+                        raise PackageError(found.problem)
+                    registry.put(registry.open(found, name, registry.load_options))
         except BaseException:
             registry.close()
             raise
         return registry
 
-    def _load_path(self, pkg: Path) -> ServedModel:
-        served = self._open(pkg, self.load_options)
-        try:
-            self.add(served)
-        except BaseException:
-            served.model.close()
-            raise
-        return served
+    # -- the repository ------------------------------------------------------------
+
+    def scan(self, *, strict: bool = False, listing: bool = True) -> Catalog:
+        """What the repository PATHs hold now.
+
+        :param strict: raise when a PATH holds nothing or cannot be listed (else it is skipped).
+        :param listing: list URL PATHs again (downloading changed packages); False: take what
+            their last listing found.
+        :raises PackageError: with ``strict``, as :func:`.versions.scan_local` and
+            :meth:`.versions.RemoteRepository.scan` do.
+        """
+        from neuropod.package import read_package
+
+        found: list[Found] = []
+        errors: list[str] = []
+        for source in self._sources:
+            try:
+                if isinstance(source, RemoteRepository):
+                    found += source.scan() if listing else source.last
+                else:
+                    found += scan_local(source)
+            except NeuropodError as e:
+                if strict:
+                    raise
+                errors.append(str(e))
+        loaded = {(s.where, s.stamp): s for s in self}
+        catalog = Catalog(errors=errors)
+        for f in found:
+            if f.folder is not None:
+                catalog.add(f.folder, f)
+                continue
+            if f.path is None:
+                catalog.unreadable.append((Path(f.where.rstrip("/")).name, f, f.problem))
+                continue
+            served = loaded.get((f.where, f.stamp))
+            if served is not None:
+                catalog.add(served.name, f)
+                continue
+            try:
+                name = read_package(f.path, verify=False).name
+            except NeuropodError as e:
+                catalog.unreadable.append((Path(f.where.rstrip("/")).name, f, f"cannot read the package: {e}"))
+                continue
+            catalog.add(name, f)
+        return catalog
+
+    def plan(self, name: str, catalog: Catalog) -> dict[str, Found]:
+        """The versions of model ``name`` the version policy serves, by version.
+
+        :raises UnknownModelError: the repository has no model of that name.
+        :raises PackageError: several packages are that name's version (every one of them is).
+        """
+        versions = catalog.models.get(name)
+        if not versions:
+            broken = [reason for shown, _, reason in catalog.unreadable if shown == name]
+            if broken:
+                raise PackageError(broken[0])
+            where = ", ".join(self.paths) or "(no repository paths)"
+            raise UnknownModelError(f"no package named {name!r} under the repository paths: {where}")
+        chosen = self.policy.select(versions)
+        plan: dict[str, Found] = {}
+        for version in chosen:
+            founds = versions[version]
+            if len(founds) > 1:
+                count = "two packages are both" if len(founds) == 2 else f"{len(founds)} packages are all"
+                raise PackageError(
+                    f"{count} named {name!r}{_of_version(version)}: {' and '.join(sorted(f.where for f in founds))}; "
+                    "a server answers to one model per name and version, so serve only one of them "
+                    "(or rename one when packaging it)"
+                )
+            plan[version] = founds[0]
+        if not plan:
+            present = ", ".join(sorted(versions, key=_by_version))
+            raise PackageError(f"model {name!r} has no version that the version policy {self.policy} serves "
+                               f"(its versions: {present})")  # fmt: skip
+        return plan
+
+    def index(self, catalog: Catalog | None = None) -> list[RepositoryEntry]:
+        """Every version of every model under the repository PATHs (local ones rescanned, URL ones
+        as last listed), and every loaded model."""
+        if catalog is None:
+            catalog = self.scan(listing=False)
+        entries: list[RepositoryEntry] = []
+        listed: set[tuple[str, str]] = set()
+        for shown, f, reason in catalog.unreadable:
+            entries.append(RepositoryEntry(shown, f.path, "UNAVAILABLE", reason, False, f.version, f.where))
+        for name, versions in catalog.models.items():
+            for version, founds in versions.items():
+                served = self._models.get(name, {}).get(version)
+                failure = self._failures.get((name, version), ("", ""))[0]
+                for f in founds:
+                    if served is not None and served.where == f.where:
+                        entries.append(RepositoryEntry(name, f.path, "READY", failure, True, version, f.where))
+                        listed.add((name, version))
+                    elif f.problem:
+                        entries.append(RepositoryEntry(name, f.path, "UNAVAILABLE", f.problem, True, version, f.where))
+                    elif served is not None:
+                        reason = f"another package named {name!r}{_of_version(version)} is loaded ({served.where})"
+                        entries.append(RepositoryEntry(name, f.path, "UNAVAILABLE", reason, True, version, f.where))
+                    else:
+                        reason = failure or self._not_served(versions, version)
+                        entries.append(RepositoryEntry(name, f.path, "UNAVAILABLE", reason, True, version, f.where))
+        for s in self:
+            if (s.name, s.version) not in listed:
+                failure = self._failures.get((s.name, s.version), ("", ""))[0]
+                entries.append(RepositoryEntry(s.name, s.path, "READY", failure, True, s.version, s.where))
+        return sorted(entries, key=lambda e: (e.name, _by_version(e.version), e.where))
+
+    def _not_served(self, versions: Mapping[str, object], version: str) -> str:
+        if version in self.policy.select(versions):
+            return "not loaded"
+        return f"not loaded: the version policy ({self.policy}) serves other versions"
+
+    def package_path(self, name: str) -> Path:
+        """The package of the latest version of ``name`` the version policy serves.
+
+        :raises UnknownModelError: none is named so.
+        :raises PackageError: several are, or the only ones cannot be read.
+        """
+        plan = self.plan(name, self.scan())
+        found = plan[max(plan, key=_by_version)]
+        if found.problem or found.path is None:
+            raise PackageError(found.problem)
+        return found.path
+
+    # -- loading ---------------------------------------------------------------------
 
     def options_for(self, settings: ModelSettings) -> dict[str, Any]:
         """The load options of a model served with ``settings``: their OPE workers (1: in
@@ -231,146 +385,122 @@ class ModelRegistry:
             options["device"] = settings.device
         return options
 
-    def _open(self, pkg: Path, options: dict[str, Any]) -> ServedModel:
-        """Load the package at ``pkg`` with ``options`` without serving it yet."""
+    def open(self, found: Found, name: str, options: dict[str, Any]) -> ServedModel:
+        """Load version ``found`` of model ``name`` with ``options`` without serving it yet.
+
+        :raises PackageError: it fails to load, or its package is named otherwise (a package
+            standing alone: its name is the model's).
+        """
+        if found.problem or found.path is None:
+            raise PackageError(found.problem)
         loader = self._loader
         if loader is None:
             from neuropod import load_neuropod
 
             loader = load_neuropod
-        model = loader(pkg, **options)
         try:
-            return ServedModel(model, pkg)
+            model = loader(found.path, **options)
+        except PackageError as e:
+            if found.where != str(found.path):
+                from neuropod.storage import as_downloaded
+
+                raise as_downloaded(e, found.path, found.where) from None
+            raise
+        try:
+            alias = found.folder if found.folder is not None and found.folder != model.name else None
+            served = ServedModel(model, found.path, version=found.version, alias=alias, where=found.where,
+                                 stamp=found.stamp)  # fmt: skip
+            if served.name != name:
+                raise PackageError(f"the package at {found.where} is now named {served.name!r}, not {name!r}")
+            return served
         except BaseException:
             model.close()
             raise
 
-    def index(self) -> list[RepositoryEntry]:
-        """Every package under the repository PATHs now (rescanned), and every loaded model."""
-        from neuropod.package import read_package
+    def failed(self, name: str, version: str, reason: str, stamp: str) -> None:
+        """Keep why version ``version`` of ``name`` failed to load (with the stamp of its files)."""
+        self._failures[(name, version)] = (reason, stamp)
 
-        entries: list[RepositoryEntry] = []
-        for path in self.paths:
-            try:
-                found = find_packages(path)
-            except PackageError:
-                continue  # a PATH removed since start: nothing to list there
-            for pkg in found:
-                served = next((s for s in self._models.values() if s.path == pkg), None)
-                if served is not None:
-                    entries.append(RepositoryEntry(served.name, pkg, "READY", self._failures.get(served.name, "")))
-                    continue
-                try:
-                    name = read_package(pkg).name
-                except NeuropodError as e:
-                    entries.append(RepositoryEntry(pkg.name, pkg, "UNAVAILABLE", f"cannot read the package: {e}", False))
-                    continue
-                loaded = self._models.get(name)
-                if loaded is not None:
-                    reason = f"another package named {name!r} is loaded ({loaded.path})"
-                else:
-                    reason = self._failures.get(name, "not loaded")
-                entries.append(RepositoryEntry(name, pkg, "UNAVAILABLE", reason))
-        listed = {e.path for e in entries}
-        entries += [
-            RepositoryEntry(s.name, s.path, "READY", self._failures.get(s.name, ""))
-            for s in self._models.values()
-            if s.path not in listed
-        ]
-        return sorted(entries, key=lambda e: (e.name, str(e.path)))
+    def failure(self, name: str, version: str) -> tuple[str, str] | None:
+        """Why the last load of that version failed, and the stamp of its files then; None: it did not."""
+        return self._failures.get((name, version))
 
-    def load_model(self, name: str, settings: ModelSettings | None = None) -> tuple[ServedModel, ServedModel | None]:
-        """Load model ``name`` from the repository, replacing the loaded one of that name (a reload).
+    def put(self, served: ServedModel) -> ServedModel | None:
+        """Serve ``served`` as its version of its model, in place of the one loaded before (returned,
+        for the caller to close once nothing runs on it)."""
+        versions = self._models.setdefault(served.name, {})
+        old = versions.get(served.version)
+        versions[served.version] = served
+        self._failures.pop((served.name, served.version), None)
+        self._update_versions(served.name)
+        return old
 
-        With ``settings`` (a load's config override), the model is loaded with their OPE
-        workers and keeps them; without, with the server's options.
+    def remove(self, name: str, version: str) -> ServedModel:
+        """Stop serving that version (the caller closes it). :raises KeyError: it is not loaded."""
+        versions = self._models[name]
+        served = versions.pop(version)
+        self._failures.pop((name, version), None)
+        if not versions:
+            del self._models[name]
+        else:
+            self._update_versions(name)
+        return served
 
-        The new model is loaded before the old one is replaced: when the load fails, the
-        model loaded before keeps serving (as Triton does), and the failure is kept as the
-        ``reason`` of its repository index entry until a load succeeds or it is unloaded.
+    def _update_versions(self, name: str) -> None:
+        """The ``versions`` of every loaded version's metadata: all those loaded."""
+        versions = self._models.get(name, {})
+        loaded = sorted(versions, key=_by_version)
+        for served in versions.values():
+            served.metadata = {**served.metadata, "versions": loaded}
 
-        :returns: the model now served, and the one it replaced (None on a first load);
-            the caller closes the replaced one once nothing runs on it.
-        :raises UnknownModelError: no package under the repository PATHs has that name.
-        :raises PackageError: several do, or the package fails to load.
-        """
-        try:
-            path = self._package_of(name)
-            options = self.load_options if settings is None else self.options_for(settings)
-            served = self._open(path, options)
-            served.settings = settings
-            if served.name != name:
-                served.model.close()
-                raise PackageError(f"the package at {path} is now named {served.name!r}, not {name!r}")
-        except NeuropodError as e:
-            if name in self._models or not isinstance(e, UnknownModelError):
-                loaded = self._models.get(name)
-                kept = f"; still serving the model loaded before from {loaded.path}" if loaded is not None else ""
-                self._failures[name] = f"the last load failed: {e}{kept}"
-            raise
-        old = self._models.get(name)
-        self._models[name] = served
-        self._failures.pop(name, None)
-        return served, old
+    def versions(self, name: str) -> list[str]:
+        """The loaded versions of ``name``, lowest first (none: not loaded)."""
+        return sorted(self._models.get(name, {}), key=_by_version)
 
-    def package_path(self, name: str) -> Path:
-        """The one package under the repository PATHs named ``name``.
+    def loaded(self, name: str, version: str) -> ServedModel | None:
+        """That version of ``name`` if it is loaded, else None."""
+        return self._models.get(name, {}).get(version)
 
-        :raises UnknownModelError: none is.
-        :raises PackageError: several are, or the only ones are unreadable.
-        """
-        return self._package_of(name)
+    def latest(self, name: str) -> ServedModel | None:
+        """The latest loaded version of ``name``; None: none is."""
+        versions = self._models.get(name)
+        return versions[max(versions, key=_by_version)] if versions else None
 
-    def _package_of(self, name: str) -> Path:
-        """The one package under the repository PATHs named ``name``."""
-        candidates = [e for e in self.index() if e.name == name and e.path is not None]
-        broken = [e for e in candidates if not e.readable]
-        if broken and len(candidates) == len(broken):
-            raise PackageError(broken[0].reason)
-        candidates = [e for e in candidates if e.readable]
-        if not candidates:
-            where = ", ".join(str(p) for p in self.paths) or "(no repository paths)"
-            raise UnknownModelError(f"no package named {name!r} under the repository paths: {where}")
-        paths = {e.path for e in candidates}
-        if len(paths) > 1:
-            raise PackageError(
-                f"several packages are named {name!r}: {', '.join(sorted(map(str, paths)))}; remove or rename all but one"
-            )
-        path = paths.pop()
-        assert path is not None
-        return path
-
-    def unload_model(self, name: str) -> None:
-        """Stop serving ``name`` and close it. :raises UnknownModelError: it is not loaded."""
-        served = self.get(name)
-        del self._models[name]
-        self._failures.pop(name, None)
-        served.model.close()
+    def names(self) -> list[str]:
+        """The names of the loaded models."""
+        return list(self._models)
 
     def add(self, served: ServedModel) -> None:
-        """Serve one more model. :raises PackageError: its name is taken."""
-        other = self._models.get(served.name)
+        """Serve one more model. :raises PackageError: its name and version are taken."""
+        other = self._models.get(served.name, {}).get(served.version)
         if other is not None:
             raise PackageError(
-                f"two packages are both named {served.name!r}: {other.path} and {served.path}; "
-                "a server answers to one model per name, so serve only one of them "
+                f"two packages are both named {served.name!r}{_of_version(served.version)}: {other.where} and "
+                f"{served.where}; a server answers to one model per name and version, so serve only one of them "
                 "(or rename one when packaging it)"
             )
-        self._models[served.name] = served
+        self.put(served)
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
-        """:raises UnknownModelError: no such model, or it has no such version."""
-        served = self._models.get(name)
-        if served is None:
+        """Version ``version`` of ``name``; None: its latest loaded version.
+
+        :raises UnknownModelError: no such model, or it has no such version loaded.
+        """
+        versions = self._models.get(name)
+        if versions is None:
             known = ", ".join(sorted(self._models)) or "(none)"
             # Triton's words first: Triton's clients and examples look for them.
-            raise UnknownModelError(
-                f"Request for unknown model: {name!r} is not found; loaded models: {known}"
-            )
-        if version is not None and version != MODEL_VERSION:
+            raise UnknownModelError(f"Request for unknown model: {name!r} is not found; loaded models: {known}")
+        if version is None or version == "":
+            if len(versions) == 1:
+                return next(iter(versions.values()))
+            return versions[max(versions, key=_by_version)]
+        served = versions.get(version)
+        if served is None:
+            loaded = ", ".join(repr(v) for v in sorted(versions, key=_by_version))
             raise UnknownModelError(
                 f"Request for unknown model: {name!r} version {version!r} is not found; "
-                f"model {name!r} has only version {MODEL_VERSION!r}"
+                f"model {name!r} has version(s) {loaded} loaded"
             )
         return served
 
@@ -378,13 +508,19 @@ class ModelRegistry:
         return name in self._models
 
     def __iter__(self) -> Iterator[ServedModel]:
-        return iter(list(self._models.values()))
+        """Every loaded version of every model."""
+        return iter([s for versions in list(self._models.values()) for s in list(versions.values())])
 
     def __len__(self) -> int:
-        return len(self._models)
+        return sum(len(v) for v in list(self._models.values()))
 
     def close(self) -> None:
         """Close every model (frees framework resources and stops OPE workers)."""
-        for served in list(self._models.values()):
+        for served in list(self):
             served.model.close()
         self._models.clear()
+
+
+def _of_version(version: str) -> str:
+    """The words " version N" for a version other than 1 (the only one of a package standing alone)."""
+    return "" if version == MODEL_VERSION else f" version {version}"

@@ -44,6 +44,7 @@ def load(engine: Engine, name: str, parameters: Mapping[str, object]) -> None:
     :raises ProtocolError: a parameter this server does not take, or a config it refuses.
     :raises LoadFailed: the package failed to load (the model loaded before, if any, keeps serving).
     """
+    _check_explicit(engine, "load", name)
     if engine.group is not None:
         engine.group.repository("load", name, dict(parameters))
         return
@@ -92,10 +93,22 @@ def unload(engine: Engine, name: str) -> None:
 
     :raises UnknownModelError: it is not loaded.
     """
+    _check_explicit(engine, "unload", name)
     if engine.group is not None:
         engine.group.repository("unload", name)
         return
     unload_here(engine, name)
+
+
+def _check_explicit(engine: Engine, what: str, name: str) -> None:
+    """:raises ProtocolError: the server polls its repository, so loads and unloads follow it."""
+    if engine.poll_interval_s is not None:
+        # As Triton's poll mode: a model loaded or unloaded by hand would be undone by the next poll.
+        raise ProtocolError(
+            f"failed to {what} model {name!r}: this server polls its model repository every "
+            f"{engine.poll_interval_s:g} s (neuropod serve --poll-interval) and loads and unloads models as "
+            "the repository changes; repository load and unload requests are refused"
+        )
 
 
 def unload_here(engine: Engine, name: str) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from neuropod import _json
 from neuropod_serving.protocol.codec import Body, InferRequest, ProtocolError, build_shared_response
-from neuropod_serving.server.registry import MODEL_VERSION, ServedModel
+from neuropod_serving.server.registry import ServedModel
 from neuropod_serving.server.shared_memory import (
     CUDA,
     ENABLE_HINT,
@@ -55,7 +55,7 @@ def rest_body(
     written = held.write_outputs(outputs)
     binary = decoded.binary_outputs(n for n in outputs if n not in written)
     body: Body = build_shared_response(
-        served.name, outputs, written, binary=binary, model_version=MODEL_VERSION, id=decoded.id
+        served.name, outputs, written, binary=binary, model_version=served.version, id=decoded.id
     )
     return body.content, body.json_length
 
@@ -68,7 +68,7 @@ def grpc_message(
 
     written = held.write_outputs(outputs)
     return grpc_codec.serialize_shared_response(
-        served.name, outputs, written, model_version=MODEL_VERSION, id=decoded.id
+        served.name, outputs, written, model_version=served.version, id=decoded.id
     )
 
 
