@@ -3,7 +3,8 @@
     nox -t ci                      what CI runs (README's test command)
     nox -s tests_core              core tests on Python 3.10 to 3.13
     nox -s tests_onnx              the ONNX plugin on onnxruntime 1.31.1, 1.24.4 and 1.20.1
-    nox -s tests_storage           packages by URL: a real S3 server (moto's) through s3fs, and a local web server
+    nox -s tests_storage           packages by URL: a real S3 server (moto's) through s3fs, and a local web server;
+                                   neuropod serve of a model repository in a bucket, polled
     nox -s tests_envs              two real backend environments (onnxruntime 1.20.1, 1.24.4) beside 1.31.1
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
     nox -s tests_torch             the torch.export / AOTInductor plugin on torch 2.13.0
@@ -112,11 +113,14 @@ def tests_core(session: nox.Session) -> None:
 def tests_storage(session: nox.Session) -> None:
     """Packages loaded by URL (neuropod.storage, the core's s3 and http extras): moto's S3 server
     on 127.0.0.1 driven through s3fs, and a local web server, with the ONNX demo model."""
-    session.install(f"{CORE}[test,s3,http]", str(ROOT / "plugins/neuropod-onnx"), f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
+    session.install(f"{CORE}[test,s3,http]", str(ROOT / "plugins/neuropod-onnx"), f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
+                    f"{SERVING}[server]", str(ROOT / "plugins/neuropod-python"), "httpx>=0.27")  # fmt: skip
     # moto brings boto3, which must take the botocore that s3fs's aiobotocore pinned.
     botocore = session.run("python", "-c", "import botocore; print(botocore.__version__)", silent=True)
     session.install("moto[server]>=5", f"botocore=={str(botocore).strip()}")
     _pytest(session, "core/tests/test_storage.py", "core/tests/test_storage_urls.py")
+    # A model repository in a bucket, served and polled (neuropod serve s3://...).
+    _pytest(session, "serving/tests/test_versions_s3.py")
 
 
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
@@ -278,7 +282,7 @@ def tests_serving(session: nox.Session) -> None:
     models with its own runtime (MLServer from its own venv in this session's folder)."""
     session.install(
         f"{CORE}[test]", f"{SERVING}[server,test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]",
-        f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
+        f"onnxruntime=={ONNXRUNTIME_DEFAULT}", str(ROOT / "plugins/neuropod-python"),
     )  # fmt: skip
     mlserver = _mlserver_venv(session, "mlserver-sklearn==1.7.1", "scikit-learn==1.9.1")
     _pytest(session, "serving/tests", env={"NEUROPOD_TEST_MLSERVER_PYTHON": str(mlserver / "bin" / "python")})

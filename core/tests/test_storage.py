@@ -140,6 +140,15 @@ def test_a_zip_object_and_a_prefix_load_by_url(bucket: _Bucket, packages: dict[s
             _check_demo(model)
 
 
+def test_empty_files_of_a_prefix_are_downloaded(bucket: _Bucket, packages: dict[str, Any]) -> None:
+    """A package directory's empty files (a Python model's __init__.py) are part of it too."""
+    url = bucket.put_tree("models/adder", packages["dir"])
+    bucket.put("models/adder/0/code/__init__.py", b"")
+    local = storage.fetch(url, storage_options=bucket.options)
+    assert (local / "0" / "code" / "__init__.py").read_bytes() == b""
+    assert storage.fetch(url, storage_options=bucket.options) == local  # and the download is complete: reused
+
+
 def test_a_second_load_takes_the_download(
     bucket: _Bucket, packages: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -460,6 +460,8 @@ def _download_file(
                 have = 0
             digest = _md5_of_prefix(target, have) if md5 else None
             if size is not None and have == size:
+                if not have:
+                    target.touch()  # an empty object (a package's empty __init__.py): nothing to read
                 return have, digest.hexdigest() if digest is not None else None
             if have:
                 log.info("resuming %s from byte %s", where, f"{have:,}")

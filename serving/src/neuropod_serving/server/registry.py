@@ -498,9 +498,9 @@ class ModelRegistry:
         served = versions.get(version)
         if served is None:
             loaded = ", ".join(repr(v) for v in sorted(versions, key=_by_version))
+            has = f"only version {loaded}" if len(versions) == 1 else f"versions {loaded}"
             raise UnknownModelError(
-                f"Request for unknown model: {name!r} version {version!r} is not found; "
-                f"model {name!r} has version(s) {loaded} loaded"
+                f"Request for unknown model: {name!r} version {version!r} is not found; model {name!r} has {has} loaded"
             )
         return served
 
