@@ -23,6 +23,7 @@ from neuropod_serving.server.registry import (
     find_packages,
     is_package,
 )
+from neuropod_serving.server.versions import VersionPolicy
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
@@ -57,6 +58,7 @@ __all__ = [
     "RequestTimeoutError",
     "ServedModel",
     "UnknownModelError",
+    "VersionPolicy",
     "create_app",
     "find_packages",
     "is_package",

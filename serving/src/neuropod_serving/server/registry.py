@@ -200,7 +200,7 @@ class ModelRegistry:
         #: (name, version), until it loads or is unloaded.
         self._failures: dict[tuple[str, str], tuple[str, str]] = {}
         self._sources: list[Path | RemoteRepository] = [
-            RemoteRepository(p, storage_options) if is_package_url(p) else Path(p) for p in paths
+            RemoteRepository(p, storage_options) if isinstance(p, str) and is_package_url(p) else Path(p) for p in paths
         ]
         #: The repository PATHs as messages show them.
         self.paths = [s.where if isinstance(s, RemoteRepository) else str(s) for s in self._sources]
@@ -524,3 +524,7 @@ class ModelRegistry:
 def _of_version(version: str) -> str:
     """The words " version N" for a version other than 1 (the only one of a package standing alone)."""
     return "" if version == MODEL_VERSION else f" version {version}"
+
+
+__all__ = ["MODEL_VERSION", "Catalog", "ModelBusyError", "ModelRegistry", "ModelSettings", "RepositoryEntry",
+           "ServedModel", "UnknownModelError", "find_packages", "is_package"]  # fmt: skip
