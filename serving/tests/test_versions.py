@@ -237,3 +237,49 @@ def test_polling_unloads_a_removed_version_once_its_requests_finish(repo: Path, 
         shutil.rmtree(repo / "scaler")
         wait_for("model scaler to be unloaded", lambda: infer(http).status_code == 404)
         assert ("scaler", "1") not in index(http)
+
+
+def test_every_server_process_polls(repo: Path, scalers: dict[int, Path], tmp_path: Path) -> None:
+    """``neuropod serve --processes 2 --poll-interval``: whichever process a connection reaches
+    serves the new version once it is polled, and each refuses repository loads."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from conftest import free_port
+
+    shutil.rmtree(repo / "scaler" / "10")
+    shutil.rmtree(repo / "scaler" / "2")
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "neuropod", "serve", str(repo), "--processes", "2", "--poll-interval", str(POLL_S),
+             "--http-port", str(port), "--grpc-port", "0", "--metrics-port", "0"],
+            stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(),
+        )  # fmt: skip
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+
+            def ready() -> bool:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    return http.get("/v2/health/ready").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for("the server to start", ready, 60)
+            assert answer(http) == ("1", expected(1))
+            place(scalers[2], repo / "scaler" / "2")
+            time.sleep(5 * POLL_S)
+            for _ in range(8):  # new connections: both processes answer
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as fresh:
+                    wait_for("version 2 in every process", lambda fresh=fresh: answer(fresh)[0] == "2", 10)
+                    refused = fresh.post("/v2/repository/models/scaler/load", json={})
+                    assert refused.status_code == 400 and "--poll-interval" in refused.text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert log.read_text().count("loaded version 2 of model 'scaler'") == 2, log.read_text()
