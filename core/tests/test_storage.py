@@ -149,6 +149,40 @@ def test_empty_files_of_a_prefix_are_downloaded(bucket: _Bucket, packages: dict[
     assert storage.fetch(url, storage_options=bucket.options) == local  # and the download is complete: reused
 
 
+def test_old_downloads_are_pruned_and_bad_ones_found(bucket: _Bucket, packages: dict[str, Any]) -> None:
+    """`neuropod cache prune` removes the download of an older version once unused for --days;
+    `neuropod cache verify` finds a truncated download, and --repair removes it."""
+    from neuropod.cli import main
+
+    url = bucket.put("adder.neuropod", packages["zip"])
+    first = storage.fetch(url, storage_options=bucket.options).parent
+    bucket.put("adder.neuropod", packages["other"])  # a new version of the object: a second download
+    second = storage.fetch(url, storage_options=bucket.options).parent
+    assert first != second and storage.verify_downloads() == []
+    month_ago = time.time() - 40 * 86400
+    for entry in (first, second):
+        os.utime(entry / "record.json", (month_ago, month_ago))
+    storage.fetch(url, storage_options=bucket.options)  # the current version is used again now
+    out = io.StringIO()
+    assert main(["cache", "prune", "--days", "30", "--dry-run"], out=out) == 0
+    assert f"Would remove {url}" in out.getvalue() and "Would remove 1 download(s)" in out.getvalue(), out.getvalue()
+    assert first.exists()
+    gone = storage.prune_downloads(30)
+    assert [(p, u) for p, u, _ in gone] == [(first, url)] and gone[0][2] >= len(packages["zip"])
+    assert not first.exists() and second.exists()
+
+    zipped = second / "package.zip"
+    zipped.write_bytes(zipped.read_bytes()[:100])
+    out = io.StringIO()
+    assert main(["cache", "verify"], out=out) == 1
+    assert f"{second} ({url}): 'package.zip' holds 100 bytes, not the {len(packages['other']):,} downloaded" \
+        in out.getvalue(), out.getvalue()  # fmt: skip
+    assert main(["cache", "verify", "--repair"], out=io.StringIO()) == 0
+    assert not second.exists() and storage.verify_downloads() == []
+    with neuropod.load_neuropod(url, storage_options=bucket.options) as model:  # downloaded again
+        assert model.name == "demo_adder_v2"
+
+
 def test_a_second_load_takes_the_download(
     bucket: _Bucket, packages: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:

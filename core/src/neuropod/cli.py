@@ -11,7 +11,8 @@ r"""The ``neuropod`` command.
     neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME,
                                       env prepare PACKAGE (build the environment its requirements need),
                                       env prune [--days N] (lock environments no package used for N days)
-    neuropod cache verify [--repair]  re-hash every extracted zip package against its record
+    neuropod cache verify [--repair]  re-hash every extracted zip package against its record; check downloads
+    neuropod cache prune [--days N]   remove packages downloaded by URL that no load used for N days
     neuropod serve PKG...             an Open Inference Protocol server (from neuropod-serving)
 
 A URL command (inspect, explain, infer) takes ``--auth-token-file FILE`` for
@@ -772,22 +773,42 @@ def cmd_env_remove(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_cache_verify(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod import storage
     from neuropod.package import cache_dir, verify_cache
 
-    problems = verify_cache(repair=args.repair)
-    where = cache_dir() / "packages"
-    if not problems:
-        print(f"Package cache {where}: every entry matches its record", file=out)
-        return 0
-    print(f"Package cache {where}: {len(problems)} problem(s):", file=out)
-    for line in problems:
-        print(f"  {line}", file=out)
-    if args.repair:
-        print("Removed what was wrong; each zip is extracted again the next time it is loaded.", file=out)
-        return 0
-    print("Run `neuropod cache verify --repair` to remove them (each zip is extracted again when next loaded).",
-          file=out)  # fmt: skip
-    return EXIT_TEST_FAILED
+    found = False
+    for what, where, problems, again in (
+        ("Package cache", cache_dir() / "packages", verify_cache(repair=args.repair), "each zip is extracted again"),
+        ("Download cache", storage.downloads_dir(), storage.verify_downloads(repair=args.repair),
+         "each package is downloaded again"),
+    ):  # fmt: skip
+        if not problems:
+            print(f"{what} {where}: every entry matches its record", file=out)
+            continue
+        found = True
+        print(f"{what} {where}: {len(problems)} problem(s):", file=out)
+        for line in problems:
+            print(f"  {line}", file=out)
+        if args.repair:
+            print(f"Removed what was wrong; {again} the next time it is loaded.", file=out)
+        else:
+            print(f"Run `neuropod cache verify --repair` to remove them ({again} when next loaded).", file=out)
+    return EXIT_TEST_FAILED if found and not args.repair else 0
+
+
+def cmd_cache_prune(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod import storage
+
+    if not args.days >= 0:  # also NaN, which compares false with everything
+        raise NeuropodError(f"--days must be a number >= 0, not {args.days:g}")
+    gone = storage.prune_downloads(args.days, dry_run=args.dry_run)
+    verb = "Would remove" if args.dry_run else "Removed"
+    for path, url, size in gone:
+        print(f"{verb} {url or path} ({size:,} bytes, {path})", file=out)
+    total = sum(size for _, _, size in gone)
+    print(f"{verb} {len(gone)} download(s) unused for {args.days:g} day(s), {total:,} bytes, from "
+          f"{storage.downloads_dir()}", file=out)  # fmt: skip
+    return 0
 
 
 # --- commands from other distributions -------------------------------------
@@ -969,11 +990,17 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     e.add_argument("name", metavar="NAME", help="the environment's name, as `neuropod env list` shows it")
     e.set_defaults(func=cmd_env_remove)
 
-    s = sub.add_parser("cache", help="the cache of extracted zip packages")
+    s = sub.add_parser("cache", help="the cache of extracted zip packages and of packages downloaded by URL")
     cache_sub = s.add_subparsers(dest="cache_command", required=True, metavar="CACHE_COMMAND")
-    c = cache_sub.add_parser("verify", help="re-hash every cached file against the record of the zip it came from")
-    c.add_argument("--repair", action="store_true", help="remove bad entries (they are extracted again when needed)")
+    c = cache_sub.add_parser("verify", help="re-hash every extracted file against the record of the zip it came "
+                             "from, and check every download's files against its record")  # fmt: skip
+    c.add_argument("--repair", action="store_true", help="remove bad entries (they are extracted or downloaded "
+                   "again when needed)")  # fmt: skip
     c.set_defaults(func=cmd_cache_verify)
+    c = cache_sub.add_parser("prune", help="remove the packages downloaded by URL that no load has used for --days days")
+    c.add_argument("--days", type=float, default=30, help="unused for at least this many days (default 30)")
+    c.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    c.set_defaults(func=cmd_cache_prune)
 
     _add_plugin_commands(sub, argv)
     return p

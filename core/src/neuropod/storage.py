@@ -51,6 +51,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import threading
@@ -95,6 +96,9 @@ _IDENTITY_FIELDS = (
     "ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "Content-MD5", "content_md5",
     "LastModified", "last_modified", "Last-Modified", "updated", "mtime",
 )  # fmt: skip
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+#: A temporary directory older than this was left by a download that stopped.
+_STALE_S = 3600
 _ZIP = "package.zip"
 _DIR = "package"
 _RECORD = "record.json"
@@ -168,9 +172,11 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
     cacheable = all(_validated(i) for i in identity.values()) if kind == _DIR else _validated(identity)
     entry = root / key
     if cacheable and _complete(entry, key, kind, files):
+        _used(entry)
         return entry / kind
     with cache.entry_lock(root, key):
         if cacheable and _complete(entry, key, kind, files):  # downloaded by another process meanwhile
+            _used(entry)
             return entry / kind
         whole = _whole(first, fs, info) if kind == _ZIP else None
         _download(fs, path, files, root, key, kind, where, identity, resumable=cacheable, whole=whole)
@@ -193,6 +199,122 @@ def list_objects(url: str, *, storage_options: Mapping[str, Any] | None = None) 
     if info.get("type") == "directory":
         return _listing(fs, path, where)
     return {"": info}
+
+
+def _used(entry: Path) -> None:
+    """Mark the download at ``entry`` as used now (its record's time: what :func:`prune_downloads` reads)."""
+    with contextlib.suppress(OSError):
+        os.utime(entry / _RECORD)
+
+
+def verify_downloads(repair: bool = False) -> list[str]:
+    """Check every download against its record: each file there, a regular file of the size the store
+    listed (the package's own hashes are checked by every load).
+
+    :param repair: remove each bad download (it is downloaded again when its URL is next loaded) and
+        each temporary directory an interrupted download left.
+    :returns: one line per problem, naming the download, its URL and what is wrong (ending in
+        "(removed)" when ``repair`` removed it); empty when every download is sound.
+    """
+    root = downloads_dir()
+    try:
+        children = sorted(os.scandir(root), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise PackageError(f"Cannot list the download cache {root}: {e.strerror}") from None
+    problems = []
+    for child in children:
+        path = Path(child.path)
+        url = ""
+        if _HEX64.fullmatch(child.name):
+            with cache.entry_lock(root, child.name):
+                reason, url = _check_download(path, child.name)
+                if reason and repair:
+                    cache.remove_path(path)
+        elif child.name.startswith(".") and child.name.endswith(".tmp"):
+            try:
+                old = time.time() - child.stat(follow_symlinks=False).st_mtime > _STALE_S
+            except OSError:
+                continue
+            reason = "a temporary directory left by an interrupted download" if old else None
+            if reason and repair:
+                cache.remove_path(path)
+        else:
+            continue  # urls/, locks/ and partial downloads (resumed by the next load of their URL)
+        if reason:
+            shown_url = f" ({url})" if url else ""
+            problems.append(f"{path}{shown_url}: {reason}" + (" (removed)" if repair else ""))
+    return problems
+
+
+def _check_download(entry: Path, key: str) -> tuple[str | None, str]:
+    """Why the download at ``entry`` is bad (None: it is sound), and its URL as recorded."""
+    try:
+        record = json.loads((entry / _RECORD).read_text())
+    except (OSError, ValueError) as e:
+        return f"its {_RECORD} cannot be read ({e})", ""
+    if not isinstance(record, dict):
+        return f"its {_RECORD} is not a download record", ""
+    url = str(record.get("url", ""))
+    if record.get("key") != key:
+        return f"its {_RECORD} is for another download ({record.get('key')!r})", url
+    sizes = record.get("sizes")
+    kind = _ZIP if (entry / _ZIP).exists() or "" in (sizes or {}) else _DIR
+    if not isinstance(sizes, dict):
+        return f"its {_RECORD} lists no files", url
+    for name, size in sorted(sizes.items()):
+        target = entry / kind / name if name else entry / kind
+        try:
+            st = os.lstat(target)
+        except OSError:
+            return f"{name or kind!r} is missing", url
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name or kind!r} is not a regular file", url
+        if st.st_size != size:
+            return f"{name or kind!r} holds {st.st_size:,} bytes, not the {size:,} downloaded", url
+    if kind == _DIR:
+        present = {p.relative_to(entry / kind).as_posix() for p in (entry / kind).rglob("*") if not p.is_dir()}
+        extra = sorted(present - set(sizes))
+        if extra:
+            return f"{extra[0]!r} was not downloaded (it is not in its {_RECORD})", url
+    return None, url
+
+
+def prune_downloads(days: float = 30, *, dry_run: bool = False) -> list[tuple[Path, str, int]]:
+    """Remove the downloads no load has used for ``days`` days (a download is used when a load of its
+    URL finds its objects unchanged): old versions of packages, objects since deleted.
+
+    :param days: a number >= 0; 0 removes every download not being made right now.
+    :param dry_run: only say which would go.
+    :returns: (path, URL, bytes) of each download removed (or that would be).
+    """
+    if isinstance(days, bool) or not isinstance(days, (int, float)) or not (days >= 0):
+        raise ValueError(f"days must be a number >= 0, not {days!r}")
+    root = downloads_dir()
+    try:
+        children = sorted(os.scandir(root), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    gone = []
+    now = time.time()
+    for child in children:
+        if not _HEX64.fullmatch(child.name):
+            continue
+        path = Path(child.path)
+        with cache.entry_lock(root, child.name):
+            try:
+                used = os.stat(path / _RECORD).st_mtime
+            except OSError:
+                continue  # not finished (or broken: `neuropod cache verify --repair`)
+            if now - used < days * 86400:
+                continue
+            _, url = _check_download(path, child.name)
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+            if not dry_run:
+                cache.remove_path(path)
+        gone.append((path, url, size))
+    return gone
 
 
 def _read_ahead(fs: Any, path: str) -> concurrent.futures.Future[bytes]:
@@ -604,4 +726,7 @@ def _fsync_tree(path: Path) -> None:
                 os.close(fd)
 
 
-__all__ = ["PACKAGE_SUFFIXES", "SCHEMES", "as_downloaded", "downloads_dir", "fetch", "is_package_url", "list_objects", "shown"]
+__all__ = [
+    "PACKAGE_SUFFIXES", "SCHEMES", "as_downloaded", "downloads_dir", "fetch", "is_package_url", "list_objects",
+    "prune_downloads", "shown", "verify_downloads",
+]  # fmt: skip
