@@ -354,6 +354,8 @@ def test_the_command_takes_package_urls(bucket: _Bucket, packages: dict[str, Any
     bucket.put("adder.neuropod", packages["tampered"])
     r = run("inspect", url)
     assert r.returncode == 2 and f"neuropod inspect: error: Package {url} does not match its manifest" in r.stderr, r.stderr
+    r = run("env", "prepare", url)  # a list of packages: each downloaded one is named by its URL too
+    assert r.returncode == 2 and f"error: Package {url} does not match its manifest" in r.stderr, r.stderr
     r = run("explain", f"s3://{bucket.name}/nope.neuropod")
     assert r.returncode == 2, r.stderr
     assert f"error: No Neuropod package at s3://{bucket.name}/nope.neuropod: no such object" in r.stderr

@@ -1023,11 +1023,21 @@ def _fetch_package_urls(args: argparse.Namespace) -> None:
         handler._neuropod_cli = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+    #: Local copy -> URL, for messages: a downloaded package is named by its URL.
+    args.package_urls = {}
     if storage.is_package_url(getattr(args, "package", None)):
         args.package_url = storage.shown(args.package)
         args.package = str(storage.fetch(args.package))
+        args.package_urls[args.package] = args.package_url
     if getattr(args, "packages", None):
-        args.packages = [str(storage.fetch(p)) if storage.is_package_url(p) else p for p in args.packages]
+        local = []
+        for p in args.packages:
+            if storage.is_package_url(p):
+                copy = str(storage.fetch(p))
+                args.package_urls[copy] = storage.shown(p)
+                p = copy
+            local.append(p)
+        args.packages = local
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
@@ -1054,8 +1064,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except NeuropodError as e:
         if getattr(e, "code", None) == "unauthenticated" and getattr(args, "auth_token_file", None) is None:
             return _fail(args, f"{e}; pass the token with --auth-token-file FILE")
-        url = getattr(args, "package_url", None)  # a downloaded package: named by its URL
-        return _fail(args, str(e).replace(args.package, url) if url is not None else str(e))
+        message = str(e)
+        for copy, url in getattr(args, "package_urls", {}).items():  # a downloaded package: named by its URL
+            message = message.replace(copy, url)
+        return _fail(args, message)
     except OSError as e:
         return _fail(args, _describe_os_error(e))
     except (UnicodeError, MemoryError, RecursionError) as e:

@@ -456,8 +456,9 @@ def _store_error(e: BaseException, where: str, doing: str) -> PackageError:
     """A filesystem's exception as a PackageError naming the URL and, for access, what to do."""
     name = type(e).__name__
     text = str(e) or name
-    if isinstance(e, PermissionError) or any(s in name for s in ("Credential", "Auth", "Forbidden", "AccessDenied")) \
-            or any(s in text for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403")):  # fmt: skip
+    if isinstance(e, PermissionError) or _status(e) in (401, 403) \
+            or any(s in name for s in ("Credential", "Auth", "Forbidden", "AccessDenied")) \
+            or any(s in text for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403 Forbidden")):  # fmt: skip
         return PackageError(
             f"No access to {where} while {doing} there ({name}: {text}). Give credentials the filesystem's "
             "usual way (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, ~/.aws/credentials or an instance "
@@ -467,6 +468,15 @@ def _store_error(e: BaseException, where: str, doing: str) -> PackageError:
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
         return PackageError(f"No Neuropod package at {where}: the bucket does not exist ({text})")
     return PackageError(f"Cannot read {where} while {doing} there: {name}: {text}")
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status an exception carries: aiohttp's ``status``, botocore's response metadata."""
+    status = getattr(e, "status", None) or getattr(e, "status_code", None)
+    response = getattr(e, "response", None)
+    if status is None and isinstance(response, Mapping):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
 
 
 # --- the downloads directory -----------------------------------------------------------------------
