@@ -471,8 +471,11 @@ class Engine:
         once, listed with its reason, and tried again only once its files change; it replaces
         nothing. When a repository PATH cannot be listed, nothing is unloaded this time."""
         retired: list[tuple[ServedModel, _Runner | None]] = []
+        # Listed (and new packages downloaded) before the lock: a slow store holds up no load or unload.
+        catalog = self.registry.scan()
         with self._lock:
-            catalog = self.registry.scan()
+            if self._closing.is_set():
+                return
             removals = not catalog.errors
             for error in catalog.errors:
                 log.warning("polling the model repository: %s; nothing is unloaded until it can be listed", error)

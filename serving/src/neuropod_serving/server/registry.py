@@ -196,6 +196,9 @@ class ModelRegistry:
         from neuropod.storage import is_package_url
 
         self._models: dict[str, dict[str, ServedModel]] = {}
+        #: The latest loaded version of each model (what a request naming no version gets): kept
+        #: by every change, so that a request's lookup is one dict read while a poll changes them.
+        self._latest: dict[str, ServedModel] = {}
         #: Why the last load of a version failed, and the stamp of the files that failed, by
         #: (name, version), until it loads or is unloaded.
         self._failures: dict[tuple[str, str], tuple[str, str]] = {}
@@ -442,8 +445,7 @@ class ModelRegistry:
         self._failures.pop((name, version), None)
         if not versions:
             del self._models[name]
-        else:
-            self._update_versions(name)
+        self._update_versions(name)
         return served
 
     def _update_versions(self, name: str) -> None:
@@ -452,6 +454,10 @@ class ModelRegistry:
         loaded = sorted(versions, key=_by_version)
         for served in versions.values():
             served.metadata = {**served.metadata, "versions": loaded}
+        if loaded:
+            self._latest[name] = versions[loaded[-1]]
+        else:
+            self._latest.pop(name, None)
 
     def versions(self, name: str) -> list[str]:
         """The loaded versions of ``name``, lowest first (none: not loaded)."""
@@ -463,8 +469,7 @@ class ModelRegistry:
 
     def latest(self, name: str) -> ServedModel | None:
         """The latest loaded version of ``name``; None: none is."""
-        versions = self._models.get(name)
-        return versions[max(versions, key=_by_version)] if versions else None
+        return self._latest.get(name)
 
     def names(self) -> list[str]:
         """The names of the loaded models."""
@@ -486,18 +491,18 @@ class ModelRegistry:
 
         :raises UnknownModelError: no such model, or it has no such version loaded.
         """
+        if not version:
+            latest = self._latest.get(name)
+            if latest is not None:
+                return latest
         versions = self._models.get(name)
-        if versions is None:
+        if versions is None or not version:
             known = ", ".join(sorted(self._models)) or "(none)"
             # Triton's words first: Triton's clients and examples look for them.
             raise UnknownModelError(f"Request for unknown model: {name!r} is not found; loaded models: {known}")
-        if version is None or version == "":
-            if len(versions) == 1:
-                return next(iter(versions.values()))
-            return versions[max(versions, key=_by_version)]
         served = versions.get(version)
         if served is None:
-            loaded = ", ".join(repr(v) for v in sorted(versions, key=_by_version))
+            loaded = ", ".join(repr(v) for v in sorted(list(versions), key=_by_version))
             has = f"only version {loaded}" if len(versions) == 1 else f"versions {loaded}"
             raise UnknownModelError(
                 f"Request for unknown model: {name!r} version {version!r} is not found; model {name!r} has {has} loaded"
@@ -519,6 +524,7 @@ class ModelRegistry:
         for served in list(self):
             served.model.close()
         self._models.clear()
+        self._latest.clear()
 
 
 def _of_version(version: str) -> str:
