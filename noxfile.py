@@ -113,12 +113,15 @@ def tests_core(session: nox.Session) -> None:
 def tests_storage(session: nox.Session) -> None:
     """Packages loaded by URL (neuropod.storage, the core's s3 and http extras): moto's S3 server
     on 127.0.0.1 driven through s3fs, and a local web server, with the ONNX demo model."""
-    session.install(f"{CORE}[test,s3,http]", str(ROOT / "plugins/neuropod-onnx"), f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
-                    f"{SERVING}[server]", str(ROOT / "plugins/neuropod-python"), "httpx>=0.27")  # fmt: skip
+    # gcp-storage-emulator: a GCS server in Python, for gs:// through gcsfs.
+    session.install(f"{CORE}[test,s3,http,gcs]", str(ROOT / "plugins/neuropod-onnx"), f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
+                    f"{SERVING}[server]", str(ROOT / "plugins/neuropod-python"), "httpx>=0.27",
+                    "gcp-storage-emulator==2026.7.19")  # fmt: skip
     # moto brings boto3, which must take the botocore that s3fs's aiobotocore pinned.
     botocore = session.run("python", "-c", "import botocore; print(botocore.__version__)", silent=True)
     session.install("moto[server]>=5", f"botocore=={str(botocore).strip()}")
-    _pytest(session, "core/tests/test_storage.py", "core/tests/test_storage_urls.py")
+    _pytest(session, "core/tests/test_storage.py", "core/tests/test_storage_urls.py", "core/tests/test_storage_gcs.py",
+            env={"NO_GCE_CHECK": "true"})  # fmt: skip  (not on Google Cloud: no metadata server to probe)
     # A model repository in a bucket, served and polled (neuropod serve s3://...).
     _pytest(session, "serving/tests/test_versions_s3.py")
 
