@@ -3,7 +3,7 @@
     nox -t ci                      what CI runs (README's test command)
     nox -s tests_core              core tests on Python 3.10 to 3.13
     nox -s tests_onnx              the ONNX plugin on onnxruntime 1.31.1, 1.24.4 and 1.20.1
-    nox -s tests_storage           packages by URL: a real S3 server (moto's) through s3fs, and a local web server;
+    nox -s tests_storage           packages by URL: S3 (moto's server), GCS and Azure emulators, a local web server;
                                    neuropod serve of a model repository in a bucket, polled
     nox -s tests_envs              two real backend environments (onnxruntime 1.20.1, 1.24.4) beside 1.31.1
     nox -s tests_torchscript       the TorchScript plugin on torch 2.13.0 and 2.14.1
@@ -114,14 +114,26 @@ def tests_storage(session: nox.Session) -> None:
     """Packages loaded by URL (neuropod.storage, the core's s3 and http extras): moto's S3 server
     on 127.0.0.1 driven through s3fs, and a local web server, with the ONNX demo model."""
     # gcp-storage-emulator: a GCS server in Python, for gs:// through gcsfs.
-    session.install(f"{CORE}[test,s3,http,gcs]", str(ROOT / "plugins/neuropod-onnx"), f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
+    session.install(f"{CORE}[test,s3,http,gcs,azure]", str(ROOT / "plugins/neuropod-onnx"), f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
                     f"{SERVING}[server]", str(ROOT / "plugins/neuropod-python"), "httpx>=0.27",
                     "gcp-storage-emulator==2026.7.19")  # fmt: skip
     # moto brings boto3, which must take the botocore that s3fs's aiobotocore pinned.
     botocore = session.run("python", "-c", "import botocore; print(botocore.__version__)", silent=True)
     session.install("moto[server]>=5", f"botocore=={str(botocore).strip()}")
+    env = {"NO_GCE_CHECK": "true"}  # not on Google Cloud: no metadata server to probe
+    # Azurite, Microsoft's Azure Storage emulator, from npm (3.35: the last that runs on Node.js 20),
+    # for az:// through adlfs. Without npm its tests skip, saying so.
+    azurite = Path(session.virtualenv.location) / "azurite"
+    blob = azurite / "node_modules" / ".bin" / "azurite-blob"
+    if shutil.which("npm") is None:
+        session.warn("npm is not installed: the az:// tests against Azurite skip")
+    else:
+        if not blob.exists():
+            session.run("npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(azurite),
+                        "azurite@3.35.0", external=True)  # fmt: skip
+        env["NEUROPOD_TEST_AZURITE"] = str(blob)
     _pytest(session, "core/tests/test_storage.py", "core/tests/test_storage_urls.py", "core/tests/test_storage_gcs.py",
-            env={"NO_GCE_CHECK": "true"})  # fmt: skip  (not on Google Cloud: no metadata server to probe)
+            "core/tests/test_storage_azure.py", env=env)  # fmt: skip
     # A model repository in a bucket, served and polled (neuropod serve s3://...).
     _pytest(session, "serving/tests/test_versions_s3.py")
 

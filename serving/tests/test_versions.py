@@ -283,3 +283,13 @@ def test_every_server_process_polls(repo: Path, scalers: dict[int, Path], tmp_pa
         proc.terminate()
         proc.wait(30)
     assert log.read_text().count("loaded version 2 of model 'scaler'") == 2, log.read_text()
+
+
+def test_hidden_names_are_skipped(repo: Path, scalers: dict[int, Path]) -> None:
+    """A copy being made under a hidden name (to be renamed into place) is not a model nor a version."""
+    place(scalers[2], repo / ".doubler.tmp")  # a package directory, hidden
+    place(scalers[2], repo / "scaler" / "11" / ".scaler.neuropod")  # a version folder whose only package is hidden
+    with serving([repo], policy="specific:1,2,10") as (engine, http):
+        assert engine.registry.names() == ["scaler"]
+        entry = index(http)[("scaler", "11")]
+        assert entry["state"] == "UNAVAILABLE" and "holds no package" in entry["reason"], entry

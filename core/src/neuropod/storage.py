@@ -411,7 +411,9 @@ def _what_is_missing(fs: Any, path: str) -> str:
         except Exception:  # noqa: BLE001  # asking cannot make the answer worse
             exists = True
         if not exists:
-            return f"the bucket {bucket!r} does not exist (or these credentials cannot see it)"
+            protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+            kind = "container" if protocol in ("az", "abfs", "abfss") else "bucket"
+            return f"the {kind} {bucket!r} does not exist (or these credentials cannot see it)"
     return "no such object or prefix"
 
 
@@ -631,8 +633,8 @@ def _md5_of_prefix(target: Path, length: int) -> Any:
 
 def _listed_md5(fs: Any, info: Mapping[str, Any]) -> str | None:
     """The MD5 (hex) of an object's bytes as its store lists it, where it surely is one: an S3
-    ETag of 32 hex digits (an object uploaded whole), GCS's md5Hash. None otherwise (multipart
-    uploads, Azure, web servers' ETags, which mean what each server likes)."""
+    ETag of 32 hex digits (an object uploaded whole), GCS's md5Hash, an Azure blob's Content-MD5.
+    None otherwise (multipart uploads, web servers' ETags, which mean what each server likes)."""
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if protocol in ("s3", "s3a"):
         etag = str(info.get("ETag") or "").strip('"').lower()
@@ -642,6 +644,14 @@ def _listed_md5(fs: Any, info: Mapping[str, Any]) -> str | None:
             return base64.b64decode(str(info["md5Hash"]), validate=True).hex()
         except ValueError:
             return None
+    if protocol in ("az", "abfs", "abfss"):
+        # adlfs lists the blob's Content-MD5 property (set when it was uploaded whole) as 16 bytes.
+        settings = info.get("content_settings")
+        md5 = getattr(settings, "content_md5", None)
+        if md5 is None and isinstance(settings, Mapping):
+            md5 = settings.get("content_md5")
+        if isinstance(md5, (bytes, bytearray)) and len(md5) == 16:
+            return bytes(md5).hex()
     return None
 
 

@@ -18,6 +18,9 @@ version, the folder's name being the model's (its packages may carry another)::
             2/
                 adder.neuropod
 
+Names starting with "." are skipped at every level: a copy being made there,
+then renamed into place, is never half-loaded.
+
 A version policy (:class:`VersionPolicy`) picks the versions served: the
 latest N (Triton's default: the latest one), all of them, or specific ones.
 
@@ -172,6 +175,8 @@ def scan_local(path: str | os.PathLike[str]) -> list[Found]:
         raise PackageError(f"{p} is not a Neuropod package: it is neither a directory nor a zip with a {_CONFIG}")
     found: list[Found] = []
     for child in sorted(p.iterdir()):
+        if child.name.startswith("."):
+            continue  # hidden: a copy being made, to be renamed into place
         if is_package(child):
             found.append(Found(child, "1", None, str(child), _local_stamp(child)))
         elif child.is_dir():
@@ -199,7 +204,7 @@ def _local_versions(folder: Path) -> list[Found]:
         if is_package(child):
             found.append(Found(child, version, folder.name, where, _local_stamp(child)))
             continue
-        inside = sorted(c for c in child.iterdir() if is_package(c))
+        inside = sorted(c for c in child.iterdir() if not c.name.startswith(".") and is_package(c))
         if len(inside) == 1:
             found.append(Found(inside[0], version, folder.name, str(inside[0]), _local_stamp(inside[0])))
         elif not inside:
@@ -299,7 +304,7 @@ def _remote_candidates(files: Mapping[str, Mapping[str, Any]]) -> list[tuple[str
         parts = PurePosixPath(rel).parts
         for depth in range(1, len(parts)):
             tree.setdefault("/".join(parts[:depth]), set()).add(parts[depth])
-    top = {PurePosixPath(rel).parts[0] for rel in files}
+    top = {PurePosixPath(rel).parts[0] for rel in files if not rel.startswith(".")}
     out: list[tuple[str, str, str | None, str, str]] = []
     for name in sorted(top):
         children = tree.get(name)
@@ -321,8 +326,8 @@ def _remote_candidates(files: Mapping[str, Mapping[str, Any]]) -> list[tuple[str
                 continue
             packages = sorted(
                 c for c in inside
-                if (f"{prefix}/{c}" in files and c.lower().endswith(_ZIP_SUFFIXES))
-                or _CONFIG in tree.get(f"{prefix}/{c}", ())
+                if not c.startswith(".")
+                and ((f"{prefix}/{c}" in files and c.lower().endswith(_ZIP_SUFFIXES)) or _CONFIG in tree.get(f"{prefix}/{c}", ()))
             )  # fmt: skip
             if len(packages) == 1:
                 one = f"{prefix}/{packages[0]}"
