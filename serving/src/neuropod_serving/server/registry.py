@@ -1,4 +1,11 @@
-"""The models a server serves: found on disk, loaded once at start, named by package name.
+"""The models a server serves, by name and version, and the repository they come from.
+
+The repository is the PATHs ``neuropod serve`` was given (folders, packages, URLs of object
+store prefixes; see :mod:`~neuropod_serving.server.versions` for what they may hold). Each
+model's versions that the version policy serves are loaded at start; the engine loads and
+unloads them later (repository requests, polls) through :meth:`ModelRegistry.scan`,
+:meth:`ModelRegistry.plan`, :meth:`ModelRegistry.open`, :meth:`ModelRegistry.put` and
+:meth:`ModelRegistry.remove`.
 
 Pure Python: importing this module imports no server library, so the CLI can
 load (and report on) models before it imports Starlette and uvicorn.
