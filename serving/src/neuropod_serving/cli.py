@@ -612,11 +612,11 @@ def _serve(
                     raise _port_error(args.host, args.grpc_port, "--grpc-port", str(e)) from None
             try:
                 if not args.quiet and group is None:  # the parent of --processes says it for the group
-                    print(_serving_line(args, len(engine.registry), token, tls), file=out, flush=True)
+                    print(_serving_line(args, len(engine.registry.names()), token, tls), file=out, flush=True)
                 started = None
                 if group is not None:
                     started = asyncio.get_running_loop().create_task(
-                        _when_started(server, group, on_serving, len(engine.registry))
+                        _when_started(server, group, on_serving, len(engine.registry.names()))
                     )
                 await server.serve(sockets=sockets)
                 if started is not None:
