@@ -28,7 +28,7 @@
                                    (-- --from-data: only redraw from docs/_static/perf/data/)
     nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~12 min)
     nox -s bench_remote            remote models' latency against in-process, tritonclient and the transport floor
-    nox -s bench_storage           packages by URL from a local S3 server against local disk (cold, cached, memory)
+    nox -s bench_storage           packages by URL from local S3 servers against local disk (cold, cached, memory)
     nox -s bench_ray               the Ray Serve deployment (1, 2 replicas, Ray's floor) against neuropod serve (~4 min)
     nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
     nox -s wheels                  the same wheels, installed alone into a fresh venv and smoke-tested
@@ -560,13 +560,24 @@ def bench_remote(session: nox.Session) -> None:
 
 @nox.session(python=DEFAULT_PYTHON)
 def bench_storage(session: nox.Session) -> None:
-    """Packages loaded by URL from moto's S3 server against local disk: cold download bandwidth
-    against s3fs alone, a cached load against a local one, peak memory (1 MiB and 1 GiB; about
-    4 min, 4 GB of disk)."""
+    """Packages loaded by URL from moto's S3 server and s3rver against local disk: cold download
+    bandwidth against s3fs alone, a cached load against a local one, peak memory (1 MiB and 1 GiB;
+    about 10 min, 4 GB of disk)."""
     session.install(f"{CORE}[s3]")
     botocore = session.run("python", "-c", "import botocore; print(botocore.__version__)", silent=True)
     session.install("moto[server]>=5", f"botocore=={str(botocore).strip()}")
-    session.run("python", "bench/bench_storage.py", *session.posargs)
+    # s3rver, an S3 server on Node.js that reads only the range asked (moto reads the whole object).
+    s3rver = Path(session.virtualenv.location) / "s3rver"
+    command = s3rver / "node_modules" / ".bin" / "s3rver"
+    env = {}
+    if shutil.which("npm") is None:
+        session.warn("npm is not installed: measured against moto's S3 server only")
+    else:
+        if not command.exists():
+            session.run("npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(s3rver), "s3rver@3.7.1",
+                        external=True)  # fmt: skip
+        env["NEUROPOD_BENCH_S3RVER"] = str(command)
+    session.run("python", "bench/bench_storage.py", *session.posargs, env=env)
 
 
 @nox.session(python=DEFAULT_PYTHON)
