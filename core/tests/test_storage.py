@@ -183,6 +183,40 @@ def test_old_downloads_are_pruned_and_bad_ones_found(bucket: _Bucket, packages: 
         assert model.name == "demo_adder_v2"
 
 
+def test_a_first_load_of_a_small_object_is_one_request(
+    bucket: _Bucket, packages: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """S3: the first load of a small object is one GET, whose answer both says what the object is
+    and holds it (no HEAD); a later load asks with a HEAD and finds the same download."""
+    url = bucket.put("adder.neuropod", packages["zip"])
+    caplog.set_level(logging.INFO, "werkzeug")  # moto's server, in this process: one line a request
+    caplog.clear()
+    first = storage.fetch(url, storage_options=bucket.options)
+    requests = [r.getMessage() for r in caplog.records if r.name == "werkzeug" and "adder.neuropod" in r.getMessage()]
+    assert len(requests) == 1 and "GET /" in requests[0], requests
+    assert first.read_bytes() == packages["zip"]
+    caplog.clear()
+    assert storage.fetch(url, storage_options=bucket.options) == first
+    requests = [r.getMessage() for r in caplog.records if r.name == "werkzeug" and "adder.neuropod" in r.getMessage()]
+    assert len(requests) == 1 and "HEAD /" in requests[0], requests
+
+
+def test_a_first_load_of_a_large_object_keeps_the_first_chunk_it_read(
+    bucket: _Bucket, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3, an object larger than a chunk: the GET that said what it is gave its first chunk, and
+    the rest is read after it (no HEAD, and no byte read twice)."""
+    monkeypatch.setattr(storage, "CHUNK", 64 * 1024)
+    data = np.random.default_rng(1).bytes(300 * 1024 + 17)
+    url = bucket.put("big.zip", data)
+    caplog.set_level(logging.INFO, "werkzeug")
+    caplog.clear()
+    assert storage.fetch(url, storage_options=bucket.options).read_bytes() == data
+    requests = [r.getMessage() for r in caplog.records if r.name == "werkzeug" and "big.zip" in r.getMessage()]
+    assert not [m for m in requests if "HEAD /" in m], requests
+    assert len(requests) == 5, requests  # 300 KiB + 17 bytes in chunks of 64 KiB: 5 range reads
+
+
 def test_a_second_load_takes_the_download(
     bucket: _Bucket, packages: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:

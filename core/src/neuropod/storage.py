@@ -151,15 +151,25 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
     where = shown(url)
     root = cache.make_private_dir("downloads", "download cache")
     # A URL never downloaded here: its first chunk is read while the store is asked what the
-    # object is, a round trip less for a small package (used only when its MD5 proves it whole).
+    # object is (GCS, Azure: used only when its MD5 proves it whole), a round trip less for a
+    # small package.
     seen = root / "urls" / hashlib.sha256(where.encode()).hexdigest()
-    first = _read_ahead(fs, path) if _ranged(fs) and not path.endswith("/") and not seen.exists() else None
-    try:
-        info = _info(fs, path, where)
-    except BaseException:
-        if first is not None:
-            first.cancel()
-        raise
+    first_time = _ranged(fs) and not path.endswith("/") and not seen.exists()
+    # S3: one GET of the first chunk says what the object is (its ETag, size...) and holds its first
+    # chunk (a small object whole): no HEAD, and no MD5 needed to tie the bytes to their identity.
+    probe = _s3_probe(fs, path) if first_time and _protocol(fs) in ("s3", "s3a") else None
+    first: concurrent.futures.Future[bytes] | None = None
+    probed: bytes | None = None
+    if probe is not None:
+        info, probed = probe
+    else:
+        first = _read_ahead(fs, path) if first_time else None
+        try:
+            info = _info(fs, path, where)
+        except BaseException:
+            if first is not None:
+                first.cancel()
+            raise
     if info.get("type") == "directory":
         files = _listing(fs, path, where)
         identity: Any = {name: _identity(i) for name, i in files.items()}
@@ -179,8 +189,13 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
         if cacheable and _complete(entry, key, kind, files):  # downloaded by another process meanwhile
             _used(entry)
             return entry / kind
-        whole = _whole(first, fs, info) if kind == _ZIP else None
-        _download(fs, path, files, root, key, kind, where, identity, resumable=cacheable, whole=whole)
+        if probed is not None:  # the whole object, or its first chunk
+            whole = probed if len(probed) == info["size"] else None
+            head = [probed] if whole is None else None
+            probe = probed = None
+        else:
+            whole, head = _whole(first, fs, info) if kind == _ZIP else None, None
+        _download(fs, path, files, root, key, kind, where, identity, resumable=cacheable, whole=whole, head=head)
     with contextlib.suppress(OSError):
         seen.parent.mkdir(mode=0o700, exist_ok=True)
         seen.touch()
@@ -316,6 +331,47 @@ def prune_downloads(days: float = 30, *, dry_run: bool = False) -> list[tuple[Pa
                 cache.remove_path(path)
         gone.append((path, url, size))
     return gone
+
+
+def _protocol(fs: Any) -> str:
+    return str(fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0])
+
+
+def _s3_probe(fs: Any, path: str) -> tuple[dict[str, Any], bytes] | None:
+    """S3's answer to a GET of the first :data:`CHUNK` of ``path``: (the object's info, as s3fs's
+    ``info`` gives it, and those bytes: the whole object when it is no larger), both from the one
+    response. None when anything else happened (no such object, an empty one, no access, an s3fs
+    without ``_call_s3``...): the HEAD that follows says what, in its words."""
+    call = getattr(fs, "_call_s3", None)
+    if call is None or not hasattr(fs, "split_path"):
+        return None
+    try:
+        import fsspec.asyn
+
+        bucket, key, version = fs.split_path(path)
+        if not key:
+            return None
+
+        async def get() -> tuple[dict[str, Any], bytes]:
+            kw = {"VersionId": version} if version else {}
+            resp = await call("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{CHUNK - 1}", **kw)
+            try:
+                return resp, await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+
+        resp, data = fsspec.asyn.sync(fs.loop, get)
+    except Exception:  # noqa: BLE001  # the HEAD that follows says what went wrong
+        return None
+    total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+    size = int(total) if total.isdigit() else resp.get("ContentLength")
+    if not isinstance(size, int) or len(data) != min(size, CHUNK) or not resp.get("ETag"):
+        return None
+    # The fields and forms of s3fs's info (a HEAD), so that a later load finds the same identity.
+    info = {"ETag": resp.get("ETag", ""), "LastModified": resp.get("LastModified", ""), "size": size,
+            "name": f"{bucket}/{key}", "type": "file", "StorageClass": resp.get("StorageClass", "STANDARD"),
+            "VersionId": resp.get("VersionId"), "ContentType": resp.get("ContentType")}  # fmt: skip
+    return info, data
 
 
 def _read_ahead(fs: Any, path: str) -> concurrent.futures.Future[bytes]:
@@ -510,11 +566,13 @@ def _complete(entry: Path, key: str, kind: str, files: Mapping[str, Mapping[str,
 
 def _download(
     fs: Any, path: str, files: Mapping[str, Mapping[str, Any]], root: Path, key: str, kind: str, where: str,
-    identity: Any, *, resumable: bool, whole: bytes | None = None,
+    identity: Any, *, resumable: bool, whole: bytes | None = None, head: list[bytes] | None = None,
 ) -> None:  # fmt: skip
     """Download ``files`` into ``root/key`` (the caller holds the key's lock), replacing what is there.
 
     :param whole: a zip object's bytes already read (and proven whole by its MD5): written, not read again.
+    :param head: a zip object's first bytes, read in the answer that gave its identity: written, and the
+        rest read after them (the list is emptied once they are written, so that they are not held).
     """
     total = sum(int(i.get("size") or 0) for i in files.values())
     limit = cache.max_package_bytes()
@@ -544,6 +602,9 @@ def _download(
                 os.fsync(out.fileno())
             sizes[name], md5 = len(whole), expected
         else:
+            if head and not name and not (target.exists() and target.stat().st_size >= len(head[0])):
+                with open(target, "wb") as out:
+                    out.write(head.pop())
             sizes[name], md5 = _download_file(fs, source, target, info,
                                               where if not name else f"{where.rstrip('/')}/{name}",
                                               md5=expected is not None)  # fmt: skip
