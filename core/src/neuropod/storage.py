@@ -80,7 +80,7 @@ SCHEMES: dict[str, tuple[str, str, str]] = {
 }
 #: An http(s) URL whose path ends so is a package to download; any other is a model on a server.
 PACKAGE_SUFFIXES = (".zip", ".neuropod")
-#: Bytes read and written at a time: a download holds at most about ``2 * PARALLEL + 2`` of them in
+#: Bytes read and written at a time: a download holds at most about ``2 * PARALLEL + 4`` of them in
 #: memory (each range read in flight twice while the HTTP client joins its body into one bytes object).
 CHUNK = 16 * 1024 * 1024
 #: Range reads of an object store's object in flight at once.
@@ -759,7 +759,7 @@ def _ranged(fs: Any) -> bool:
 def _copy_ranges(fs: Any, source: str, target: Path, offset: int, size: int, digest: Any = None) -> int:
     """:func:`_copy` of an object store's object: :data:`PARALLEL` range reads of a chunk each in flight
     (one request's latency hides behind the others', as ``aws s3 cp`` does), written in order, so a
-    download that stops leaves a prefix to resume from. Memory: at most about ``2 * PARALLEL + 2`` chunks."""
+    download that stops leaves a prefix to resume from. Memory: at most about ``2 * PARALLEL + 4`` chunks."""
     ranges = iter(range(offset, size, CHUNK))
     written = offset
     with concurrent.futures.ThreadPoolExecutor(PARALLEL, thread_name_prefix="neuropod-download") as pool, \
