@@ -7,6 +7,7 @@ The model is the ONNX demo (``out = (x + y) * 2``); expected outputs are compute
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import io
@@ -342,6 +343,143 @@ def test_a_killed_download_is_resumed_by_the_next(
     assert path.read_bytes() == data
     assert any(m.startswith(f"resuming {url} from byte") for m in (r.getMessage() for r in caplog.records)), caplog.text
     assert not list(storage.downloads_dir().glob("*.partial"))
+
+
+class _SlowWrites:
+    """A download file whose every write takes 40 ms: a download long enough to kill its server in."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def write(self, b: bytes) -> int:
+        time.sleep(0.04)
+        return int(self.f.write(b))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+    def __enter__(self) -> _SlowWrites:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.f.__exit__(*exc)
+
+
+class _Proxy:
+    """A TCP proxy on a port of its own to the S3 server of the moment: the endpoint a client keeps
+    while servers behind it die and start (a restarted store is back with its objects at once)."""
+
+    def __init__(self) -> None:
+        self.backend: int | None = None
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            backend = self.backend
+            try:
+                upstream = socket.create_connection(("127.0.0.1", backend), timeout=5) if backend else None
+            except OSError:
+                upstream = None
+            if upstream is None:
+                client.close()  # no server now: the connection is refused
+                continue
+            upstream.settimeout(None)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_server_killed_mid_download_then_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The S3 server dies in the middle of a download and another comes back with the same object:
+    the download retries from the byte where it stopped and completes, with the object's bytes."""
+    import builtins
+
+    import boto3
+
+    monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / "cache"))
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    data = np.random.default_rng(2).bytes(4 * 1024 * 1024)
+
+    def start() -> tuple[subprocess.Popen[bytes], int]:
+        """A moto server holding the object, on a port of its own."""
+        port = _free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "moto's server did not start"
+            time.sleep(0.05)
+        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
+        client.create_bucket(Bucket="restarted")
+        client.put_object(Bucket="restarted", Key="big.zip", Body=data)
+        return proc, port
+
+    proxy = _Proxy()
+    server, proxy.backend = start()
+    try:
+        monkeypatch.setattr(storage, "CHUNK", 256 * 1024)
+        slow = lambda *a, **k: _SlowWrites(builtins.open(*a, **k))  # noqa: E731, SIM115  # closed by storage
+        monkeypatch.setattr(storage, "open", slow, raising=False)  # what storage writes downloads with
+        out: list[Any] = []
+        options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"}}
+
+        def load() -> None:
+            try:
+                out.append(storage.fetch("s3://restarted/big.zip", storage_options=options))
+            except BaseException as e:  # noqa: BLE001  # the test says what it was
+                out.append(e)
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        deadline = time.monotonic() + 60
+        partial: list[Path] = []
+        while not partial:
+            assert time.monotonic() < deadline and thread.is_alive(), f"the download never got going: {out}"
+            found = storage.downloads_dir().glob("*.partial") if storage.downloads_dir().is_dir() else []
+            partial = [p for p in found if p.is_file() and p.stat().st_size >= 1024 * 1024]
+            time.sleep(0.01)
+        proxy.backend = None
+        server.kill()  # mid-download: about a quarter of it written
+        server.wait(10)
+        assert partial[0].stat().st_size < len(data)
+        time.sleep(0.5)  # down for a while: requests meanwhile are refused
+        server, proxy.backend = start()
+        thread.join(120)
+        assert out and isinstance(out[0], Path), out
+        assert out[0].read_bytes() == data
+        assert not list(storage.downloads_dir().glob("*.partial"))
+    finally:
+        proxy.close()
+        server.kill()
+        server.wait(10)
 
 
 _TWO_LOADS = textwrap.dedent("""

@@ -602,12 +602,13 @@ def _download(
                 os.fsync(out.fileno())
             sizes[name], md5 = len(whole), expected
         else:
+            written = 0
             if head and not name and not (target.exists() and target.stat().st_size >= len(head[0])):
                 with open(target, "wb") as out:
-                    out.write(head.pop())
+                    written = out.write(head.pop())
             sizes[name], md5 = _download_file(fs, source, target, info,
                                               where if not name else f"{where.rstrip('/')}/{name}",
-                                              md5=expected is not None)  # fmt: skip
+                                              md5=expected is not None, head=written)  # fmt: skip
         same = same and expected is not None and md5 == expected
     # The object (or any file under the prefix) rewritten while it was read would mix two versions,
     # or put another version under this one's key: asked again, unless the MD5s said so already.
@@ -642,7 +643,7 @@ def _download(
 
 
 def _download_file(
-    fs: Any, source: str, target: Path, info: Mapping[str, Any], where: str, *, md5: bool
+    fs: Any, source: str, target: Path, info: Mapping[str, Any], where: str, *, md5: bool, head: int = 0
 ) -> tuple[int, str | None]:
     """Stream one object into ``target``, resuming from its length, retrying failures: its size,
     and with ``md5`` the MD5 of its bytes (hashed as they are written)."""
@@ -659,7 +660,7 @@ def _download_file(
                 if not have:
                     target.touch()  # an empty object (a package's empty __init__.py): nothing to read
                 return have, digest.hexdigest() if digest is not None else None
-            if have:
+            if have and (attempt > 1 or have != head):  # not the first chunk just written
                 log.info("resuming %s from byte %s", where, f"{have:,}")
             written = _copy(fs, source, target, have, size, digest)
             return written, digest.hexdigest() if digest is not None else None
