@@ -356,6 +356,9 @@ def _s3_probe(fs: Any, path: str) -> tuple[dict[str, Any], bytes] | None:
             kw = {"VersionId": version} if version else {}
             resp = await call("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{CHUNK - 1}", **kw)
             try:
+                length = resp.get("ContentLength")
+                if not isinstance(length, int) or length > CHUNK:  # a server that ignored the range
+                    return resp, b""
                 return resp, await resp["Body"].read()
             finally:
                 resp["Body"].close()
