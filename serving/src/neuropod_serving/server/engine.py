@@ -326,6 +326,8 @@ class Engine:
         self._poller: threading.Thread | None = None
         #: Seconds between polls of the repository; None: it is not polled.
         self.poll_interval_s: float | None = None
+        #: What the polls last logged, by what it was about (each said once, not once per poll).
+        self._poll_said: dict[str, str] = {}
         self._lock = threading.Lock()
         for served in registry:
             self._start(served)
@@ -477,8 +479,9 @@ class Engine:
             if self._closing.is_set():
                 return
             removals = not catalog.errors
-            for error in catalog.errors:
-                log.warning("polling the model repository: %s; nothing is unloaded until it can be listed", error)
+            if self._said("listing", "; ".join(catalog.errors)):  # once per outage, not once per poll
+                for error in catalog.errors:
+                    log.warning("polling the model repository: %s; nothing is unloaded until it can be listed", error)
             for name in sorted(set(catalog.models) | set(self.registry.names())):
                 if name not in catalog.models:
                     if removals:
@@ -489,13 +492,22 @@ class Engine:
                 try:
                     plan = self.registry.plan(name, catalog)
                 except NeuropodError as e:
-                    if self._failed_all(name, e):
+                    self._failed_all(name, e)
+                    if self._said(f"model {name}", str(e)):
                         log.error("model %r: %s", name, e)
                     continue
+                self._said(f"model {name}", "")
                 done, _ = self._apply(name, plan, catalog, None, force=False, removals=removals)
                 retired += done
             self._update_loaded()
         self._retire(retired, drain_s)
+
+    def _said(self, about: str, message: str) -> bool:
+        """Whether ``message`` about ``about`` is new since the last poll ("": nothing to say now)."""
+        if self._poll_said.get(about, "") == message:
+            return False
+        self._poll_said[about] = message
+        return bool(message)
 
     def start_polling(self, interval_s: float) -> None:
         """Call :meth:`poll` every ``interval_s`` seconds on a thread of its own, until :meth:`close`."""
