@@ -430,20 +430,29 @@ def test_a_server_killed_mid_download_then_restarted(tmp_path: Path, monkeypatch
         port = _free_port()
         proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "moto's server did not start"
-            time.sleep(0.05)
-        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
-        client.create_bucket(Bucket="restarted")
-        client.put_object(Bucket="restarted", Key="big.zip", Body=data)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                with socket.socket() as sock:
+                    if sock.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                assert proc.poll() is None and time.monotonic() < deadline, "moto's server did not start"
+                time.sleep(0.05)
+            client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
+            client.create_bucket(Bucket="restarted")
+            client.put_object(Bucket="restarted", Key="big.zip", Body=data)
+        except BaseException:
+            proc.kill()  # a server that failed to start or to take the object is not left running
+            proc.wait(10)
+            raise
         return proc, port
 
     proxy = _Proxy()
-    server, proxy.backend = start()
+    try:
+        server, proxy.backend = start()
+    except BaseException:
+        proxy.close()
+        raise
     try:
         monkeypatch.setattr(storage, "CHUNK", 256 * 1024)
         slow = lambda *a, **k: _SlowWrites(builtins.open(*a, **k))  # noqa: E731, SIM115  # closed by storage
