@@ -78,14 +78,14 @@ FILES = "files"
 _RECORD_FORMAT = "neuropod-cache-entry"
 _RECORD_VERSION = 1
 #: A temporary directory older than this is left over by a killed process, not in use.
-_STALE_SECONDS = 3600
+STALE_SECONDS = 3600
 #: Above this many files one ``sync()`` is cheaper than an ``fsync()`` per file.
 _FSYNC_EACH_UP_TO = 256
 _CHUNK = 1 << 20
 #: Deeper than any real package; keeps directory creation and removal, which recurse, far from the stack limit.
 _MAX_DEPTH = 100
 _METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+HEX64 = re.compile(r"[0-9a-f]{64}")
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -662,7 +662,7 @@ def verify_cache(repair: bool = False) -> list[str]:
     problems = []
     for child in children:
         path = Path(child.path)
-        if _HEX64.fullmatch(child.name):
+        if HEX64.fullmatch(child.name):
             # Under the entry's lock, so that a load repairing it meanwhile is
             # not undone, and what is removed is what was found bad.
             with entry_lock(packages, child.name):
@@ -690,7 +690,7 @@ def _stray(child: os.DirEntry[str]) -> str | None:
         age = time.time() - child.stat(follow_symlinks=False).st_mtime
     except OSError:
         return None  # gone already
-    if age < _STALE_SECONDS:
+    if age < STALE_SECONDS:
         return None  # perhaps another process is extracting right now
     return "a temporary directory left behind by an interrupted extraction"
 
@@ -700,6 +700,8 @@ __all__ = [
     "DEFAULT_MAX_PACKAGE_FILES",
     "Entry",
     "FileRecord",
+    "HEX64",
+    "STALE_SECONDS",
     "ZIP_READ_ERRORS",
     "cache_dir",
     "entry_lock",

@@ -51,7 +51,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import stat
 import threading
@@ -97,9 +96,6 @@ _IDENTITY_FIELDS = (
     "ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "Content-MD5", "content_md5",
     "LastModified", "last_modified", "Last-Modified", "updated", "mtime",
 )  # fmt: skip
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-#: A temporary directory older than this was left by a download that stopped.
-_STALE_S = 3600
 _ZIP = "package.zip"
 _DIR = "package"
 _RECORD = "record.json"
@@ -172,11 +168,11 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
             raise
     if info.get("type") == "directory":
         files = _listing(fs, path, where)
-        identity: Any = {name: _identity(i) for name, i in files.items()}
+        identity: Any = {name: object_identity(i) for name, i in files.items()}
         kind = _DIR
     else:
         files = {"": info}
-        identity = _identity(info)
+        identity = object_identity(info)
         kind = _ZIP
     key = hashlib.sha256(json.dumps({"url": where, "kind": kind, "identity": identity}, sort_keys=True,
                                     default=str).encode()).hexdigest()  # fmt: skip
@@ -243,14 +239,14 @@ def verify_downloads(repair: bool = False) -> list[str]:
     for child in children:
         path = Path(child.path)
         url = ""
-        if _HEX64.fullmatch(child.name):
+        if cache.HEX64.fullmatch(child.name):
             with cache.entry_lock(root, child.name):
                 reason, url = _check_download(path, child.name)
                 if reason and repair:
                     cache.remove_path(path)
         elif child.name.startswith(".") and child.name.endswith(".tmp"):
             try:
-                old = time.time() - child.stat(follow_symlinks=False).st_mtime > _STALE_S
+                old = time.time() - child.stat(follow_symlinks=False).st_mtime > cache.STALE_SECONDS
             except OSError:
                 continue
             reason = "a temporary directory left by an interrupted download" if old else None
@@ -315,7 +311,7 @@ def prune_downloads(days: float = 30, *, dry_run: bool = False) -> list[tuple[Pa
     gone = []
     now = time.time()
     for child in children:
-        if not _HEX64.fullmatch(child.name):
+        if not cache.HEX64.fullmatch(child.name):
             continue
         path = Path(child.path)
         with cache.entry_lock(root, child.name):
@@ -471,8 +467,7 @@ def _what_is_missing(fs: Any, path: str) -> str:
         except Exception:  # noqa: BLE001  # asking cannot make the answer worse
             exists = True
         if not exists:
-            protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-            kind = "container" if protocol in ("az", "abfs", "abfss") else "bucket"
+            kind = "container" if _protocol(fs) in ("az", "abfs", "abfss") else "bucket"
             return f"the {kind} {bucket!r} does not exist (or these credentials cannot see it)"
     return "no such object or prefix"
 
@@ -502,7 +497,7 @@ def _listing(fs: Any, path: str, where: str) -> dict[str, dict[str, Any]]:
     return files
 
 
-def _identity(info: Mapping[str, Any]) -> dict[str, Any]:
+def object_identity(info: Mapping[str, Any]) -> dict[str, Any]:
     """What identifies an object's content, from its info: the fields the store gave, and its size."""
     found = {k: info[k] for k in _IDENTITY_FIELDS if info.get(k) not in (None, "")}
     found["size"] = info.get("size")
@@ -618,9 +613,9 @@ def _download(
     if not same:
         after: Any
         if kind == _DIR:
-            after = {n: _identity(i) for n, i in _listing(fs, path, where).items()}
+            after = {n: object_identity(i) for n, i in _listing(fs, path, where).items()}
         else:
-            after = _identity(_info(fs, path, where))
+            after = object_identity(_info(fs, path, where))
         if after != identity:
             cache.remove_path(partial)
             raise PackageError(f"{where} changed while it was being downloaded; load it again once it is complete")
@@ -701,7 +696,7 @@ def _listed_md5(fs: Any, info: Mapping[str, Any]) -> str | None:
     """The MD5 (hex) of an object's bytes as its store lists it, where it surely is one: an S3
     ETag of 32 hex digits (an object uploaded whole), GCS's md5Hash, an Azure blob's Content-MD5.
     None otherwise (multipart uploads, web servers' ETags, which mean what each server likes)."""
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    protocol = _protocol(fs)
     if protocol in ("s3", "s3a"):
         etag = str(info.get("ETag") or "").strip('"').lower()
         return etag if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag) else None
@@ -756,7 +751,7 @@ def _copy(fs: Any, source: str, target: Path, offset: int, size: int | None, dig
 
 def _ranged(fs: Any) -> bool:
     """Whether ``fs`` is an object store, whose every object takes range reads (a web server may not)."""
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    protocol = _protocol(fs)
     return protocol in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
@@ -814,5 +809,5 @@ def _fsync_tree(path: Path) -> None:
 
 __all__ = [
     "PACKAGE_SUFFIXES", "SCHEMES", "as_downloaded", "downloads_dir", "fetch", "is_package_url", "list_objects",
-    "prune_downloads", "shown", "verify_downloads",
+    "object_identity", "prune_downloads", "shown", "verify_downloads",
 ]  # fmt: skip

@@ -273,19 +273,15 @@ class RemoteRepository:
 
 
 def _stamp(files: Mapping[str, Mapping[str, Any]], prefix: str) -> str:
-    """A digest of what identifies the objects at ``prefix`` (all of them for ""): ETags, sizes..."""
+    """A digest of what identifies the objects at ``prefix`` (all of them for ""): what a download
+    of them is keyed by (:func:`neuropod.storage.object_identity`: ETags, sizes...)."""
+    from neuropod.storage import object_identity
+
     h = hashlib.sha256()
     for rel in sorted(files):
         if prefix == "" or rel == prefix or rel.startswith(prefix + "/"):
-            info = files[rel]
-            identity = sorted((k, str(info[k])) for k in _IDENTITY if info.get(k) not in (None, ""))
-            h.update(f"{rel}\0{identity}\n".encode())
+            h.update(f"{rel}\0{sorted((k, str(v)) for k, v in object_identity(files[rel]).items())}\n".encode())
     return h.hexdigest()
-
-
-#: The fields of a listing that identify an object's content (those of s3fs, gcsfs, adlfs, http).
-_IDENTITY = ("ETag", "etag", "VersionId", "generation", "md5Hash", "content_md5", "size", "LastModified",
-             "last_modified", "mtime", "updated")
 
 
 def _remote_candidates(files: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str, str | None, str, str]]:
