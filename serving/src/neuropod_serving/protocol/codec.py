@@ -27,6 +27,7 @@ import numpy as np
 from neuropod import _json
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod_serving.errors import ProtocolError
 from neuropod_serving.protocol._forms import MAX_FORM_BYTES, FormCache
 
 if TYPE_CHECKING:
@@ -107,19 +108,6 @@ class _InSharedMemory(Exception):
 class _Recheck(Exception):
     """A plain JSON request read before its bounds were checked (:func:`_unchecked_request`) holds
     something other than the common case: it is read again the checked way."""
-
-
-class ProtocolError(NeuropodError):
-    """A request or response does not follow the Open Inference Protocol.
-
-    :ivar status: the HTTP status a server answers with: 400 (bad request),
-        404 (unknown model or tensor, for callers that look those up) or 413
-        (too large).
-    """
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 # --- datatypes ---------------------------------------------------------------

@@ -44,6 +44,8 @@ import numpy as np
 
 from neuropod.errors import NeuropodError, PackageError, SpecError
 from neuropod.spec import SpecValidator
+from neuropod_serving.defaults import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_QUEUED
+from neuropod_serving.errors import ModelBusyError, RequestTimeoutError, UnknownModelError
 from neuropod_serving.protocol.options import RequestOptions
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol, writable
 from neuropod_serving.server.classification import Classifier
@@ -51,11 +53,9 @@ from neuropod_serving.server.metrics import NoMetrics, Recorder
 from neuropod_serving.server.registry import (
     MODEL_VERSION,
     Catalog,
-    ModelBusyError,
     ModelRegistry,
     ModelSettings,
     ServedModel,
-    UnknownModelError,
 )
 from neuropod_serving.server.versions import Found
 
@@ -105,22 +105,6 @@ gc.callbacks.append(_FullCollections.callback)
 #: Platforms whose models are arbitrary code (they may sleep or wait on I/O for any
 #: input): never run on the event loop, however fast their runs have been.
 _NEVER_INLINE = frozenset({"python"})
-#: Runs of one model at once when not configured: as many as the thread pool
-#: every model shared before (2 per OPE worker, at least 4).
-DEFAULT_MAX_CONCURRENT = 4
-#: Requests of one model that may wait for a run (or a batch) when not configured;
-#: one more is refused at once (HTTP 429, gRPC RESOURCE_EXHAUSTED).
-DEFAULT_MAX_QUEUED = 64
-
-
-class RequestTimeoutError(NeuropodError):
-    """A request's ``timeout`` (or its gRPC deadline) passed while it waited for a run slot or
-    its batch: it was not run. Answered as Triton does: HTTP 503, gRPC UNAVAILABLE; gRPC
-    DEADLINE_EXCEEDED when it was the call's own deadline (``call_deadline``)."""
-
-    def __init__(self, message: str, *, call_deadline: bool = False) -> None:
-        super().__init__(message)
-        self.call_deadline = call_deadline
 
 
 #: What :meth:`Engine.infer` raises when the request is at fault, not the model:

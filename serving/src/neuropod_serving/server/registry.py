@@ -22,6 +22,7 @@ from typing import Any
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.model import NeuropodModel
 from neuropod.spec import TensorSpec
+from neuropod_serving.errors import ModelBusyError, UnknownModelError
 from neuropod_serving.protocol import model_metadata
 from neuropod_serving.server.versions import Found, RemoteRepository, VersionPolicy, is_package, scan_local
 
@@ -30,15 +31,6 @@ from neuropod_serving.server.versions import Found, RemoteRepository, VersionPol
 MODEL_VERSION = "1"
 
 _CONFIG = "config.json"
-
-
-class UnknownModelError(NeuropodError):
-    """A request named a model (or version) the server does not serve; HTTP 404."""
-
-
-class ModelBusyError(NeuropodError):
-    """A model's queue is full: the request is refused at once (HTTP 429, gRPC RESOURCE_EXHAUSTED)
-    rather than left to time out; the client may retry later."""
 
 
 @dataclass(frozen=True)

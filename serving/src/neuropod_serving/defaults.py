@@ -1,0 +1,24 @@
+"""The server's default limits, in one place: the CLI's options, the engine, the REST and gRPC front
+ends and the Ray deployment all read them from here.
+
+Imports nothing, so ``neuropod serve --help`` can show them without importing numpy, Starlette or gRPC.
+"""
+
+from __future__ import annotations
+
+#: The body of one request, in bytes (then 413 / RESOURCE_EXHAUSTED).
+DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
+#: The request line and headers of one REST request, in bytes (then 431).
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024
+#: Headers in one REST request (then 431).
+DEFAULT_MAX_HEADERS = 100
+#: Seconds a REST request head may take from its first byte (or from the connection) to its end (then 408).
+DEFAULT_HEAD_TIMEOUT_S = 15.0
+#: Runs of one model at once when not configured: as many as the thread pool
+#: every model shared before (2 per OPE worker, at least 4).
+DEFAULT_MAX_CONCURRENT = 4
+#: Requests of one model that may wait for a run (or a batch) when not configured;
+#: one more is refused at once (HTTP 429, gRPC RESOURCE_EXHAUSTED).
+DEFAULT_MAX_QUEUED = 64
+#: gRPC streams (ModelStreamInfer and Health Watch) open at once when not configured.
+DEFAULT_MAX_GRPC_STREAMS = 64
