@@ -22,6 +22,9 @@
     nox -s tests_ray               neuropod_serving.ray on local Ray clusters: replicas, two nodes, a killed replica,
                                    autoscaling, neuropod serve's errors, serve run / --ray; tritonclient (~4 min)
     nox -s lint types              ruff, mypy
+    nox -s imports                 the import graph read from source (tests/test_import_graph.py): no circles, own
+                                   imports inside functions only with a `# lazy:` reason, no file over 600 lines;
+                                   `neuropod serve --help` imports no server library
     nox -s docs                    every code block of docs/ and the READMEs run, the site built (warnings are errors)
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s charts                  docs/performance.md's charts: quick benches with --json, then bench/charts.py
@@ -424,6 +427,16 @@ def types(session: nox.Session) -> None:
                     f"torch=={TORCH_DEFAULT}", f"jax=={JAX_DEFAULT}", f"jaxlib=={JAX_DEFAULT}")  # fmt: skip
     session.run("mypy", "core/src/neuropod", *[str(next((p / "src").iterdir())) for p in PLUGINS],
                 "serving/src/neuropod_serving")  # fmt: skip
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])  # under a minute
+def imports(session: nox.Session) -> None:
+    """The import graph of the core, neuropod-serving and the plugins, read from source: no import circle,
+    an own-module import inside a function only with a `# lazy:` reason, no library file over 600 lines
+    unless allowed by name; and `neuropod serve --help` (core and serving installed, as users get them)
+    imports no server library."""
+    session.install("pytest>=8", str(CORE), f"{SERVING}[server]")
+    _pytest(session, "tests/test_import_graph.py")
 
 
 # --- documentation ----------------------------------------------------------
