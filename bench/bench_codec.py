@@ -8,13 +8,13 @@ step by step, beside the same work done the floor's way (bench/serve_floor.py's
 :func:`json_inputs` and :func:`json_response`, imported from it, so the floor
 measured here is the one the end-to-end benchmark runs):
 
-* ``parse``: :func:`~neuropod_serving.protocol.codec.parse_infer_request` with
+* ``parse``: :func:`~neuropod_serving.protocol.inference.parse_infer_request` with
   the model's input spec, split into ``body`` (the JSON parse with its bounds
   checks, ``_split``) and ``tensors`` (every input's checks and its array,
   ``_decode_tensors``);
 * ``spec``: the model's spec check of those inputs (``SpecValidator.check_inputs``,
   which the model's own ``infer`` runs);
-* ``encode``: :func:`~neuropod_serving.protocol.codec.build_infer_response`
+* ``encode``: :func:`~neuropod_serving.protocol.inference.build_infer_response`
   of the model's output as JSON ``data``;
 * the floor's ``decode`` (orjson, then one ``np.asarray`` per input) and ``encode``
   (orjson of the first input as the output).
@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve_floor
 from neuropod.spec import SpecValidator, parse_spec
-from neuropod_serving.protocol import codec
-from neuropod_serving.protocol.codec import build_infer_request, build_infer_response, parse_infer_request
+from neuropod_serving.protocol import bodies, inference
+from neuropod_serving.protocol.inference import build_infer_request, build_infer_response, parse_infer_request
 
 
 class Case:
@@ -83,7 +83,7 @@ def steps(case: Case) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[
     """Neuropod's steps and the floor's, each a call without arguments."""
     body = case.body
     request = parse_infer_request(body, None, input_spec=case.specs)
-    header, _, _ = codec._split(body, None, "request")
+    header, _, _ = bodies.split_body(body, None, "request")
     empty = memoryview(b"")
     floor_header, floor_arrays = serve_floor.json_inputs(body)
 
@@ -94,8 +94,8 @@ def steps(case: Case) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[
 
     ours = {
         "parse": lambda: parse_infer_request(body, None, input_spec=case.specs),
-        "  body": lambda: codec._split(body, None, "request"),
-        "  tensors": lambda: codec._decode_tensors(header, "inputs", empty, case.specs, required=True),
+        "  body": lambda: bodies.split_body(body, None, "request"),
+        "  tensors": lambda: inference._decode_tensors(header, "inputs", empty, case.specs, required=True),
         "spec": lambda: case.validator.check_inputs(request.inputs),
         "encode": encode,
     }

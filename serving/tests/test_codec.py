@@ -522,9 +522,9 @@ def test_request_json_reads_as_pythons_json_does(text: str) -> None:
     import json
     import math
 
-    from neuropod_serving.protocol import codec
+    from neuropod_serving.protocol import bodies
 
-    got, want = codec._loads(memoryview(text.encode("utf-8", "surrogatepass")), text), json.loads(text)
+    got, want = bodies._loads(memoryview(text.encode("utf-8", "surrogatepass")), text), json.loads(text)
     assert repr(got) == repr(want)  # same types (int stays int), same values, NaN included
     if isinstance(want, dict) and "nan" in want:
         assert math.isnan(got["nan"])
@@ -535,12 +535,12 @@ def test_long_request_json_reads_as_pythons_json_does(text: str) -> None:
     """Bodies of 4 kB and more are screened for long integers with numpy: the same reading."""
     import json
 
-    from neuropod_serving.protocol import codec
+    from neuropod_serving.protocol import bodies
 
     fractions = ", ".join(["0.00012299999798415229", "-1.0000000000000000000001"] * 100)  # long runs after a '.'
     text = f'{{"pad": [{fractions}], "doc": {text}}}'
-    assert len(text) >= codec._LONG_TEXT
-    got, want = codec._loads(memoryview(text.encode("utf-8", "surrogatepass")), text), json.loads(text)
+    assert len(text) >= bodies.LONG_TEXT
+    got, want = bodies._loads(memoryview(text.encode("utf-8", "surrogatepass")), text), json.loads(text)
     assert repr(got) == repr(want)
 
 
@@ -549,13 +549,13 @@ def test_short_and_long_screens_for_long_integers_agree() -> None:
     with numpy: both give the same answer on every text (digits, dots, other bytes, UTF-8)."""
     import random
 
-    from neuropod_serving.protocol import codec
+    from neuropod_serving.protocol import bodies
 
     rng = random.Random(0)
     alphabet = ["1", "9", "0", ".", ",", "e", "-", "[", "\u00e9", "1" * 18, "2" * 19]
     for _ in range(3000):
         raw = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))).encode()
-        assert codec._long_integer_short(raw) == codec._long_integer(raw), raw
+        assert bodies._long_integer_short(raw) == bodies._long_integer(raw), raw
 
 
 def test_json_output_numbers_read_back_as_the_same_values() -> None:
@@ -587,7 +587,7 @@ def test_json_output_numbers_read_back_as_the_same_values() -> None:
 def test_a_known_header_still_checks_every_body() -> None:
     """The second body with the same header takes the remembered plan; each is still checked
     against the spec it is decoded with and for its size, and a fault is worded by the full decode."""
-    from neuropod_serving.protocol import codec
+    from neuropod_serving.protocol import bodies
 
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     body = build_infer_request({"x": x}, binary=True)
@@ -595,7 +595,7 @@ def test_a_known_header_still_checks_every_body() -> None:
     for _ in range(2):
         np.testing.assert_array_equal(parse_infer_request(body.content, body.json_length, input_spec=specs).inputs["x"], x)
     header = bytes(body.content[: body.json_length])
-    assert codec._KNOWN[header].plans["inputs"]
+    assert bodies._KNOWN[header].plans["inputs"]
     wrong = {s.name: s for s in parse_spec([{"name": "x", "dtype": "int32", "shape": [None, 2]}], "m")}
     with pytest.raises(ProtocolError, match="disagrees with the model's spec"):
         parse_infer_request(body.content, body.json_length, input_spec=wrong)
@@ -614,22 +614,22 @@ def test_a_known_header_still_checks_every_body() -> None:
 def test_known_headers_keep_only_clean_small_forms_within_a_byte_budget() -> None:
     """A header is remembered once a body decodes with it; a refused one, or one over the form
     limit (a huge id), is not; and all remembered forms stay within the cache's byte budget."""
-    from neuropod_serving.protocol import _forms, codec
+    from neuropod_serving.protocol import _forms, bodies
 
     x = np.ones((1, 2), np.float32)
     specs = {s.name: s for s in parse_spec([{"name": "x", "dtype": "float32", "shape": [None, 2]}], "m")}
     refused = build_infer_request({"z": x}, binary=True, id="refused")
     with pytest.raises(ProtocolError, match="not one of this model's inputs"):
         parse_infer_request(refused.content, refused.json_length, input_spec=specs)
-    assert bytes(refused.content[: refused.json_length]) not in codec._KNOWN
+    assert bytes(refused.content[: refused.json_length]) not in bodies._KNOWN
     huge = build_infer_request({"x": x}, binary=True, id="i" * (_forms.MAX_FORM_BYTES + 1))
     parse_infer_request(huge.content, huge.json_length, input_spec=specs)
-    assert bytes(huge.content[: huge.json_length]) not in codec._KNOWN
+    assert bytes(huge.content[: huge.json_length]) not in bodies._KNOWN
     for i in range(3000):
         body = build_infer_request({"x": x}, binary=True, id=f"{i:0500d}")
         parse_infer_request(body.content, body.json_length, input_spec=specs)
-        assert codec._KNOWN._used <= _forms.BUDGET
-    assert 0 < len(codec._KNOWN) < 3000
+        assert bodies._KNOWN._used <= _forms.BUDGET
+    assert 0 < len(bodies._KNOWN) < 3000
 
 
 def test_a_shape_no_array_can_have_is_a_protocol_error() -> None:

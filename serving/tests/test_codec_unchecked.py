@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from neuropod.spec import parse_spec
-from neuropod_serving.protocol import ProtocolError, build_infer_request, codec, parse_infer_request
+from neuropod_serving.protocol import ProtocolError, bodies, build_infer_request, inference, parse_infer_request
 
 #: Enough numbers to make every body long (the quick way is for bodies of 4 KiB and more).
 PAD = [round(0.001 * i, 3) for i in range(1500)]
@@ -32,14 +32,14 @@ def _body(x: str, datatype: str = "FP32", shape: str = "[2]", extra: str = "", t
         f'{{"name":"pad","datatype":"FP32","shape":[1500],"data":{pad}}}]}}'
     )
     body = text.encode("utf-8", "surrogatepass")
-    assert len(body) >= codec._LONG_TEXT
+    assert len(body) >= bodies.LONG_TEXT
     return body
 
 
 def _outcome(body: bytes, spec: dict[str, Any], *, quick: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
     with monkeypatch.context() as m:
         if not quick:
-            m.setattr(codec, "_unchecked_request", lambda body, specs: None)
+            m.setattr(inference, "unchecked_request", lambda body, specs: None)
         try:
             r = parse_infer_request(body, None, input_spec=spec)
         except ProtocolError as e:
@@ -157,9 +157,9 @@ def test_the_common_body_takes_the_quick_way(monkeypatch: pytest.MonkeyPatch) ->
     inputs = {f"x{i}": rng.standard_normal((10, 5)).astype(np.float32) for i in range(100)}
     body = build_infer_request(inputs, binary=False, binary_outputs=False).content
     taken = []
-    original = codec._unchecked_request
-    monkeypatch.setattr(codec, "_unchecked_request", lambda b, s: taken.append(original(b, s)) or taken[-1])
-    monkeypatch.setattr(codec._json, "check_bounds", lambda *a, **k: pytest.fail("the text was scanned"))
+    original = inference.unchecked_request
+    monkeypatch.setattr(inference, "unchecked_request", lambda b, s: taken.append(original(b, s)) or taken[-1])
+    monkeypatch.setattr(bodies._json, "check_bounds", lambda *a, **k: pytest.fail("the text was scanned"))
     decoded = parse_infer_request(body, None).inputs
     assert taken and taken[0] is not None
     assert decoded.keys() == inputs.keys()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from neuropod_serving.protocol.codec import ProtocolError
+from neuropod_serving.errors import ProtocolError
 
 #: Messages with at least this many bytes of tensors take the wire path;
 #: smaller ones are cheaper through protobuf's C parser (the wire walk is

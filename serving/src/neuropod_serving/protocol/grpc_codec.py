@@ -1,6 +1,6 @@
 """The Open Inference Protocol's gRPC messages <-> numpy arrays, for the server and the client.
 
-The gRPC twin of :mod:`neuropod_serving.protocol.codec`, and built on it: the
+The gRPC twin of :mod:`neuropod_serving.protocol.inference`, and built on it: the
 datatype tables, the spec check, the shape and size checks and the BYTES
 element reader are the codec's own, so REST and gRPC refuse the same faults
 with the same words.
@@ -30,26 +30,17 @@ from google.protobuf.message import DecodeError
 
 from neuropod import _json
 from neuropod.spec import TensorSpec
-from neuropod_serving.protocol import shared_memory
+from neuropod_serving.errors import ProtocolError
+from neuropod_serving.protocol import shm_params
 from neuropod_serving.protocol._forms import MAX_FORM_BYTES, FormCache
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, encode_varint, split_raw
-from neuropod_serving.protocol.codec import (
-    _MAX_DIMS,
-    _WIRE_DTYPES,
-    DATATYPES,
-    SHAPE_PARAMETER,
-    InferRequest,
-    InferResponse,
-    ProtocolError,
-    _shape,
-    _spannable,
-    datatype_of,
-    decode_tensor,
-    encode_tensor,
-    spec_dtype,
-    specs_by_name,
-)
+from neuropod_serving.protocol.datatypes import DATATYPES, FAST_DECODE, datatype_of, spec_dtype
+from neuropod_serving.protocol.inference import InferRequest, InferResponse
+from neuropod_serving.protocol.metadata import SHAPE_PARAMETER, specs_by_name
+from neuropod_serving.protocol.options import classification_count, request_options
+from neuropod_serving.protocol.shapes import MAX_DIMS, checked_shape, spannable
+from neuropod_serving.protocol.tensors import decode_tensor, encode_tensor
 
 #: gRPC metadata key under which a neuropod server's ModelMetadata reply carries
 #: the exact spec shapes (symbol names), as JSON ``{"inputs": {name: shape},
@@ -79,10 +70,8 @@ _CONTENTS_FIELDS = tuple(dict.fromkeys(_CONTENTS_FIELD.values()))
 _RAW_INPUT_FIELD = 7
 _RAW_OUTPUT_FIELD = 6
 
-# Fast paths for numbers (BOOL's bytes need their 0/1 check, BYTES its reader):
-# wire dtype by datatype, and datatype by numpy dtype where the host's is the
+# The fast path for numbers out: datatype by numpy dtype where the host's is the
 # wire's (little-endian), so that tobytes() is already what goes out.
-_FAST_DECODE = {datatype: wire for datatype, wire in _WIRE_DTYPES.items() if datatype != "BOOL"}
 _FAST_ENCODE: dict[np.dtype[Any], str] = (
     {np.dtype(dtype): datatype for datatype, dtype in DATATYPES.items() if dtype != "string"}
     if sys.byteorder == "little"
@@ -118,7 +107,7 @@ def parse_model_infer_request(
     tensors = request.inputs
     if shared is not None and shared.inputs:
         # Inputs in shared memory have no raw contents: the entries are the other inputs', in order.
-        tensors = [t for t in tensors if not shared_memory.mentions(t.parameters)]
+        tensors = [t for t in tensors if not shm_params.mentions(t.parameters)]
         if raws and len(raws) != len(tensors):
             raise ProtocolError(
                 f"raw_input_contents has {len(raws)} entries, but {len(tensors)} input(s) are not in shared memory: "
@@ -153,17 +142,17 @@ def _in_shared_memory(message: Any) -> bool:
     """Whether an input or requested output of a ModelInferRequest is in shared memory."""
     if not hasattr(message, "raw_input_contents"):
         return False
-    return any(shared_memory.mentions(t.parameters) for t in message.inputs) or any(
-        shared_memory.mentions(o.parameters) for o in message.outputs
+    return any(shm_params.mentions(t.parameters) for t in message.inputs) or any(
+        shm_params.mentions(o.parameters) for o in message.outputs
     )
 
 
-def _shared_memory(request: Any, specs: Mapping[str, TensorSpec] | None) -> shared_memory.SharedMemoryRequest:
+def _shared_memory(request: Any, specs: Mapping[str, TensorSpec] | None) -> shm_params.SharedMemoryRequest:
     """The inputs and requested outputs of ``request`` that are in shared memory."""
-    shared = shared_memory.SharedMemoryRequest()
+    shared = shm_params.SharedMemoryRequest()
     for i, t in enumerate(request.inputs):
         params = parameters_from_proto(t.parameters)
-        if not shared_memory.mentions(params):
+        if not shm_params.mentions(params):
             continue
         name = t.name
         if not name:
@@ -176,13 +165,13 @@ def _shared_memory(request: Any, specs: Mapping[str, TensorSpec] | None) -> shar
             if spec is None:
                 raise ProtocolError(f"input {name!r} is not one of this model's inputs: {', '.join(specs) or '(none)'}")
         carries = "typed contents" if _has_contents(t) else None
-        shared.inputs[name] = shared_memory.shared_input(
+        shared.inputs[name] = shm_params.shared_input(
             name, t.datatype, list(t.shape), params, spec=spec, carries=carries
         )
     for out in request.outputs:
         params = parameters_from_proto(out.parameters)
-        if shared_memory.mentions(params):
-            shared.outputs[out.name] = shared_memory.shared_output(out.name, params)
+        if shm_params.mentions(params):
+            shared.outputs[out.name] = shm_params.shared_output(out.name, params)
     return shared
 
 
@@ -196,15 +185,11 @@ def request_options_of(request: pb.ModelInferRequest, parameters: Mapping[str, A
     classes: dict[str, int] | None = None
     for out in request.outputs:
         if "classification" in out.parameters:
-            from neuropod_serving.protocol.options import classification_count
-
             value = parameters_from_proto(out.parameters)["classification"]
             classes = classes or {}
             classes[out.name] = classification_count(value, out.name)
     if not parameters and classes is None:
         return None
-    from neuropod_serving.protocol.options import request_options
-
     return request_options(parameters, classes)
 
 
@@ -521,7 +506,7 @@ class _Plan:
         tensors = []
         for t in entries:
             shape = tuple(t.shape)
-            wire = _FAST_DECODE.get(t.datatype)
+            wire = FAST_DECODE.get(t.datatype)
             size = math.prod(shape) * wire.itemsize if wire is not None else -1
             tensors.append(
                 (t.name, t.datatype, wire, shape, size, {"name": t.name, "datatype": t.datatype, "shape": list(shape)})
@@ -659,7 +644,7 @@ def shapes_metadata(metadata: Mapping[str, Any]) -> str:
 
 def model_metadata_from_response(response: pb.ModelMetadataResponse, shapes: str | None = None) -> dict[str, Any]:
     """The REST form of a ModelMetadataResponse, ready for
-    :func:`~neuropod_serving.protocol.codec.specs_from_model_metadata`.
+    :func:`~neuropod_serving.protocol.metadata.specs_from_model_metadata`.
 
     :param shapes: the :data:`SHAPES_METADATA_KEY` trailer, when the server sent
         one (a neuropod server): each tensor gets its ``neuropod_shape`` back,
@@ -781,15 +766,15 @@ def _decode_tensors(
         if raws:
             # The common case without building the codec's tensor object; anything
             # unusual (or wrong) goes the full way below, which words the error.
-            wire = _FAST_DECODE.get(datatype)
+            wire = FAST_DECODE.get(datatype)
             if wire is not None and (spec is None or spec.dtype == DATATYPES[datatype]):
                 shape = tuple(t.shape)
                 raw = raws[i]
                 if (
-                    len(shape) <= _MAX_DIMS
+                    len(shape) <= MAX_DIMS
                     and min(shape, default=0) >= 0
                     and math.prod(shape) * wire.itemsize == len(raw)
-                    and _spannable(shape)
+                    and spannable(shape)
                     and not _has_contents(t)
                 ):
                     arrays[name] = np.frombuffer(raw, dtype=wire).reshape(shape)
@@ -833,7 +818,7 @@ def _typed_contents(tensor: Any, kind: str) -> list[Any]:
             f"{kind} {name!r}: {datatype} contents go in {field}, but the message filled {', '.join(wrong)}"
         )
     values = getattr(contents, field)
-    count = math.prod(_shape(list(tensor.shape), name))
+    count = math.prod(checked_shape(list(tensor.shape), name))
     if len(values) != count:
         raise ProtocolError(
             f"{kind} {name!r}: shape {list(tensor.shape)} holds {count} elements, but {field} has {len(values)}"

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from neuropod_serving.protocol.codec import ProtocolError
+from neuropod_serving.errors import ProtocolError
+from neuropod_serving.protocol.fields import is_int
 
 #: Request parameters the protocol gives to the server (Triton's reserved ones, and those of
 #: its extensions): they never reach a model. ``priority`` and ``sequence_*`` are accepted and
@@ -55,10 +56,6 @@ class RequestOptions:
     classification: Mapping[str, int] | None = None
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def classification_count(value: object, output: str) -> int:
     """A requested output's ``classification`` parameter: a class count of at least 1.
 
@@ -85,7 +82,7 @@ def request_options(
     timeout = parameters.get("timeout")
     timeout_s = None
     if timeout is not None:
-        if not _is_int(timeout) or timeout < 0:
+        if not is_int(timeout) or timeout < 0:
             raise ProtocolError(
                 f"request parameters.timeout is a count of microseconds, an integer >= 0 (0: no timeout), "
                 f"not {timeout!r:.80}"

@@ -47,13 +47,15 @@ from typing import Any
 
 import numpy as np
 
-from neuropod_serving.protocol.codec import _WIRE_DTYPES, ProtocolError, datatype_of, decode_tensor, encode_tensor
-from neuropod_serving.protocol.shared_memory import (
+from neuropod_serving.errors import ProtocolError
+from neuropod_serving.protocol.datatypes import WIRE_DTYPES, datatype_of
+from neuropod_serving.protocol.shm_params import (
     BYTE_SIZE,
     SharedMemoryRequest,
     SharedTensor,
     response_parameters,
 )
+from neuropod_serving.protocol.tensors import decode_tensor, encode_tensor
 
 log = logging.getLogger("neuropod_serving.server")
 
@@ -411,7 +413,7 @@ def _wire_bytes(name: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """An output's bytes as the protocol lays them out (little-endian, row-major; BYTES length-prefixed),
     as a flat uint8 array (a view of the output when it already is its own wire form)."""
     datatype = datatype_of(array, tensor=name)
-    wire = _WIRE_DTYPES.get(datatype)
+    wire = WIRE_DTYPES.get(datatype)
     if wire is None:
         raw = encode_tensor(name, array, binary=True)[1]
         assert raw is not None

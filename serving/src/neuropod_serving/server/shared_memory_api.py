@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from neuropod import _json
-from neuropod_serving.protocol.codec import Body, InferRequest, ProtocolError, build_shared_response
+from neuropod_serving.errors import ProtocolError
+from neuropod_serving.protocol.bodies import Body
+from neuropod_serving.protocol.inference import InferRequest, build_shared_response
 from neuropod_serving.server.registry import ServedModel
 from neuropod_serving.server.shared_memory import (
     CUDA,

@@ -11,7 +11,7 @@ server beforehand, not in the message. The codecs (:mod:`.codec` for REST,
 inputs out and writes the outputs in.
 
 Pure Python: nothing here touches memory; every fault is a
-:class:`~neuropod_serving.protocol.codec.ProtocolError` naming the tensor.
+:class:`~neuropod_serving.errors.ProtocolError` naming the tensor.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from neuropod.spec import TensorSpec
-from neuropod_serving.protocol.codec import _WIRE_DTYPES, ProtocolError, _shape, _show, oip_datatype, spec_dtype
+from neuropod_serving.errors import ProtocolError
+from neuropod_serving.protocol.datatypes import WIRE_DTYPES, oip_datatype, spec_dtype
+from neuropod_serving.protocol.fields import show
+from neuropod_serving.protocol.shapes import checked_shape
 
 #: The parameter naming the registered region a tensor is in.
 REGION = "shared_memory_region"
@@ -76,11 +79,11 @@ def _placement(kind: str, name: str, parameters: Mapping[str, Any]) -> tuple[str
     if not isinstance(region, str) or not region:
         raise ProtocolError(
             f"{kind} {name!r}: {REGION} must be the name of a registered region (a non-empty string), "
-            f"not {_show(region)}"
+            f"not {show(region)}"
         )
     for key, value in ((BYTE_SIZE, size), (OFFSET, offset)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ProtocolError(f"{kind} {name!r}: {key} must be a byte count (an integer >= 0), not {_show(value)}")
+            raise ProtocolError(f"{kind} {name!r}: {key} must be a byte count (an integer >= 0), not {show(value)}")
     return region, offset, size
 
 
@@ -112,9 +115,9 @@ def shared_input(
             f"which needs {oip_datatype(spec.dtype)}"
         )
     assert isinstance(datatype, str)
-    dims = _shape(shape if isinstance(shape, list) else list(shape) if isinstance(shape, tuple) else shape, name)
+    dims = checked_shape(shape if isinstance(shape, list) else list(shape) if isinstance(shape, tuple) else shape, name)
     count = math.prod(dims)
-    wire = _WIRE_DTYPES.get(datatype)
+    wire = WIRE_DTYPES.get(datatype)
     if wire is not None and size != count * wire.itemsize:
         raise ProtocolError(
             f"input {name!r}: shape {dims} of {datatype} is {count * wire.itemsize} bytes "
