@@ -12,12 +12,14 @@ pytest.importorskip("google.protobuf")
 from neuropod_serving.protocol import ProtocolError, _forms
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
-from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, encode_varint, split_raw
+from neuropod_serving.protocol._wire import WIRE_THRESHOLD, _varint, append_raw, encode_varint, split_raw
+from neuropod_serving.protocol.grpc_codec import infer_request, plans
+from neuropod_serving.protocol.grpc_codec.tensors import RAW_INPUT_FIELD, RAW_OUTPUT_FIELD
 
 
 def test_field_numbers_are_the_protos() -> None:
-    assert pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number == codec._RAW_INPUT_FIELD
-    assert pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number == codec._RAW_OUTPUT_FIELD
+    assert pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number == RAW_INPUT_FIELD
+    assert pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number == RAW_OUTPUT_FIELD
 
 
 @settings(max_examples=200, deadline=None)
@@ -32,22 +34,20 @@ def test_split_and_append_agree_with_protobuf(raws: list[bytes], name: str, vers
     for key, value in params.items():
         message.parameters[key].int64_param = value
     data = message.SerializeToString()
-    rest, views = split_raw(data, codec._RAW_OUTPUT_FIELD)
+    rest, views = split_raw(data, RAW_OUTPUT_FIELD)
     assert [bytes(v) for v in views] == raws
     parsed = pb.ModelInferResponse.FromString(rest)
     assert parsed.model_name == name and parsed.model_version == version and not parsed.raw_output_contents
     assert dict(codec.parameters_from_proto(parsed.parameters)) == params
     # Appending them again gives a message protobuf reads as the original.
     head = pb.ModelInferResponse(model_name=name, model_version=version, parameters=message.parameters)
-    again = pb.ModelInferResponse.FromString(append_raw(head.SerializeToString(), codec._RAW_OUTPUT_FIELD, raws))
+    again = pb.ModelInferResponse.FromString(append_raw(head.SerializeToString(), RAW_OUTPUT_FIELD, raws))
     assert again == message
 
 
 @pytest.mark.parametrize("value", [0, 1, 127, 128, 300, 2**21, 2**35, 2**63 - 1])
 def test_varints(value: int) -> None:
     data = encode_varint(value)
-    from neuropod_serving.protocol._wire import _varint
-
     assert _varint(data, 0, len(data)) == (value, len(data))
 
 
@@ -63,7 +63,7 @@ def test_varints(value: int) -> None:
 )
 def test_malformed_messages_are_protocol_errors(data: bytes) -> None:
     with pytest.raises(ProtocolError, match="malformed"):
-        split_raw(data, codec._RAW_INPUT_FIELD)
+        split_raw(data, RAW_INPUT_FIELD)
 
 
 def test_big_requests_and_answers_round_trip_without_copies() -> None:
@@ -98,7 +98,7 @@ def test_big_requests_and_answers_round_trip_without_copies() -> None:
 def test_a_malformed_big_request_is_invalid_argument_from_the_server() -> None:
     grpc = pytest.importorskip("grpc")
     from neuropod_serving.server import Engine, ModelRegistry
-    from neuropod_serving.server.grpc_service import start_grpc_server
+    from neuropod_serving.server.grpc_server import start_grpc_server
 
     engine = Engine(ModelRegistry())
     server, port = start_grpc_server(engine, "127.0.0.1:0")
@@ -166,11 +166,11 @@ def test_planned_and_full_decodes_agree(rows: list[int], dtype: str) -> None:
 
 
 def test_the_plan_caches_are_bounded() -> None:
-    for n in range(codec.PLAN_LIMIT + 10):
+    for n in range(plans.PLAN_LIMIT + 10):
         data = codec.serialize_model_infer_request("m", {"a": np.zeros((1, n + 1), np.float32)})
         codec.deserialize_model_infer_request(data).decode()
-    assert 0 < codec._REQUESTS_READ._plans._used <= _forms.BUDGET  # received forms: bounded in bytes
-    assert len(codec._REQUEST_HEADS._plans) <= codec.PLAN_LIMIT
+    assert 0 < infer_request._REQUESTS_READ._plans._used <= _forms.BUDGET  # received forms: bounded in bytes
+    assert len(infer_request._REQUEST_HEADS._plans) <= plans.PLAN_LIMIT
 
 
 def test_lists_are_encoded_the_full_way() -> None:

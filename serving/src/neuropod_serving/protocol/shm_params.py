@@ -3,11 +3,11 @@
 A tensor of an inference request (or a requested output) that carries
 ``shared_memory_region`` and ``shared_memory_byte_size`` (and optionally
 ``shared_memory_offset``) travels in a region the client registered with the
-server beforehand, not in the message. The codecs (:mod:`.codec` for REST,
+server beforehand, not in the message. The codecs (:mod:`.inference` for REST,
 :mod:`.grpc_codec` for gRPC) read those parameters here into
 :class:`SharedTensor` entries of :attr:`InferRequest.shared_memory
-<neuropod_serving.protocol.codec.InferRequest.shared_memory>`; the server
-(:mod:`neuropod_serving.server.shared_memory`) maps the regions, copies the
+<neuropod_serving.protocol.inference.InferRequest.shared_memory>`; the server
+(:mod:`neuropod_serving.server.shm_regions`) maps the regions, copies the
 inputs out and writes the outputs in.
 
 Pure Python: nothing here touches memory; every fault is a
