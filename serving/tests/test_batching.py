@@ -41,9 +41,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from neuropod.errors import BackendError, NeuropodError, SpecError  # noqa: E402
 from neuropod.spec import TensorSpec  # noqa: E402
-from neuropod_serving.cli import startup_table  # noqa: E402
 from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry, batch_symbol, create_app  # noqa: E402
 from neuropod_serving.server.batching import Batcher  # noqa: E402
+from neuropod_serving.server.launcher import startup_table  # noqa: E402
 from neuropod_serving.server.metrics import ServerMetrics  # noqa: E402
 
 from conftest import adder_and_echo, onnx_package, private_caches, serve_in_thread  # noqa: E402
@@ -629,7 +629,7 @@ def test_grpc_concurrent_clients_are_batched(repo: Path) -> None:
     grpc = pytest.importorskip("grpc")
     from neuropod_serving.protocol import grpc_codec
     from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
-    from neuropod_serving.server.grpc_service import start_grpc_server
+    from neuropod_serving.server.grpc_server import start_grpc_server
 
     engine = Engine(ModelRegistry.load([repo / "models"]), batching=BatchPolicy(8, 10.0), metrics=ServerMetrics())
     n = 16
@@ -919,7 +919,7 @@ def test_rest_and_grpc_clients_at_once_share_the_batcher(repo: Path, monkeypatch
     grpc = pytest.importorskip("grpc")
     from neuropod_serving.protocol import grpc_codec
     from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
-    from neuropod_serving.server.grpc_service import start_grpc_server
+    from neuropod_serving.server.grpc_server import start_grpc_server
 
     engine, threads = _fast_engine(repo, BatchPolicy(8), monkeypatch)
     before = _stats(engine)

@@ -31,7 +31,7 @@ grpc = pytest.importorskip("grpc")
 
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb  # noqa: E402
 from neuropod_serving.server import BatchPolicy, Engine, ModelLimits, ModelRegistry, create_app  # noqa: E402
-from neuropod_serving.server.grpc_service import start_grpc_server  # noqa: E402
+from neuropod_serving.server.grpc_server import start_grpc_server  # noqa: E402
 
 from conftest import adder_and_echo, private_caches, python_package, serve_in_thread  # noqa: E402
 
@@ -291,20 +291,15 @@ def test_model_runs_at_once_are_bounded(repository: Path) -> None:
 
 
 def test_cli_flags_and_defaults(tmp_path: Path) -> None:
-    """The flags reach the engine, and the CLI's defaults (kept apart so `--help` imports no numpy) agree."""
+    """The flags reach the engine, and the CLI's defaults are neuropod_serving.defaults'."""
     import argparse
 
-    from neuropod_serving import cli
-    from neuropod_serving.server import engine
+    from neuropod_serving import cli, defaults
 
-    assert (cli.DEFAULT_MAX_CONCURRENT, cli.DEFAULT_MAX_QUEUED) == (
-        engine.DEFAULT_MAX_CONCURRENT,
-        engine.DEFAULT_MAX_QUEUED,
-    )
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args([str(tmp_path)])
-    assert (args.max_concurrent_runs, args.max_queued_requests) == (None, engine.DEFAULT_MAX_QUEUED)
+    assert (args.max_concurrent_runs, args.max_queued_requests) == (None, defaults.DEFAULT_MAX_QUEUED)
     args = parser.parse_args([str(tmp_path), "--max-concurrent-runs", "3", "--max-queued-requests", "0"])
     assert (args.max_concurrent_runs, args.max_queued_requests) == (3, 0)
     with pytest.raises(SystemExit):
@@ -433,7 +428,7 @@ def test_the_grpc_pool_grows_past_its_base_only_for_calls_that_wait() -> None:
     import threading
     import time
 
-    from neuropod_serving.server.grpc_service import ElasticPool
+    from neuropod_serving.server.grpc_server import ElasticPool
 
     pool = ElasticPool(2, 12, thread_name_prefix="test-elastic")
     try:

@@ -37,7 +37,7 @@ from tritonclient.grpc import model_config_pb2 as triton_config  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry, create_app  # noqa: E402
-from neuropod_serving.server.grpc_service import start_grpc_server  # noqa: E402
+from neuropod_serving.server.grpc_server import start_grpc_server  # noqa: E402
 from neuropod_serving.server.metrics import ServerMetrics  # noqa: E402
 
 from conftest import adder_and_echo, onnx_package, private_caches, serve_in_thread  # noqa: E402

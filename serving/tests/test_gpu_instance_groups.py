@@ -44,7 +44,7 @@ def _no_cuda_torch() -> str | None:
 def test_kind_gpu_and_back_to_kind_cpu(tmp_path: Path) -> None:
     from neuropod.packagers import create_torchscript_neuropod
     from neuropod_serving.server import Engine, ModelRegistry
-    from neuropod_serving.server.grpc_service import start_grpc_server
+    from neuropod_serving.server.grpc_server import start_grpc_server
 
     spec = [{"name": n, "dtype": "float32", "shape": ["batch", 2]} for n in ("x", "y")]
     create_torchscript_neuropod(tmp_path / "models" / "adder", "adder", spec,

@@ -34,7 +34,8 @@ from neuropod_serving.protocol import ProtocolError, specs_from_model_metadata  
 from neuropod_serving.protocol import grpc_codec as codec  # noqa: E402
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb  # noqa: E402
 from neuropod_serving.server import Engine, ModelRegistry  # noqa: E402
-from neuropod_serving.server.grpc_service import SERVICE, start_grpc_server  # noqa: E402
+from neuropod_serving.server.grpc_server import start_grpc_server  # noqa: E402
+from neuropod_serving.server.grpc_service import SERVICE  # noqa: E402
 from neuropod_serving.server.metrics import ServerMetrics  # noqa: E402
 
 from conftest import adder_and_echo, onnx_package, private_caches  # noqa: E402

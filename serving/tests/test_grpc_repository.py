@@ -32,16 +32,17 @@ from onnx import helper  # noqa: E402
 from tritonclient.grpc import service_pb2 as triton_pb  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from neuropod_serving.defaults import DEFAULT_MAX_GRPC_STREAMS  # noqa: E402
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb  # noqa: E402
 from neuropod_serving.protocol._grpc import triton_repository_pb2 as rpb  # noqa: E402
 from neuropod_serving.server import Engine, ModelRegistry, repository  # noqa: E402
 from neuropod_serving.server.grpc_repository import (  # noqa: E402
     _INFER_RESPONSE_TAG,
-    DEFAULT_MAX_STREAMS,
     stream_error,
     stream_response,
 )
-from neuropod_serving.server.grpc_service import SERVICE, start_grpc_server  # noqa: E402
+from neuropod_serving.server.grpc_server import start_grpc_server  # noqa: E402
+from neuropod_serving.server.grpc_service import SERVICE  # noqa: E402
 from neuropod_serving.server.metrics import ServerMetrics  # noqa: E402
 
 from conftest import ADDER_IN, ADDER_OUT, adder_and_echo, onnx_package, private_caches  # noqa: E402
@@ -397,7 +398,7 @@ def test_many_idle_streams_leave_unary_calls_a_thread(server: Server) -> None:
         assert server.triton.is_server_live()
         _adder_ok(server)
         assert time.monotonic() - started < 5
-        assert DEFAULT_MAX_STREAMS >= 24
+        assert DEFAULT_MAX_GRPC_STREAMS >= 24
         for call in calls:
             call.cancel()
     finally:
@@ -405,10 +406,15 @@ def test_many_idle_streams_leave_unary_calls_a_thread(server: Server) -> None:
         channel.close()
 
 
-def test_cli_default_matches() -> None:
-    from neuropod_serving.cli import DEFAULT_MAX_GRPC_STREAMS
+def test_cli_default_is_the_servers() -> None:
+    """`neuropod serve --max-grpc-streams` defaults to the server's own default."""
+    import argparse
 
-    assert DEFAULT_MAX_GRPC_STREAMS == DEFAULT_MAX_STREAMS
+    from neuropod_serving.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["."]).max_grpc_streams == DEFAULT_MAX_GRPC_STREAMS
 
 
 def test_stream_config_load_round_trip(server: Server) -> None:

@@ -31,7 +31,7 @@ grpc = pytest.importorskip("grpc")
 import neuropod  # noqa: E402
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb  # noqa: E402
 from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry, create_app  # noqa: E402
-from neuropod_serving.server.grpc_service import start_grpc_server  # noqa: E402
+from neuropod_serving.server.grpc_server import start_grpc_server  # noqa: E402
 from neuropod_serving.server.metrics import ServerMetrics  # noqa: E402
 
 from conftest import private_caches, python_package, serve_in_thread  # noqa: E402

@@ -33,7 +33,7 @@ from neuropod.testing import ALL_DTYPES, BackendConformance
 from neuropod_serving import __version__
 from neuropod_serving.client import RemoteBackend
 from neuropod_serving.server import Engine, ModelRegistry, create_app
-from neuropod_serving.server.grpc_service import start_grpc_server
+from neuropod_serving.server.grpc_server import start_grpc_server
 
 from conftest import onnx_package, serve_in_thread
 

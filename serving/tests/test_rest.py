@@ -28,9 +28,10 @@ from onnx import TensorProto, helper  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from neuropod.errors import PackageError  # noqa: E402
-from neuropod_serving.cli import add_arguments, startup_table  # noqa: E402
+from neuropod_serving.cli import add_arguments  # noqa: E402
 from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response  # noqa: E402
 from neuropod_serving.server import Engine, ModelRegistry, create_app, find_packages  # noqa: E402
+from neuropod_serving.server.launcher import startup_table  # noqa: E402
 
 from conftest import adder_and_echo, onnx_package, private_caches, serve_in_thread  # noqa: E402
 

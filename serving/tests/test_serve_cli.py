@@ -400,7 +400,7 @@ def test_ctrl_c_under_ray_exits_when_ray_does_not_finish_stopping(tmp_path: Path
     script = tmp_path / "stop.py"
     script.write_text(
         "import threading, types\n"
-        "from neuropod_serving.cli import _leave_ray\n"
+        "from neuropod_serving.launch import _leave_ray\n"
         "stuck = threading.Event()\n"
         "serve = types.SimpleNamespace(delete=lambda name: stuck.wait())\n"
         "ray = types.SimpleNamespace(shutdown=lambda: None)\n"

@@ -378,8 +378,8 @@ def test_processes_auto_is_the_usable_cpus() -> None:
 
 
 def test_merge_families_sums_counters_and_histograms_and_keeps_the_smallest_gauge() -> None:
+    from neuropod_serving.processes import merge_families
     from neuropod_serving.server.metrics import ServerMetrics
-    from neuropod_serving.server.processes import merge_families
 
     a, b = ServerMetrics(), ServerMetrics()
     a.request("m", "rest", 0.001)
@@ -437,9 +437,9 @@ def test_ready_and_metrics_of_a_process_follow_its_parent(repo: Path) -> None:
     import multiprocessing
     import threading
 
+    from neuropod_serving.processes import GroupMember
     from neuropod_serving.server import Engine, ModelRegistry, create_app
     from neuropod_serving.server.metrics import ServerMetrics
-    from neuropod_serving.server.processes import GroupMember
 
     from conftest import serve_in_thread
 

@@ -45,7 +45,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # n
 from neuropod.testing import served  # noqa: E402
 from neuropod_serving.protocol._grpc import triton_config_pb2 as ours  # noqa: E402
 from neuropod_serving.server import Engine, ModelRegistry, create_app  # noqa: E402
-from neuropod_serving.server.grpc_service import start_grpc_server  # noqa: E402
+from neuropod_serving.server.grpc_server import start_grpc_server  # noqa: E402
 from neuropod_serving.server.model_config import instance_group, triton_platform  # noqa: E402
 
 from conftest import ADDER_IN, ADDER_OUT, ECHO_IN, ECHO_OUT, adder_and_echo, onnx_package, private_caches  # noqa: E402

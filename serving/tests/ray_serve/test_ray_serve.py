@@ -36,7 +36,7 @@ from neuropod_serving import ray as neuropod_ray
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.server import Engine, ModelRegistry, create_app
-from neuropod_serving.server.grpc_service import start_grpc_server
+from neuropod_serving.server.grpc_server import start_grpc_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ray_support import (

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from neuropod_serving.defaults import DEFAULT_MAX_REQUEST_BYTES
+from neuropod_serving.errors import ModelBusyError, RequestTimeoutError, UnknownModelError
+from neuropod_serving.server.admission import ModelLimits
 from neuropod_serving.server.batching import BatchPolicy, batch_symbol
-from neuropod_serving.server.engine import Engine, ModelLimits, ModelServing, RequestTimeoutError
+from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.lifecycle import ModelServing
 from neuropod_serving.server.registry import (
     MODEL_VERSION,
-    ModelBusyError,
     ModelRegistry,
     ModelSettings,
     RepositoryEntry,
     ServedModel,
-    UnknownModelError,
     find_packages,
     is_package,
 )
@@ -27,8 +29,6 @@ from neuropod_serving.server.versions import VersionPolicy
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
-
-DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
 
 
 def create_app(
@@ -38,7 +38,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> ASGIApp:
     """The Starlette app serving ``engine``'s models; see :func:`neuropod_serving.server.app.create_app`."""
-    from neuropod_serving.server.app import create_app as create
+    from neuropod_serving.server.app import create_app as create  # lazy: starlette, imported when an app is made
 
     return create(engine, auth_token=auth_token, max_request_bytes=max_request_bytes)
 

@@ -22,9 +22,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import neuropod_serving.server.extensions as extensions
+import neuropod_serving.server.repository as repository
+import neuropod_serving.server.shared_memory_api as shared_memory_api
 from neuropod import _json
 from neuropod.errors import NeuropodError, SpecError
 from neuropod_serving import __version__
+from neuropod_serving.defaults import DEFAULT_MAX_REQUEST_BYTES
+from neuropod_serving.errors import ModelBusyError, RequestTimeoutError, UnknownModelError
 from neuropod_serving.protocol import (
     HEADER_LENGTH,
     InferRequest,
@@ -32,13 +37,12 @@ from neuropod_serving.protocol import (
     build_infer_response,
     parse_infer_request,
 )
-from neuropod_serving.server import DEFAULT_MAX_REQUEST_BYTES, extensions, repository, shared_memory_api
 from neuropod_serving.server.compression import COMPRESS_FROM, chosen, compressed, decoded_body
-from neuropod_serving.server.engine import CLIENT_ERRORS, Engine, RequestTimeoutError
+from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from neuropod_serving.server.model_config import model_config
-from neuropod_serving.server.registry import ModelBusyError, ServedModel, UnknownModelError
+from neuropod_serving.server.registry import ServedModel
 from neuropod_serving.server.statistics import NO_STATISTICS
 
 log = logging.getLogger("neuropod_serving.server")

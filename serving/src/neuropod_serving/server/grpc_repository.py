@@ -1,6 +1,6 @@
 """Triton's gRPC extensions beyond the Open Inference Protocol: the model repository and ModelStreamInfer.
 
-Registered by :func:`neuropod_serving.server.grpc_service.start_grpc_server` on
+Registered by :func:`neuropod_serving.server.grpc_server.start_grpc_server` on
 ``inference.GRPCInferenceService`` next to the six OIP methods, with the same
 authentication, status codes and access log:
 
@@ -17,7 +17,7 @@ authentication, status codes and access log:
 
 A stream holds a thread of the server's pool for as long as it is open (grpcio's
 threaded server reads a stream on one thread), so open streams are bounded:
-at most ``max_streams`` (:data:`DEFAULT_MAX_STREAMS`, ``neuropod serve
+at most ``max_streams`` (:data:`~neuropod_serving.defaults.DEFAULT_MAX_GRPC_STREAMS`, ``neuropod serve
 --max-grpc-streams``) ModelStreamInfer and Health Watch streams at once; one more
 is refused at once with RESOURCE_EXHAUSTED. The pool's thread limit is raised by
 the same number, so open streams never leave unary calls (health, metadata,
@@ -35,20 +35,18 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+import neuropod_serving.server.repository as repository
 from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._grpc import triton_repository_pb2 as rpb
 from neuropod_serving.protocol._wire import encode_varint
-from neuropod_serving.server import repository
 from neuropod_serving.server.engine import Engine
-from neuropod_serving.server.grpc_service import InferCall, Servicer, _Refused, authenticate, status_of
+from neuropod_serving.server.grpc_service import InferCall, Refused, Servicer, authenticate, status_of
 from neuropod_serving.server.limits import escape_log
 
 log = logging.getLogger("neuropod_serving.server")
 access = logging.getLogger("neuropod_serving.access")
 
-#: Streams (ModelStreamInfer and Health Watch) open at once when not configured.
-DEFAULT_MAX_STREAMS = 64
 #: ModelStreamInferResponse.infer_response: field 2, length-delimited (checked against the descriptor in the tests).
 _INFER_RESPONSE_TAG = b"\x12"
 
@@ -66,10 +64,10 @@ class StreamSlots:
         self._lock = threading.Lock()
 
     def take(self, method: str) -> None:
-        """:raises _Refused: RESOURCE_EXHAUSTED, ``limit`` streams are open."""
+        """:raises Refused: RESOURCE_EXHAUSTED, ``limit`` streams are open."""
         with self._lock:
             if self.open >= self.limit:
-                raise _Refused(
+                raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{method}: {self.open} streams are open, the most this server takes "
                     "(neuropod serve --max-grpc-streams); close one, or retry later",
@@ -172,7 +170,7 @@ def model_stream_infer(
             if expected_auth is not None:
                 authenticate(context, expected_auth)
             slots.take("ModelStreamInfer")
-        except _Refused as e:
+        except Refused as e:
             context.abort(e.code, e.details)
         try:
             for data in requests:
@@ -233,7 +231,6 @@ def handlers(
 
 
 __all__ = [
-    "DEFAULT_MAX_STREAMS",
     "REPOSITORY_METHODS",
     "RepositoryServicer",
     "StreamSlots",

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from neuropod_serving.server.engine import Engine
 from neuropod_serving.server.grpc_repository import StreamSlots
-from neuropod_serving.server.grpc_service import _Refused
+from neuropod_serving.server.grpc_service import Refused
 from neuropod_serving.server.registry import ServedModel
 
 SERVICE = "grpc.health.v1.Health"
@@ -74,7 +74,7 @@ class ModelHealth(health.HealthServicer):  # type: ignore[misc]  # grpcio-health
     def Watch(self, request: Any, context: Any, send_response_callback: Any = None) -> Any:
         try:
             self._slots.take("Health/Watch")
-        except _Refused as e:
+        except Refused as e:
             context.abort(e.code, e.details)
         if not context.add_callback(self._slots.give_back):
             self._slots.give_back()  # the call ended already

@@ -29,7 +29,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from neuropod_serving.cli import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_HEADERS
+from neuropod_serving.defaults import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_HEADERS
 
 #: A head held for a body longer than this is written alone first (joining them would copy the body).
 JOIN_BELOW = 64 * 1024

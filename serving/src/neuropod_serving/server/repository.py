@@ -13,9 +13,10 @@ import logging
 from collections.abc import Mapping
 
 from neuropod.errors import NeuropodError
+from neuropod_serving.errors import UnknownModelError
 from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.server.engine import Engine
-from neuropod_serving.server.registry import ModelSettings, RepositoryEntry, UnknownModelError
+from neuropod_serving.server.registry import ModelSettings, RepositoryEntry
 
 log = logging.getLogger("neuropod_serving.server")
 
@@ -38,7 +39,7 @@ def index(engine: Engine, ready: bool = False) -> list[RepositoryEntry]:
 def load(engine: Engine, name: str, parameters: Mapping[str, object]) -> None:
     """Load (or reload) model ``name``, with the serving settings of a ``config`` parameter
     (:mod:`~neuropod_serving.server.config_override`) when there is one; in every process of
-    ``neuropod serve --processes`` (:mod:`~neuropod_serving.server.processes`).
+    ``neuropod serve --processes`` (:mod:`~neuropod_serving.processes`).
 
     :raises UnknownModelError: no package of the repository has that name.
     :raises ProtocolError: a parameter this server does not take, or a config it refuses.

@@ -46,6 +46,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, TextIO
 
 from neuropod.errors import NeuropodError
+from neuropod_serving.server import repository
+from neuropod_serving.server.launcher import read_tls, read_token, serve_models
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -220,8 +222,6 @@ class GroupMember:
             self._channel.reply(ident, False, NeuropodError(f"unknown group request {what!r}"))
 
     def _apply(self, ident: int, op: str, name: str, parameters: dict[str, Any] | None) -> None:
-        from neuropod_serving.server import repository
-
         engine = self._engine
         try:
             if engine is None:
@@ -238,8 +238,6 @@ class GroupMember:
 
 def _child_main(options: dict[str, Any], index: int, conn: Connection) -> None:
     """A server process: load the models, listen with SO_REUSEPORT, serve until SIGTERM."""
-    from neuropod_serving import cli
-
     member = GroupMember(conn, index)
     serving = threading.Event()
 
@@ -257,9 +255,9 @@ def _child_main(options: dict[str, Any], index: int, conn: Connection) -> None:
     if not args.quiet:  # a fresh interpreter: the parent's logging set-up, again
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:
-        token = cli.read_token(args.auth_token_file) if args.auth_token_file is not None else None
-        tls = cli.read_tls(args.tls_cert, args.tls_key)
-        cli.serve_models(args, token, tls, sys.stdout, group=member, on_serving=serving.set, table=index == 0)
+        token = read_token(args.auth_token_file) if args.auth_token_file is not None else None
+        tls = read_tls(args.tls_cert, args.tls_key)
+        serve_models(args, token, tls, sys.stdout, group=member, on_serving=serving.set, table=index == 0)
     except NeuropodError as e:
         member.failed(str(e))
         sys.exit(2)

@@ -1,0 +1,481 @@
+"""The models an :class:`~neuropod_serving.server.engine.Engine` serves and their lifecycle:
+a :class:`Runner` for each loaded version (its spec check, batcher, threads and
+:class:`~neuropod_serving.server.admission.Gate`), loading, reloading and unloading models (a
+replaced version drains its requests before it is closed), polling the repository, closing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from neuropod.errors import NeuropodError, PackageError
+from neuropod.spec import SpecValidator
+from neuropod_serving.defaults import DEFAULT_MAX_CONCURRENT
+from neuropod_serving.errors import UnknownModelError
+from neuropod_serving.server.admission import Gate, ModelLimits
+from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol
+from neuropod_serving.server.metrics import NoMetrics, Recorder
+from neuropod_serving.server.registry import (
+    MODEL_VERSION,
+    Catalog,
+    ModelRegistry,
+    ModelSettings,
+    ServedModel,
+)
+from neuropod_serving.server.versions import Found
+
+if TYPE_CHECKING:
+    from neuropod_serving.processes import GroupMember
+    from neuropod_serving.server.shared_memory import SharedMemoryRegistry
+
+log = logging.getLogger("neuropod_serving.server")
+
+#: Platforms whose models are arbitrary code (they may sleep or wait on I/O for any
+#: input): never run on the event loop, however fast their runs have been.
+NEVER_INLINE = frozenset({"python"})
+
+
+@dataclass(frozen=True)
+class ModelServing:
+    """How the engine serves one model: the settings its Triton model configuration
+    reports (:mod:`neuropod_serving.server.model_config`), read from this one place.
+
+    :param batching: the batch policy of the model's batcher; None when its requests
+        are not batched (no batch dimension in its spec, or batching off).
+    :param instances: copies of the model that run at once: its OPE workers (1 in process).
+    """
+
+    batching: BatchPolicy | None
+    instances: int
+
+
+@dataclass
+class Runner:
+    """How one served model runs: its validator, batcher and recent run time."""
+
+    served: ServedModel
+    #: What its model configuration reports (set where the batcher and workers are chosen).
+    serving: ModelServing
+    validator: SpecValidator
+    required: frozenset[str]
+    batcher: Batcher | None
+    #: Why the model is not batched ("" when it is, or when batching is off).
+    unbatched_reason: str
+    #: Whether the model may ever run on the event loop (in process, not arbitrary code, never slow yet).
+    inline_ok: bool
+    #: The spec's output names, in order: the order outputs go out when none were asked for.
+    output_names: list[str]
+    gate: Gate
+    #: Threads of this model's own for requests from an event loop: a busy model never holds another's.
+    executor: concurrent.futures.ThreadPoolExecutor
+    #: Requests of this model that may be running or waiting at once (admitted).
+    most_in_flight: int
+    ewma_s: float = 1.0  # until measured: assume slow (a thread)
+    #: The largest first input (bytes) of a run that took under INLINE_BELOW_S: a request
+    #: whose first input is larger never runs on the loop (a graph's run time grows with
+    #: its input). The first input only, so that the check costs the same for 2 inputs or 100.
+    inline_bytes: int = 0
+
+
+class ModelLifecycle:
+    """The engine's models: which are served and how (:meth:`get`, :meth:`serving`), and
+    loading, reloading, polling, unloading and closing them. :class:`~.engine.Engine` (its
+    parameters are documented there) adds the request path.
+    """
+
+    if TYPE_CHECKING:
+
+        def _timed(
+            self, runner: Runner, inputs: dict[str, np.ndarray], requested: list[str] | None,
+            parameters: Mapping[str, Any] | None = None,
+        ) -> dict[str, np.ndarray]: ...  # fmt: skip
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        *,
+        batching: BatchPolicy | None = None,
+        metrics: Recorder | None = None,
+        limits: ModelLimits | None = None,
+        shared_memory: SharedMemoryRegistry | None = None,
+    ) -> None:
+        self.registry = registry
+        self.shared_memory = shared_memory
+        self.batching = batching if batching is not None and batching.max_batch_size > 1 else None
+        self.metrics: Recorder = metrics if metrics is not None else NoMetrics()
+        #: OPE workers per model (1 in-process): batches in flight.
+        self.workers = max(1, int(registry.load_options.get("workers", 1)))
+        self.limits = limits if limits is not None else ModelLimits()
+        #: Runs of one model at once (unbatched).
+        self.max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * self.workers)
+        #: How a model is served unless a repository load's config says otherwise (:attr:`ServedModel.settings`).
+        self.default_settings = ModelSettings(
+            max_batch_size=self.batching.max_batch_size if self.batching is not None else 1,
+            max_queue_delay_us=round(self.batching.max_queue_delay_s * 1e6) if self.batching is not None else 0,
+            workers=self.workers,
+        )
+        #: Called with a model's name and what now serves it (None: unloaded) after every load and
+        #: unload (gRPC health's statuses follow them); called under the engine's lock, so keep them short.
+        self.listeners: list[Callable[[str, ServedModel | None], None]] = []
+        #: This process's place in ``neuropod serve --processes`` (None: a server of one process):
+        #: repository operations, metrics and readiness then go through the group.
+        self.group: GroupMember | None = None
+        self._runners: dict[tuple[str, str], Runner] = {}
+        #: Set by :meth:`close`: stops the repository poll (:meth:`start_polling`).
+        self._closing = threading.Event()
+        self._poller: threading.Thread | None = None
+        #: Seconds between polls of the repository; None: it is not polled.
+        self.poll_interval_s: float | None = None
+        #: What the polls last logged, by what it was about (each said once, not once per poll).
+        self._poll_said: dict[str, str] = {}
+        self._lock = threading.Lock()
+        for served in registry:
+            self._start(served)
+        self._update_loaded()
+
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        """:raises UnknownModelError: no such model or version is loaded (None: its latest)."""
+        return self.registry.get(name, version)
+
+    def serving(self, name: str, version: str | None = None) -> ModelServing:
+        """How model ``name`` (that version; None: its latest) is served (batching, instances).
+
+        :raises UnknownModelError: it is not loaded.
+        """
+        served = self.registry.get(name, version)
+        runner = self._runners.get((served.name, served.version))
+        if runner is None:
+            raise UnknownModelError(f"Request for unknown model: {name!r} is not found")
+        if runner.batcher is not None and not runner.batcher.merging:
+            # Its requests run one at a time now (a package the original Neuropod wrote, whose
+            # outputs did not keep the batch's rows): described as a model without batching.
+            return replace(runner.serving, batching=None)
+        return runner.serving
+
+    def batched(self, name: str, version: str | None = None) -> tuple[bool, str]:
+        """Whether requests to model ``name`` are batched, and if not, why (for the start-up table)."""
+        served = self.registry.get(name, version)
+        runner = self._runners[(served.name, served.version)]
+        if runner.batcher is not None and not runner.batcher.merging:
+            return False, "batching off: its outputs did not keep the batch's rows (a package the original Neuropod wrote)"
+        if runner.batcher is not None:
+            return True, ""
+        if runner.unbatched_reason:
+            return False, runner.unbatched_reason
+        settings = runner.served.settings
+        if settings is not None and "max_batch_size" in settings.overridden:
+            return False, f"batching off: its load config sets max_batch_size {settings.max_batch_size}"
+        return False, "batching off: no --max-batch-size"
+
+    def _start(self, served: ServedModel) -> None:
+        model = served.model
+        if served.settings is None:
+            served.settings = self.default_settings
+        settings = served.settings
+        workers = settings.workers
+        policy = (
+            BatchPolicy(settings.max_batch_size, settings.max_queue_delay_us / 1e6, settings.preferred_batch_sizes)
+            if settings.max_batch_size > 1
+            else None
+        )
+        max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * workers)
+        symbol, reason = batch_symbol(model.inputs, model.outputs)
+        batched = policy is not None and symbol is not None
+        concurrent_runs = max_concurrent
+        queued = f"--max-queued-requests {self.limits.max_queued}"
+        limits = f"neuropod serve --max-concurrent-runs {concurrent_runs} {queued}"
+        if batched:
+            assert policy is not None
+            # Requests a batcher may hold while running: its batches in flight, full.
+            concurrent_runs = workers * policy.max_batch_size
+            limits = (
+                f"{workers} batch(es) of up to {policy.max_batch_size} at once and {queued}: "
+                "neuropod serve --workers, --max-batch-size, --max-queued-requests"
+            )
+        if settings.overridden:
+            limits += f"; this model's load config set {', '.join(settings.overridden)}"
+        backend = getattr(model, "backend", None)
+        runner = Runner(
+            served=served,
+            serving=ModelServing(policy if batched else None, workers),
+            validator=SpecValidator(model.name, model.inputs, model.outputs, shared_symbols=shared_symbols(model)),
+            required=frozenset(s.name for s in model.inputs),
+            batcher=None,
+            unbatched_reason="" if symbol is not None else f"no batch dimension: {reason}",
+            # Out-of-process workers wait on a pipe: always a thread, so N workers run N requests.
+            inline_ok=in_process(model) and getattr(backend, "platform", None) not in NEVER_INLINE,
+            output_names=[s.name for s in model.outputs],
+            gate=Gate(served.name, concurrent_runs, concurrent_runs + self.limits.max_queued, limits),
+            executor=concurrent.futures.ThreadPoolExecutor(
+                max_concurrent, thread_name_prefix=f"neuropod-infer-{served.name}"
+            ),
+            most_in_flight=max(max_concurrent, concurrent_runs) + self.limits.max_queued,
+        )
+        if batched:
+            assert policy is not None
+            name, computed = model.name, self.metrics.computed
+
+            def observe(waited: list[float], seconds: float, rows: int, prepared: float, extracted: float) -> None:
+                computed(name, seconds, rows, len(waited), prepared, extracted, waited)
+
+            # Batched runs are timed as unbatched ones are: whether the model may run on the event
+            # loop follows its run time however its requests ran.
+            runner.batcher = Batcher(
+                name, functools.partial(self._timed, runner), policy, inflight=workers, observe=observe,
+                rows_promised=shared_symbols(model),
+            )  # fmt: skip
+        self._runners[(served.name, served.version)] = runner
+
+    @property
+    def most_in_flight(self) -> int:
+        """Requests of one model that may be running or waiting at once (admitted): with the
+        server's options, or the most of any model loaded with a config of its own."""
+        per_batcher = self.workers * self.batching.max_batch_size if self.batching is not None else 0
+        default = max(self.max_concurrent, per_batcher) + self.limits.max_queued
+        return max([default, *(r.most_in_flight for r in list(self._runners.values()))])
+
+    def load(self, name: str, *, settings: ModelSettings | None = None, drain_s: float = 30.0) -> ServedModel:
+        """Load (or reload) the versions of model ``name`` the version policy serves.
+
+        ``settings`` (a load's config override) serve them instead of the server's options; a
+        load without them serves them with the server's options again.
+
+        Each version is loaded before the one it replaces stops serving: requests already
+        running or queued on a replaced (or dropped) version finish on it, for up to
+        ``drain_s`` seconds, before it is closed; new ones go to the new one. A version that
+        fails to load replaces nothing: the versions loaded before keep serving, its failure
+        is the ``reason`` of its repository index entry, and it is raised.
+
+        :returns: the latest version of the model now served.
+        :raises UnknownModelError: no package of the repository has that name.
+        :raises PackageError: several packages are one of its versions, or one fails to load.
+        """
+        with self._lock:
+            catalog = self.registry.scan()
+            try:
+                plan = self.registry.plan(name, catalog)
+            except NeuropodError as e:
+                if name in self.registry or not isinstance(e, UnknownModelError):
+                    self._failed_all(name, e)
+                raise
+            retired, failures = self._apply(name, plan, catalog, settings, force=True)
+        self._retire(retired, drain_s)
+        if failures:
+            raise PackageError("; ".join(failures))
+        return self.registry.get(name)
+
+    def poll(self, drain_s: float = 30.0) -> None:
+        """Bring the loaded models in step with the repository as it is now: load the versions
+        the policy serves that are new or whose files changed, and unload those removed from it
+        (after their requests finish, as :meth:`load`). A version that fails to load is logged
+        once, listed with its reason, and tried again only once its files change; it replaces
+        nothing. When a repository PATH cannot be listed, nothing is unloaded this time."""
+        retired: list[tuple[ServedModel, Runner | None]] = []
+        # Listed (and new packages downloaded) before the lock: a slow store holds up no load or unload.
+        catalog = self.registry.scan()
+        with self._lock:
+            if self._closing.is_set():
+                return
+            removals = not catalog.errors
+            if self._said("listing", "; ".join(catalog.errors)):  # once per outage, not once per poll
+                for error in catalog.errors:
+                    log.warning("polling the model repository: %s; nothing is unloaded until it can be listed", error)
+            for name in sorted(set(catalog.models) | set(self.registry.names())):
+                if name not in catalog.models:
+                    if removals:
+                        log.info("model %r is no longer in the repository: unloading it", name)
+                        retired += self._remove(name, self.registry.versions(name))
+                        self._notify(name, None)
+                    continue
+                try:
+                    plan = self.registry.plan(name, catalog)
+                except NeuropodError as e:
+                    self._failed_all(name, e)
+                    if self._said(f"model {name}", str(e)):
+                        log.error("model %r: %s", name, e)
+                    continue
+                self._said(f"model {name}", "")
+                done, _ = self._apply(name, plan, catalog, None, force=False, removals=removals)
+                retired += done
+            self._update_loaded()
+        self._retire(retired, drain_s)
+
+    def _said(self, about: str, message: str) -> bool:
+        """Whether ``message`` about ``about`` is new since the last poll ("": nothing to say now)."""
+        if self._poll_said.get(about, "") == message:
+            return False
+        self._poll_said[about] = message
+        return bool(message)
+
+    def start_polling(self, interval_s: float) -> None:
+        """Call :meth:`poll` every ``interval_s`` seconds on a thread of its own, until :meth:`close`."""
+        if interval_s <= 0:
+            raise ValueError(f"the poll interval is a number of seconds above 0, not {interval_s}")
+        self.poll_interval_s = interval_s
+
+        def run() -> None:
+            while not self._closing.wait(interval_s):
+                try:
+                    self.poll()
+                except Exception:  # a poll's bug must not stop the next one
+                    log.exception("polling the model repository failed")
+
+        self._poller = threading.Thread(target=run, name="neuropod-repository-poll", daemon=True)
+        self._poller.start()
+
+    def _apply(
+        self, name: str, plan: dict[str, Found], catalog: Catalog, settings: ModelSettings | None, *,
+        force: bool, removals: bool = True,
+    ) -> tuple[list[tuple[ServedModel, Runner | None]], list[str]]:  # fmt: skip
+        """Make the loaded versions of ``name`` those of ``plan`` (with the engine's lock held).
+
+        :param force: load every version of the plan again; else only those new or changed
+            (and not those whose unchanged files failed before).
+        :param removals: unload the loaded versions the repository no longer holds.
+        :returns: the models replaced or dropped, with their runners (for :meth:`_retire`),
+            and the failures of the plan's versions.
+        """
+        registry = self.registry
+        options = registry.load_options if settings is None else registry.options_for(settings)
+        retired: list[tuple[ServedModel, Runner | None]] = []
+        failures: list[str] = []
+        changed = False
+        for version, found in plan.items():
+            current = registry.loaded(name, version)
+            if not force and current is not None and (current.where, current.stamp) == (found.where, found.stamp):
+                continue
+            failed = registry.failure(name, version)
+            if not force and failed is not None and found.stamp and failed[1] == found.stamp:
+                failures.append(failed[0])  # unchanged since it failed: not tried again
+                continue
+            try:
+                served = registry.open(found, name, options)
+            except NeuropodError as e:
+                kept = f"; still serving the model loaded before from {current.where}" if current is not None else ""
+                registry.failed(name, version, f"the last load failed: {e}{kept}", found.stamp)
+                if not force:
+                    log.error("loading version %s of model %r failed: %s%s", version, name, e, kept)
+                failures.append(f"version {version}: {e}" if version != MODEL_VERSION else str(e))
+                continue
+            served.settings = settings
+            old = registry.put(served)
+            old_runner = self._runners.get((name, version))
+            self._start(served)
+            if old is not None:
+                retired.append((old, old_runner))
+            if not force:
+                log.info("loaded version %s of model %r from %s", version, name, found.where)
+            changed = True
+        present = set(catalog.models.get(name, {}))
+        dropped = [
+            v for v in registry.versions(name)
+            # A version no longer served by the policy goes once every version that replaces it
+            # loaded: a broken new version replaces nothing.
+            if v not in plan and ((v not in present and removals) or (v in present and not failures))
+        ]  # fmt: skip
+        if dropped:
+            if not force:
+                log.info("unloading version(s) %s of model %r", ", ".join(dropped), name)
+            retired += self._remove(name, dropped)
+            changed = True
+        if changed or force:
+            self._update_loaded()
+            self._notify(name, registry.latest(name))
+        return retired, failures
+
+    def _failed_all(self, name: str, error: NeuropodError) -> bool:
+        """Keep ``error`` as the failure of every loaded version of ``name``; whether it is new."""
+        new = False
+        for version in self.registry.versions(name):
+            served = self.registry.loaded(name, version)
+            assert served is not None
+            reason = f"the last load failed: {error}; still serving the model loaded before from {served.where}"
+            if self.registry.failure(name, version) != (reason, served.stamp):
+                new = True
+            self.registry.failed(name, version, reason, served.stamp)
+        return new
+
+    def _remove(self, name: str, versions: Iterable[str]) -> list[tuple[ServedModel, Runner | None]]:
+        """Stop serving those versions of ``name`` (with the engine's lock held); close them with :meth:`_retire`."""
+        return [(self.registry.remove(name, v), self._runners.pop((name, v), None)) for v in list(versions)]
+
+    def _retire(self, retired: list[tuple[ServedModel, Runner | None]], drain_s: float) -> None:
+        """Close models no longer served, once the requests running or queued on them finished
+        (for up to ``drain_s`` seconds each)."""
+        for old, runner in retired:
+            if runner is not None:
+                if runner.batcher is not None:
+                    runner.batcher.close()
+                if not runner.gate.drain(drain_s):
+                    log.warning("model %r version %s stopped serving while requests still ran on it after %g s",
+                                old.name, old.version, drain_s)  # fmt: skip
+                runner.executor.shutdown(wait=False)
+            old.model.close()
+
+    def unload(self, name: str, drain_s: float = 30.0) -> None:
+        """Stop serving every version of model ``name`` and close them once their requests finish.
+
+        :raises UnknownModelError: it is not loaded.
+        """
+        with self._lock:
+            self.registry.get(name)
+            retired = self._remove(name, self.registry.versions(name))
+            self._update_loaded()
+            self._notify(name, None)
+        self._retire(retired, drain_s)
+
+    def _notify(self, name: str, served: ServedModel | None) -> None:
+        for listener in self.listeners:
+            try:
+                listener(name, served)
+            except Exception:  # a listener's bug must not fail a load that succeeded
+                log.exception("a listener of model %r's load or unload failed", name)
+
+    def _stop(self, key: tuple[str, str]) -> None:
+        runner = self._runners.pop(key, None)
+        if runner is None:
+            return
+        if runner.batcher is not None:
+            runner.batcher.close()
+        runner.executor.shutdown(wait=False)
+
+    def _update_loaded(self) -> None:
+        self.metrics.loaded(len(self.registry))
+
+    def close(self) -> None:
+        """Stop every batcher and thread (the repository poll's too) and close every model."""
+        self._closing.set()
+        if self._poller is not None and self._poller is not threading.current_thread():
+            self._poller.join()
+        with self._lock:
+            runners = list(self._runners.values())
+            for key in list(self._runners):
+                self._stop(key)
+            for runner in runners:
+                runner.executor.shutdown(wait=True)
+            self.registry.close()
+            if self.shared_memory is not None:
+                self.shared_memory.close()
+
+
+def in_process(model: Any) -> bool:
+    """Whether the model runs in this process (not in OPE workers or a backend environment)."""
+    return not type(model).__module__.startswith("neuropod.ope")
+
+
+def shared_symbols(model: Any) -> bool:
+    """Whether a spec symbol has one size across inputs and outputs (False for packages the
+    original Neuropod wrote: it checked inputs and outputs separately; see :class:`SpecValidator`)."""
+    package = getattr(model, "package", None)
+    return not getattr(package, "original_format", False)
+
+
+__all__ = ["NEVER_INLINE", "ModelLifecycle", "ModelServing", "Runner", "in_process", "shared_symbols"]
