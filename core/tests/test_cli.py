@@ -200,8 +200,8 @@ def test_broken_plugin_command_is_one_line(
 def test_serve_without_neuropod_serving_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import neuropod.cli
+    import neuropod.cli.plugin_commands
 
-    monkeypatch.setattr(neuropod.cli, "_plugin_commands", dict)
+    monkeypatch.setattr(neuropod.cli.plugin_commands, "_plugin_commands", dict)
     assert main(["serve", "model.neuropod", "--http-port", "9000"]) == 2
     assert plugins.pip_install("'neuropod-serving[server]'") in capsys.readouterr().err

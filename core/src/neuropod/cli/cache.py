@@ -1,0 +1,48 @@
+"""``neuropod cache``: verify and prune the package cache and the download cache."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TextIO
+
+from neuropod.cli.output import EXIT_TEST_FAILED
+from neuropod.errors import NeuropodError
+
+
+def cmd_cache_verify(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod import storage  # lazy: numpy, kept out of `neuropod --help`
+    from neuropod.package import cache_dir, verify_cache  # lazy: numpy, kept out of `neuropod --help`
+
+    found = False
+    for what, where, problems, again in (
+        ("Package cache", cache_dir() / "packages", verify_cache(repair=args.repair), "each zip is extracted again"),
+        ("Download cache", storage.downloads_dir(), storage.verify_downloads(repair=args.repair),
+         "each package is downloaded again"),
+    ):  # fmt: skip
+        if not problems:
+            print(f"{what} {where}: every entry matches its record", file=out)
+            continue
+        found = True
+        print(f"{what} {where}: {len(problems)} problem(s):", file=out)
+        for line in problems:
+            print(f"  {line}", file=out)
+        if args.repair:
+            print(f"Removed what was wrong; {again} the next time it is loaded.", file=out)
+        else:
+            print(f"Run `neuropod cache verify --repair` to remove them ({again} when next loaded).", file=out)
+    return EXIT_TEST_FAILED if found and not args.repair else 0
+
+
+def cmd_cache_prune(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod import storage  # lazy: numpy, kept out of `neuropod --help`
+
+    if not args.days >= 0:  # also NaN, which compares false with everything
+        raise NeuropodError(f"--days must be a number >= 0, not {args.days:g}")
+    gone = storage.prune_downloads(args.days, dry_run=args.dry_run)
+    verb = "Would remove" if args.dry_run else "Removed"
+    for path, url, size in gone:
+        print(f"{verb} {url or path} ({size:,} bytes, {path})", file=out)
+    total = sum(size for _, _, size in gone)
+    print(f"{verb} {len(gone)} download(s) unused for {args.days:g} day(s), {total:,} bytes, from "
+          f"{storage.downloads_dir()}", file=out)  # fmt: skip
+    return 0
