@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import neuropod
+from neuropod.create import PackageOptions, create_package, package_options
 from neuropod.errors import PackageError
-from neuropod.package import PackageOptions, create_package, package_options, read_package
+from neuropod.package import read_package
 
 from _toy_backend import ADD_CONFIG, PLATFORM, toy_plugin
 

@@ -154,10 +154,10 @@ class DeviceToyPlugin(ToyPlugin):
 
 @pytest.fixture
 def device_toy(monkeypatch: pytest.MonkeyPatch) -> Iterator[DeviceToyPlugin]:
-    import neuropod.model
+    import neuropod.loader
 
     # A host with two GPUs: resolution places GPU packages there (nothing runs on them: the toy is numpy).
-    monkeypatch.setattr(neuropod.model, "local_host", lambda: load_host(HOSTS / "two-a100.json"))
+    monkeypatch.setattr(neuropod.loader, "local_host", lambda: load_host(HOSTS / "two-a100.json"))
     plugin = DeviceToyPlugin()
     assert plugins.register(plugin, "toy")
     try:

@@ -21,7 +21,7 @@ import pytest
 from neuropod import cli, envs, plugins
 from neuropod.backend import Backend
 from neuropod.errors import NeuropodError, NoBackendError
-from neuropod.model import plan
+from neuropod.loader import plan
 
 from _toy_backend import toy_plugin, write_toy
 

@@ -10,7 +10,7 @@ import pytest
 
 import neuropod
 from neuropod.errors import BackendError, NeuropodError, NoBackendError, PackageError, SpecError
-from neuropod.model import compare_outputs, run_test_data
+from neuropod.testdata import compare_outputs, run_test_data
 from neuropod.testing import run_in_threads
 
 from _toy_backend import toy_plugin, write_toy
@@ -124,7 +124,7 @@ def test_import_neuropod_imports_no_framework_or_numpy() -> None:
 
 
 def test_lazy_public_names() -> None:
-    assert neuropod.load_neuropod is neuropod.model.load_neuropod
+    assert neuropod.load_neuropod is neuropod.loader.load_neuropod
     assert "load_neuropod" in dir(neuropod)
     with pytest.raises(AttributeError):
         neuropod.not_a_thing  # noqa: B018

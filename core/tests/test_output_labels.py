@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from neuropod.create import package_options, packager_config
 from neuropod.errors import PackageError
-from neuropod.package import package_options, packager_config, parse_config
+from neuropod.package import parse_config
 
 OUTPUTS = [{"name": "probs", "dtype": "float32", "shape": ["batch", 3]},
            {"name": "text", "dtype": "string", "shape": ["batch"]}]  # fmt: skip

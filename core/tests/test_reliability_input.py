@@ -30,8 +30,9 @@ from neuropod.backend import Backend, DeviceCaps
 from neuropod.cli import main
 from neuropod.devices import load_host
 from neuropod.errors import NeuropodError, PackageError
-from neuropod.model import plan
+from neuropod.loader import plan
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod.testdata import run_test_data
 from neuropod.versions import satisfies
 
 from _toy_backend import toy_plugin, write_toy
@@ -256,9 +257,9 @@ def test_item15_plan_and_run_test_data_check_their_arguments_first(tmp_path: Pat
     with pytest.raises(TypeError, match="package must be a path"):
         plan(42)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rtol must be a finite number >= 0, not nan"):
-        neuropod.model.run_test_data(missing, rtol=math.nan)
+        run_test_data(missing, rtol=math.nan)
     with pytest.raises(ValueError, match="workers must be at least 1"):
-        neuropod.model.run_test_data(missing, workers=-3)
+        run_test_data(missing, workers=-3)
 
 
 @pytest.mark.parametrize(

@@ -184,7 +184,7 @@ def test_invalid_device() -> None:
 def test_a_host_file_can_list_the_backends_of_the_machine_it_describes(tmp_path: Path) -> None:
     import json
 
-    from neuropod.model import plan
+    from neuropod.loader import plan
 
     from _toy_backend import write_toy
 

@@ -15,7 +15,7 @@ pytest.importorskip("onnx")
 
 from neuropod.cli import main
 from neuropod.errors import PackageError
-from neuropod.model import load_neuropod
+from neuropod.loader import load_neuropod
 from neuropod.testing import Served, served
 
 from conftest import adder_and_echo, free_port, private_caches

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from neuropod._version import __version__
 from neuropod.errors import (
     BackendError,
     NeuropodError,
@@ -21,11 +22,10 @@ from neuropod.errors import (
 )
 from neuropod.hookspecs import hookimpl
 
-__version__ = "0.4.0"
-
 if TYPE_CHECKING:
     from neuropod.backend import Backend, DeviceCaps
-    from neuropod.model import NeuropodModel, load_neuropod, plan
+    from neuropod.loader import load_neuropod, plan
+    from neuropod.model import NeuropodModel
     from neuropod.package import Package, read_package
     from neuropod.spec import TensorSpec
 
@@ -33,8 +33,8 @@ _LAZY = {
     "Backend": "neuropod.backend",
     "DeviceCaps": "neuropod.backend",
     "NeuropodModel": "neuropod.model",
-    "load_neuropod": "neuropod.model",
-    "plan": "neuropod.model",
+    "load_neuropod": "neuropod.loader",
+    "plan": "neuropod.loader",
     "Package": "neuropod.package",
     "read_package": "neuropod.package",
     "TensorSpec": "neuropod.spec",

@@ -197,7 +197,7 @@ class BackendConformance:
         return "float32" if "float32" in self.dtypes else self.dtypes[0]
 
     def _load(self, path: Path, **options: Any) -> Any:
-        from neuropod.model import load_neuropod
+        from neuropod.loader import load_neuropod
 
         return load_neuropod(path, device=self.device, backend=self.platform, **options)
 
@@ -280,8 +280,8 @@ class BackendConformance:
 
     @covers("load_model", "infer", runs_model=True)
     def test_package_with_test_data(self, tmp_path: Path) -> None:
-        from neuropod.model import run_test_data
         from neuropod.package import read_package
+        from neuropod.testdata import run_test_data
 
         dtype = self._first_dtype()
         ins, outs = self._pair_spec(dtype, ["a", "b"])
@@ -525,7 +525,7 @@ def assert_gpu_memory_given_back(
     import os
     import time
 
-    from neuropod.model import load_neuropod
+    from neuropod.loader import load_neuropod
 
     with load_neuropod(path, **load_kwargs) as model:
         device = model.device

@@ -23,9 +23,9 @@ from jax import export as jax_export
 import neuropod
 from neuropod import cli, plugins
 from neuropod.errors import NoBackendError, PackageError, SpecError
-from neuropod.model import run_test_data
 from neuropod.package import read_package
 from neuropod.packagers import create_jax_neuropod
+from neuropod.testdata import run_test_data
 from neuropod.testing import run_in_threads
 from neuropod.versions import satisfies
 from neuropod_jax import CUDA_PLUGINS

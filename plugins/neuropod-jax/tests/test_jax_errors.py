@@ -17,7 +17,7 @@ from jax import export as jax_export
 import neuropod
 from neuropod import cli
 from neuropod.errors import NeuropodError, NoBackendError, PackageError
-from neuropod.model import plan
+from neuropod.loader import plan
 from neuropod.package import read_package
 from neuropod.packagers import create_jax_neuropod
 from neuropod_jax._runtime import JaxModel

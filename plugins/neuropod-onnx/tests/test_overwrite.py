@@ -13,8 +13,8 @@ import pytest
 
 import neuropod
 from neuropod.errors import PackageError
-from neuropod.model import run_test_data
 from neuropod.packagers import create_onnx_neuropod
+from neuropod.testdata import run_test_data
 
 from conftest import ADDER_INPUT_SPEC, ADDER_OUTPUT_SPEC, xy
 

@@ -17,8 +17,9 @@ from torch.utils import _pytree as pytree
 
 import neuropod
 from neuropod import cli
+from neuropod.create import packager_config
 from neuropod.errors import NeuropodError, NoBackendError, PackageError, SpecError
-from neuropod.package import packager_config, read_package, write_package
+from neuropod.package import read_package, write_package
 from neuropod.packagers import create_aoti_neuropod
 from neuropod.spec import parse_spec
 from neuropod.testing import run_in_threads

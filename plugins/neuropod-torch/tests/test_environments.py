@@ -79,7 +79,7 @@ import json, sys, time
 import numpy as np
 import torch
 import neuropod
-from neuropod.model import plan
+from neuropod.loader import plan
 
 path, inputs_file = sys.argv[1:3]
 inputs = dict(np.load(inputs_file))

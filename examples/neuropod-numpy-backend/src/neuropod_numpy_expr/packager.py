@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neuropod.package import create_package
+from neuropod.create import create_package
 from neuropod.spec import parse_spec
 from neuropod_numpy_expr import MODEL_FILE, PLATFORM
 from neuropod_numpy_expr.expr import compile_expression
@@ -16,7 +16,7 @@ from neuropod_numpy_expr.expr import compile_expression
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from neuropod.package import PackageOptions
+    from neuropod.create import PackageOptions
 
 
 def create_numpy_expr_neuropod(
@@ -32,7 +32,7 @@ def create_numpy_expr_neuropod(
     :param expressions: output name to an expression of the inputs, e.g.
         ``{"out": "x + y"}``; checked against the whitelist before writing.
     :param options: the common keywords every packager takes
-        (:class:`neuropod.package.PackageOptions`): ``platform_version_semver``
+        (:class:`neuropod.create.PackageOptions`): ``platform_version_semver``
         (the numpy versions it works with), ``test_input_data`` and
         ``test_expected_out`` (stored, and the package is loaded and checked
         before this returns), ``package_as_zip``, ... The backend refuses
