@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import neuropod
 from neuropod import cli, envs, plugins
 from neuropod.backend import Backend
 from neuropod.errors import NeuropodError, NoBackendError
@@ -46,7 +47,7 @@ def fake_env(name: str, versions: list[str], platform: str = "toy", *, python: b
         "created": "2026-01-01T00:00:00+00:00",
         "python_version": "3.11.7",
         "neuropod": "0.4.0",
-        "neuropod_fingerprint": envs.core_fingerprint(Path(envs.__file__).parent),
+        "neuropod_fingerprint": envs.core_fingerprint(Path(neuropod.__file__).parent),
         "backends": [
             {"platform": platform, "version": v, "framework": "toyframework", "plugin": platform,
              "plugin_distribution": "toy-plugin 1.0", "cpu": True, "cuda": None, "compute_capabilities": []}
@@ -248,7 +249,7 @@ def test_local_sources(tmp_path: Path, record: dict[str, Any], expected: str | N
     (tmp_path / "neuropod-0.4.0-py3-none-any.whl").write_bytes(b"")
     tmp = str(tmp_path).lstrip("/")
     text = json.dumps({k: v.replace("/{tmp}", "/" + tmp) if k == "url" else v for k, v in record.items()})
-    assert envs._direct_path(text) == (expected.replace("{tmp}", str(tmp_path)) if expected else None)
+    assert envs.create._direct_path(text) == (expected.replace("{tmp}", str(tmp_path)) if expected else None)
 
 
 def test_requirements_pin_the_core_and_the_framework() -> None:
@@ -265,9 +266,9 @@ def test_environment_with_another_core_is_unusable(home: Path, tmp_path: Path) -
     record = json.loads((path / envs.ENV_FILE).read_text())
     # Another core: the same files but one changed, as after editing an editable install.
     other = tmp_path / "other-core"
-    shutil.copytree(Path(envs.__file__).parent, other, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(Path(neuropod.__file__).parent, other, ignore=shutil.ignore_patterns("__pycache__"))
     assert envs.core_fingerprint(other) == record["neuropod_fingerprint"]
-    (other / "envs.py").write_text((other / "envs.py").read_text() + "\n# changed\n")
+    (other / "envs" / "records.py").write_text((other / "envs" / "records.py").read_text() + "\n# changed\n")
     record["neuropod_fingerprint"] = envs.core_fingerprint(other)
     (path / envs.ENV_FILE).write_text(json.dumps(record))
     env = envs.get_environment("toy-1.5.0")

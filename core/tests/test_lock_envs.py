@@ -77,7 +77,7 @@ def _fake_lock_env(home: Path, name: str, *, used: str | None, summary: str = "s
     }  # fmt: skip
     (path / envs.ENV_FILE).write_text(json.dumps(record))
     if used is not None:
-        envs._record_use(path, "model_a", "/models/a")
+        envs.locks._record_use(path, "model_a", "/models/a")
         data = json.loads((path / envs.USERS_FILE).read_text())
         data["packages"][0]["last_used"] = used
         (path / envs.USERS_FILE).write_text(json.dumps(data))
@@ -91,8 +91,8 @@ def _ago(days: float) -> str:
 def test_usage_records_keep_the_latest_use_per_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEUROPOD_HOME", str(tmp_path))
     path = _fake_lock_env(tmp_path, "lock-py3.11-aaaaaaaaaaaa", used=_ago(5))
-    envs._record_use(path, "model_b", "/models/b")
-    envs._record_use(path, "model_a", "/models/a")
+    envs.locks._record_use(path, "model_b", "/models/b")
+    envs.locks._record_use(path, "model_a", "/models/a")
     (env,) = envs.list_environments()
     assert env.kind == "lock"
     assert [u["name"] for u in env.used_by] == ["model_a", "model_b"]

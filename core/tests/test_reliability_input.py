@@ -467,7 +467,7 @@ def _env_dir(name: str, record: str | None) -> Path:
 def _good_record(name: str, version: str) -> str:
     return json.dumps({
         "format": 1, "name": name, "spec": f"toy=={version}", "python_version": "3.11.7", "neuropod": "0.4.0",
-        "neuropod_fingerprint": envs.core_fingerprint(Path(envs.__file__).parent),
+        "neuropod_fingerprint": envs.core_fingerprint(Path(neuropod.__file__).parent),
         "backends": [{"platform": "toy", "version": version, "framework": "toyframework", "plugin": "toy",
                       "plugin_distribution": "toy-plugin 1.0", "cpu": True, "cuda": None, "compute_capabilities": []}],
     })  # fmt: skip
@@ -504,7 +504,7 @@ def test_item17_a_bad_environment_record_leaves_the_others_usable(
 
 
 def test_item17_pip_direct_url_nested_deep_is_ignored() -> None:
-    assert envs._direct_path('{"url": ' + "[" * 100_000 + "]" * 100_000 + "}") is None
+    assert envs.create._direct_path('{"url": ' + "[" * 100_000 + "]" * 100_000 + "}") is None
 
 
 def test_item17_host_file_nested_deep(tmp_path: Path) -> None:
