@@ -24,7 +24,7 @@ from neuropod.envs import environment_backends, get_environment, lock_environmen
 from neuropod.errors import BackendError, InProcessConflictError, NeuropodError, PackageError
 from neuropod.model import NeuropodModel, framework_error
 from neuropod.ope import start_pool
-from neuropod.ope._model import WorkerModel, options_for_worker
+from neuropod.ope.worker_model import WorkerModel, options_for_worker
 from neuropod.package import Package, read_package
 from neuropod.resolve import Resolution, parse_backend_pin, resolve
 

@@ -265,7 +265,7 @@ class NeuropodModel:
         parameters: Mapping[str, Any],
     ) -> Any:  # fmt: skip
         """:meth:`_run` for a call with request parameters: the backend's hook gets them when it
-        takes them (in this process, or in a worker: see :class:`~neuropod.ope.WorkerModel`);
+        takes them (in this process, or in a worker: see :class:`~neuropod.ope.worker_model.WorkerModel`);
         otherwise the model runs as without them, as Triton's backends ignore parameters they
         do not read."""
         if self._run_is_the_hook and self._infer_with_parameters is not None:

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from neuropod import plugins
+from neuropod._version import __version__
 from neuropod.errors import NoBackendError, SpecError, WorkerError
 from neuropod.ope._channel import (
     PROTOCOL,
@@ -48,6 +50,7 @@ from neuropod.ope._channel import (
     string_bytes,
     string_size,
 )
+from neuropod.package import read_package
 
 _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's value; the fcntl module names it from Python 3.12 on
 
@@ -80,9 +83,6 @@ class Worker:
         self.infer_with_parameters: Any = None
 
     def load(self, protocol: int, package_path: str, backend_id: str, device: str, options: dict[str, Any]) -> tuple[Any, ...]:
-        from neuropod import __version__, plugins
-        from neuropod.package import read_package
-
         if protocol != PROTOCOL:
             raise WorkerError(
                 f"This worker ({sys.executable}, neuropod {__version__}) speaks protocol {PROTOCOL}, the client "

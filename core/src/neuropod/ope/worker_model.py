@@ -13,7 +13,7 @@ import numpy as np
 
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.model import NeuropodModel
-from neuropod.ope import _Pool
+from neuropod.ope.pool import WorkerPool
 from neuropod.package import Package
 from neuropod.resolve import Resolution
 from neuropod.spec import DTYPES
@@ -29,7 +29,7 @@ class WorkerModel(NeuropodModel):
     garbage-collected, or at interpreter exit.
     """
 
-    def __init__(self, package: Package, resolution: Resolution, pool: _Pool):
+    def __init__(self, package: Package, resolution: Resolution, pool: WorkerPool):
         self._pool = pool
         super().__init__(package, resolution, pool)
         # The pool, not the model: the finalizer must not keep the model alive.
@@ -149,3 +149,6 @@ def options_for_worker(options: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(value, (bool, int, float, str, type(None))):
             raise NeuropodError(f"Load option {key}={value!r} cannot be sent to a worker: use a bool, number or string")
     return dict(options)
+
+
+__all__ = ["WorkerModel", "options_for_worker"]

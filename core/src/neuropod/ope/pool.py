@@ -1,0 +1,232 @@
+"""The workers of one model: :class:`WorkerPool` hands each call to an idle worker process, and
+:func:`start_pool` starts one for a model (see :mod:`neuropod.ope` for what out-of-process
+execution promises)."""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from neuropod._args import check_flag, check_seconds, check_workers
+from neuropod.errors import NeuropodError, WorkerError
+from neuropod.ope._channel import Block
+from neuropod.ope.fingerprint import package_fingerprint
+from neuropod.ope.process import HandedBlock, WorkerProcess
+from neuropod.package import Package
+
+#: Seconds a closed worker gets to exit by itself before it is killed.
+_STOP_WAIT = 2.0
+
+_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # The child's copies of the lifelines would keep workers alive after their parent died, and its
+    # copies of the pipes would keep a closed channel open: drop them (the parent keeps its own).
+    for pool in list(_live_pools):
+        pool.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class WorkerPool:
+    """The workers of one model, handing each call to an idle one."""
+
+    def __init__(
+        self, name: str, python: str, package_root: str, backend_id: str, device: str, options: Mapping[str, Any],
+        workers: int, restart: bool, timeout: float | None, gpu_uuid: str | None, package: Package | None,
+    ):  # fmt: skip
+        self.name = name
+        self.python = python
+        self.package_root = package_root
+        self.backend_id = backend_id
+        self.options = dict(options)
+        self.restart = restart
+        self.timeout = timeout
+        self.pid = os.getpid()
+        self.closed = False
+        # Reentrant: a model's finalizer (close) may run from garbage collection in any thread.
+        self.lock = threading.RLock()
+        self.handed: dict[int, HandedBlock] = {}
+        self.handed_gen = 0
+        self.forgotten: queue.SimpleQueue[HandedBlock] = queue.SimpleQueue()
+        self._ids = iter(range(1, 1 << 62))
+        env = dict(os.environ)
+        if os.path.realpath(python) != os.path.realpath(sys.executable):
+            # Another environment's interpreter must not see this one's paths.
+            env.pop("PYTHONPATH", None)
+            env.pop("PYTHONHOME", None)
+        # The worker sees only its own GPU (by UUID, stable across renumbering), or none.
+        env["CUDA_VISIBLE_DEVICES"] = gpu_uuid or ""
+        self.env = env
+        self.worker_device = "cuda:0" if gpu_uuid else "cpu"
+        self.device = device
+        self.fingerprint = package_fingerprint(package_root, package) if restart else None
+        #: Calls the workers answered, and the seconds their backend spent in ``infer`` for them.
+        self.runs = 0
+        self.run_s = 0.0
+        self.workers = [WorkerProcess(self) for _ in range(workers)]
+        self.idle: queue.SimpleQueue[WorkerProcess] = queue.SimpleQueue()
+        try:
+            for w in self.workers:
+                w.start()
+                self.idle.put(w)
+            if self.fingerprint is not None:
+                self.fingerprint.wait()
+        except BaseException:
+            self.close()
+            raise
+        _live_pools.add(self)
+
+    def new_block_id(self) -> int:
+        with self.lock:
+            return next(self._ids)
+
+    def _check_usable(self) -> None:
+        if os.getpid() != self.pid:
+            raise WorkerError(
+                f"Model {self.name!r} was loaded in process {self.pid}, and this is a forked child (pid "
+                f"{os.getpid()}): a model's workers cannot cross fork(). Load the model again in the child "
+                "(for example in a post-fork hook), or load it only after forking."
+            )
+        if self.closed:
+            raise NeuropodError(f"Model {self.name!r} is closed")
+
+    def infer(
+        self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        self._check_usable()
+        if not self.forgotten.empty():
+            self._collect()
+        worker = self.idle.get()
+        try:
+            if self.closed:  # while this call waited for a worker
+                raise NeuropodError(f"Model {self.name!r} is closed")
+            if worker.failed:
+                if not self.restart:
+                    raise WorkerError(
+                        f"The worker for model {self.name!r} has stopped: {worker.reason}. "
+                        "Load the model again, or pass restart=True to start a new worker after a failure."
+                    )
+                worker.restart()
+            elif not worker.alive:  # died between calls: say so now, restart (if allowed) on the next call
+                raise worker._failure("died")
+            if parameters is None:
+                return worker.infer(inputs, requested)
+            return worker.infer(inputs, requested, parameters)
+        finally:
+            if self.closed and self._own():
+                worker._teardown()
+            self.idle.put(worker)
+
+    def _own(self) -> bool:
+        return os.getpid() == self.pid
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """An uninitialised array in a new shared-memory block (arguments checked by the caller)."""
+        self._check_usable()
+        if not self.forgotten.empty():
+            self._collect()
+        nbytes = math.prod(shape) * dtype.itemsize
+        block, fd = Block.create(self.new_block_id(), nbytes)
+        whole = block.fresh()
+        arr = whole[:nbytes].view(dtype).reshape(shape)
+        handed = HandedBlock(block, fd, whole, arr)
+        with self.lock:
+            self.handed[handed.key] = handed
+        # Only the queue: collecting (closing the descriptor) happens in an ordinary call, never inside GC.
+        weakref.finalize(whole, self.forgotten.put, handed)
+        return arr
+
+    def _collect(self) -> None:
+        """Forget the blocks of empty() arrays that are gone; the workers unmap them on their next call."""
+        gone = []
+        with self.lock:
+            while True:
+                try:
+                    h = self.forgotten.get_nowait()
+                except queue.Empty:
+                    break
+                if self.handed.get(h.key) is h:
+                    del self.handed[h.key]
+                    gone.append(h)
+            self.handed_gen += 1
+        for h in gone:
+            os.close(h.fd)
+
+    def close(self) -> None:
+        """Stop the workers: an idle one gets a moment to exit by itself, a busy one is killed."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        _live_pools.discard(self)
+        if not self._own():
+            return  # a forked child: the workers are its parent's
+        idle = []
+        while True:
+            try:
+                idle.append(self.idle.get_nowait())
+            except queue.Empty:
+                break
+        for w in self.workers:
+            if w not in idle:
+                w.kill()  # its call fails now; the thread that runs it tears the worker down
+        for w in idle:
+            if w.channel is not None:
+                w.channel.close()
+                w.channel = None
+        deadline = time.monotonic() + _STOP_WAIT
+        for w in idle:
+            w._teardown(deadline)
+        for w in idle:
+            self.idle.put(w)  # a call that passed the closed check before close() must not wait forever
+        with self.lock:
+            handed, self.handed = list(self.handed.values()), {}
+        for h in handed:
+            os.close(h.fd)  # the arrays keep their mapping; only resending them needed the descriptor
+
+    def forget_after_fork(self) -> None:
+        for w in self.workers:
+            w.forget_after_fork()
+
+
+def _check_start_args(workers: object, restart: object, timeout: object) -> None:
+    check_workers(workers)
+    check_flag("restart", restart)
+    check_seconds("timeout", timeout)
+
+
+def start_pool(
+    name: str, python: str, package_root: str, backend_id: str, device: str, options: Mapping[str, Any],
+    *, workers: int = 1, restart: bool = False, timeout: float | None = None, gpu_uuid: str | None = None,
+    package: Package | None = None,
+) -> WorkerPool:  # fmt: skip
+    """Start the worker(s) for one model; each loads it before this returns.
+
+    :param package: the package as the caller read (and verified) it: with
+        ``restart=True``, a restart checks the files against its manifest.
+        Without it, the manifest on disk is read now.
+    :raises TypeError, ValueError: ``workers``, ``restart`` or ``timeout`` is of the wrong type or value.
+    """
+    _check_start_args(workers, restart, timeout)
+    if not sys.platform.startswith("linux"):
+        raise NeuropodError("Out-of-process execution needs Linux (memfd shared memory)")
+    return WorkerPool(
+        name, python, package_root, backend_id, device, options, int(workers), bool(restart),
+        None if timeout is None else float(timeout), gpu_uuid, package,
+    )  # fmt: skip
+
+
+__all__ = ["WorkerPool", "start_pool"]
