@@ -41,7 +41,8 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor, 
 from neuropod.testing import served  # noqa: E402
 from neuropod_serving.protocol import ProtocolError  # noqa: E402
 from neuropod_serving.protocol.shm_params import SharedMemoryRequest, SharedTensor  # noqa: E402
-from neuropod_serving.server.shared_memory import IPC_HANDLE_BYTES, SharedMemoryRegistry, ipc_handle  # noqa: E402
+from neuropod_serving.server.cuda_ipc import IPC_HANDLE_BYTES, ipc_handle  # noqa: E402
+from neuropod_serving.server.shm_regions import SharedMemoryRegistry  # noqa: E402
 
 from conftest import adder_and_echo, private_caches  # noqa: E402
 

@@ -24,7 +24,7 @@ pytest.importorskip("httpx")
 
 from neuropod.errors import PackageError
 from neuropod_serving.server import ModelRegistry
-from neuropod_serving.server.versions import VersionPolicy
+from neuropod_serving.server.served_versions import VersionPolicy
 from versions_helpers import (
     answer,
     build_scalers,

@@ -67,7 +67,7 @@ def serving(paths: list[Any], *, policy: str | None = None, poll: float | None =
     import httpx
 
     from neuropod_serving.server import Engine, ModelRegistry, create_app
-    from neuropod_serving.server.versions import VersionPolicy
+    from neuropod_serving.server.served_versions import VersionPolicy
 
     registry = ModelRegistry.load(paths, policy=VersionPolicy.parse(policy) if policy else None,
                                   storage_options=storage_options)  # fmt: skip

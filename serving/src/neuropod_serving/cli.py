@@ -191,7 +191,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def _version_policy(text: str) -> Any:
     # lazy: numpy (neuropod_serving.server's engine), kept out of `neuropod serve --help`
-    from neuropod_serving.server.versions import VersionPolicy
+    from neuropod_serving.server.served_versions import VersionPolicy
 
     try:
         return VersionPolicy.parse(text)

@@ -28,7 +28,7 @@ from neuropod_serving.server.launcher import (
     serving_line,
     show_host,
 )
-from neuropod_serving.server.versions import scan_local
+from neuropod_serving.server.served_versions import scan_local
 
 log = logging.getLogger("neuropod_serving.cli")
 

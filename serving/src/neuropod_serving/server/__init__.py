@@ -25,7 +25,7 @@ from neuropod_serving.server.registry import (
     find_packages,
     is_package,
 )
-from neuropod_serving.server.versions import VersionPolicy
+from neuropod_serving.server.served_versions import VersionPolicy
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from neuropod_serving.server.metrics import ServerMetrics
+
 REST = "rest"
 GRPC = "grpc"
 _BOTH = frozenset({REST, GRPC})
@@ -39,8 +41,6 @@ NEEDS_SHARED_MEMORY = frozenset({"system_shared_memory", "cuda_shared_memory"})
 
 def listed(protocol: str, engine: Any) -> list[str]:
     """The extensions ``protocol`` (``"rest"`` or ``"grpc"``) serves for ``engine``, in table order."""
-    from neuropod_serving.server.metrics import ServerMetrics
-
     statistics = isinstance(engine.metrics, ServerMetrics)
     shared_memory = getattr(engine, "shared_memory", None) is not None
     return [

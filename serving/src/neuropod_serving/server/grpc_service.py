@@ -157,7 +157,7 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
     def _infer_shared(
         self, state: _InferState, served: Any, decoded: Any, requested: list[str] | None, context: Any
     ) -> bytes:
-        """:meth:`model_infer` of a request with tensors in shared memory (see :mod:`.shared_memory`)."""
+        """:meth:`model_infer` of a request with tensors in shared memory (see :mod:`.shm_regions`)."""
         state.failure = "client"
         held = shared_memory_api.lease(self.engine, decoded)
         try:

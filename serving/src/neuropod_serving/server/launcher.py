@@ -28,7 +28,7 @@ from neuropod_serving.server.batching import BatchPolicy
 from neuropod_serving.server.engine import Engine
 from neuropod_serving.server.metrics import ServerMetrics, WorkerRunWatch
 from neuropod_serving.server.registry import MODEL_VERSION, ModelRegistry
-from neuropod_serving.server.shared_memory import SharedMemoryRegistry
+from neuropod_serving.server.shm_regions import SharedMemoryRegistry
 
 
 def read_token(path: Path) -> str:

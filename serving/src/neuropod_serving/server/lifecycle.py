@@ -30,11 +30,11 @@ from neuropod_serving.server.registry import (
     ModelSettings,
     ServedModel,
 )
-from neuropod_serving.server.versions import Found
+from neuropod_serving.server.served_versions import Found
 
 if TYPE_CHECKING:
     from neuropod_serving.processes import GroupMember
-    from neuropod_serving.server.shared_memory import SharedMemoryRegistry
+    from neuropod_serving.server.shm_regions import SharedMemoryRegistry
 
 log = logging.getLogger("neuropod_serving.server")
 

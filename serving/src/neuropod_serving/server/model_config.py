@@ -129,6 +129,7 @@ def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
 
 def model_config_message(config: dict[str, Any]) -> triton_config_pb2.ModelConfigResponse:
     """The gRPC ModelConfigResponse holding a :func:`model_config` dict."""
+    # lazy: protobuf, kept out of a REST-only server (the REST app imports this module)
     from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 
     def tensors(entries: list[dict[str, Any]], kind: Any) -> list[Any]:

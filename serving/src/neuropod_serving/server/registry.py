@@ -1,7 +1,7 @@
 """The models a server serves, by name and version, and the repository they come from.
 
 The repository is the PATHs ``neuropod serve`` was given (folders, packages, URLs of object
-store prefixes; see :mod:`~neuropod_serving.server.versions` for what they may hold). Each
+store prefixes; see :mod:`~neuropod_serving.server.served_versions` for what they may hold). Each
 model's versions that the version policy serves are loaded at start; the engine loads and
 unloads them later (repository requests, polls) through :meth:`ModelRegistry.scan`,
 :meth:`ModelRegistry.plan`, :meth:`ModelRegistry.open`, :meth:`ModelRegistry.put` and
@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuropod import load_neuropod
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.model import NeuropodModel
+from neuropod.package import read_package
 from neuropod.spec import TensorSpec
+from neuropod.storage import as_downloaded, is_package_url
 from neuropod_serving.errors import ModelBusyError, UnknownModelError
 from neuropod_serving.protocol import model_metadata
-from neuropod_serving.server.versions import Found, RemoteRepository, VersionPolicy, is_package, scan_local
+from neuropod_serving.server.served_versions import Found, RemoteRepository, VersionPolicy, is_package, scan_local
 
 #: The one version every served model has: a package carries no version of
 #: its own, and OIP clients that name a version expect one to exist.
@@ -83,7 +86,7 @@ class ServedModel:
     alias: str | None = None
     #: Where it was loaded from, as messages show it (a local path, or a URL); "" for ``path``.
     where: str = ""
-    #: What its files were when it was loaded (see :class:`~neuropod_serving.server.versions.Found`).
+    #: What its files were when it was loaded (see :class:`~neuropod_serving.server.served_versions.Found`).
     stamp: str = ""
     #: The body of ``GET /v2/models/{name}``, built once.
     metadata: dict[str, Any] = field(init=False)
@@ -192,8 +195,6 @@ class ModelRegistry:
         policy: VersionPolicy | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from neuropod.storage import is_package_url
-
         self._models: dict[str, dict[str, ServedModel]] = {}
         #: The latest loaded version of each model (what a request naming no version gets): kept
         #: by every change, so that a request's lookup is one dict read while a poll changes them.
@@ -261,8 +262,6 @@ class ModelRegistry:
         :raises PackageError: with ``strict``, as :func:`.versions.scan_local` and
             :meth:`.versions.RemoteRepository.scan` do.
         """
-        from neuropod.package import read_package
-
         found: list[Found] = []
         errors: list[str] = []
         for source in self._sources:
@@ -397,15 +396,11 @@ class ModelRegistry:
             raise PackageError(found.problem)
         loader = self._loader
         if loader is None:
-            from neuropod import load_neuropod
-
             loader = load_neuropod
         try:
             model = loader(found.path, **options)
         except PackageError as e:
             if found.where != str(found.path):
-                from neuropod.storage import as_downloaded
-
                 raise as_downloaded(e, found.path, found.where) from None
             raise
         try:

@@ -13,8 +13,10 @@ import logging
 from collections.abc import Mapping
 
 from neuropod.errors import NeuropodError
+from neuropod.package import read_package
 from neuropod_serving.errors import UnknownModelError
 from neuropod_serving.protocol import ProtocolError
+from neuropod_serving.server.config_override import settings_from_config
 from neuropod_serving.server.engine import Engine
 from neuropod_serving.server.registry import ModelSettings, RepositoryEntry
 
@@ -64,9 +66,6 @@ def load_here(engine: Engine, name: str, parameters: Mapping[str, object]) -> No
     settings: ModelSettings | None = None
     try:
         if CONFIG_PARAMETER in parameters:
-            from neuropod.package import read_package
-            from neuropod_serving.server.config_override import settings_from_config
-
             package = read_package(engine.registry.package_path(name)).config
             try:
                 settings = settings_from_config(parameters[CONFIG_PARAMETER], package, engine.default_settings)

@@ -1,5 +1,5 @@
 """Triton's shared-memory extensions on both front ends: the REST routes, the gRPC RPCs, and the
-steps an inference request with tensors in shared memory adds (see :mod:`.shared_memory`).
+steps an inference request with tensors in shared memory adds (see :mod:`.shm_regions`).
 
 A request without tensors in shared memory never comes here: the front ends check
 ``InferRequest.shared_memory is not None`` (one attribute) and go their usual way.
@@ -17,7 +17,7 @@ from neuropod_serving.errors import ProtocolError
 from neuropod_serving.protocol.bodies import Body
 from neuropod_serving.protocol.inference import InferRequest, build_shared_response
 from neuropod_serving.server.registry import ServedModel
-from neuropod_serving.server.shared_memory import (
+from neuropod_serving.server.shm_regions import (
     CUDA,
     ENABLE_HINT,
     SYSTEM,
@@ -66,7 +66,7 @@ def grpc_message(
     held: Lease, served: ServedModel, decoded: InferRequest, outputs: dict[str, np.ndarray[Any, Any]]
 ) -> bytes:
     """Write the outputs placed in shared memory and serialize the ModelInferResponse."""
-    from neuropod_serving.protocol import grpc_codec
+    from neuropod_serving.protocol import grpc_codec  # lazy: protobuf, kept out of a REST-only server
 
     written = held.write_outputs(outputs)
     return grpc_codec.serialize_shared_response(
@@ -150,6 +150,7 @@ class SharedMemoryRpcs:
     engine: Any
 
     def system_shared_memory_status(self, request: Any, context: Any) -> Any:
+        # lazy: protobuf, kept out of a REST-only server
         from neuropod_serving.protocol._grpc import triton_shm_pb2 as shm_pb
 
         response = shm_pb.SystemSharedMemoryStatusResponse()
@@ -160,18 +161,21 @@ class SharedMemoryRpcs:
         return response
 
     def system_shared_memory_register(self, request: Any, context: Any) -> Any:
+        # lazy: protobuf, kept out of a REST-only server
         from neuropod_serving.protocol._grpc import triton_shm_pb2 as shm_pb
 
         registry_of(self.engine).register_system(request.name, request.key, request.offset, request.byte_size)
         return shm_pb.SystemSharedMemoryRegisterResponse()
 
     def system_shared_memory_unregister(self, request: Any, context: Any) -> Any:
+        # lazy: protobuf, kept out of a REST-only server
         from neuropod_serving.protocol._grpc import triton_shm_pb2 as shm_pb
 
         registry_of(self.engine).unregister(SYSTEM, request.name)
         return shm_pb.SystemSharedMemoryUnregisterResponse()
 
     def cuda_shared_memory_status(self, request: Any, context: Any) -> Any:
+        # lazy: protobuf, kept out of a REST-only server
         from neuropod_serving.protocol._grpc import triton_shm_pb2 as shm_pb
 
         response = shm_pb.CudaSharedMemoryStatusResponse()
@@ -181,12 +185,14 @@ class SharedMemoryRpcs:
         return response
 
     def cuda_shared_memory_register(self, request: Any, context: Any) -> Any:
+        # lazy: protobuf, kept out of a REST-only server
         from neuropod_serving.protocol._grpc import triton_shm_pb2 as shm_pb
 
         registry_of(self.engine).register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
         return shm_pb.CudaSharedMemoryRegisterResponse()
 
     def cuda_shared_memory_unregister(self, request: Any, context: Any) -> Any:
+        # lazy: protobuf, kept out of a REST-only server
         from neuropod_serving.protocol._grpc import triton_shm_pb2 as shm_pb
 
         registry_of(self.engine).unregister(CUDA, request.name)

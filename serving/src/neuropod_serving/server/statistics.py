@@ -164,6 +164,7 @@ def model_statistics(
 
 def statistics_response(model_stats: list[dict[str, Any]]) -> triton_config_pb2.ModelStatisticsResponse:
     """The gRPC ModelStatisticsResponse of REST's ``{"model_stats": [...]}`` entries."""
+    # lazy: protobuf, kept out of a REST-only server (the REST app imports this module)
     from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 
     def duration(d: dict[str, int]) -> Any:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from neuropod import storage
 from neuropod.errors import NeuropodError, PackageError
 
 _CONFIG = "config.json"
@@ -224,8 +225,6 @@ class RemoteRepository:
     """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        from neuropod import storage
-
         self.url = url
         self.where = storage.shown(url)
         self.storage_options = dict(storage_options or {})
@@ -239,8 +238,6 @@ class RemoteRepository:
         :raises PackageError: the URL cannot be listed (names it, and why).
         :raises PluginNotInstalledError: its filesystem is not installed.
         """
-        from neuropod import storage
-
         files = storage.list_objects(self.url, storage_options=self.storage_options)
         base = self.url.rstrip("/")
         # "": the URL is one object, a package zip.
@@ -255,8 +252,6 @@ class RemoteRepository:
         return found
 
     def _fetch(self, base: str, rel: str, version: str, folder: str | None, stamp: str, problem: str) -> Found:
-        from neuropod import storage
-
         url = f"{base}/{rel}" if rel else self.url
         where = storage.shown(url)
         if problem:
@@ -275,12 +270,11 @@ class RemoteRepository:
 def _stamp(files: Mapping[str, Mapping[str, Any]], prefix: str) -> str:
     """A digest of what identifies the objects at ``prefix`` (all of them for ""): what a download
     of them is keyed by (:func:`neuropod.storage.object_identity`: ETags, sizes...)."""
-    from neuropod.storage import object_identity
 
     h = hashlib.sha256()
     for rel in sorted(files):
         if prefix == "" or rel == prefix or rel.startswith(prefix + "/"):
-            h.update(f"{rel}\0{sorted((k, str(v)) for k, v in object_identity(files[rel]).items())}\n".encode())
+            h.update(f"{rel}\0{sorted((k, str(v)) for k, v in storage.object_identity(files[rel]).items())}\n".encode())
     return h.hexdigest()
 
 

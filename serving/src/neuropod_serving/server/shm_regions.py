@@ -13,8 +13,8 @@ input out of the region and writes the requested output into it.
   unregistration or when the server stops; the object itself is the client's and is
   never unlinked.
 - **CUDA regions** are CUDA IPC handles opened with the CUDA runtime library
-  (``libcudart``, looked up when the first one is registered, never at import): only
-  where NVML sees a GPU and the library loads.
+  (``libcudart``, looked up when the first one is registered, never at import, by
+  :mod:`~neuropod_serving.server.cuda_ipc`): only where NVML sees a GPU and the library loads.
 - **Inputs are copied** out of the region before the model runs (one memory copy of
   each: the model gets writable arrays of its own, and a client writing to the region
   while the model runs cannot change them under it). Outputs are written after the
@@ -32,10 +32,7 @@ input out of the region and writes the requested output into it.
 from __future__ import annotations
 
 import base64
-import ctypes
 import errno
-import functools
-import glob
 import logging
 import mmap
 import os
@@ -56,6 +53,7 @@ from neuropod_serving.protocol.shm_params import (
     response_parameters,
 )
 from neuropod_serving.protocol.tensors import decode_tensor, encode_tensor
+from neuropod_serving.server.cuda_ipc import cuda_runtime
 
 log = logging.getLogger("neuropod_serving.server")
 
@@ -184,7 +182,7 @@ class _CudaRegion(_Region):
     def __init__(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         super().__init__(name, byte_size)
         self.device_id = device_id
-        self._cuda = _cuda_runtime()
+        self._cuda = cuda_runtime()
         self._ptr = self._cuda.open(name, raw_handle, device_id, byte_size)
 
     def status(self) -> dict[str, Any]:
@@ -498,131 +496,6 @@ def decode_raw_handle(value: object, name: str) -> bytes:
         return base64.b64decode(b64, validate=True)
     except ValueError:
         raise _refused(f"cannot register CUDA shared memory region {name!r}: raw_handle.b64 is not base64") from None
-
-
-# -- the CUDA runtime, found when first needed ---------------------------------------------
-
-#: Bytes of a cudaIpcMemHandle_t.
-IPC_HANDLE_BYTES = 64
-_CUDA_MEMCPY_HOST_TO_DEVICE = 1
-_CUDA_MEMCPY_DEVICE_TO_HOST = 2
-_CUDA_IPC_LAZY_ENABLE_PEER_ACCESS = 1
-
-
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
-
-
-def ipc_handle(raw_handle: bytes) -> _IpcHandle:
-    """A cudaIpcMemHandle_t holding ``raw_handle``'s bytes, all of them (assigning bytes to a ctypes
-    char array would stop at the first NUL, and handles hold many)."""
-    return _IpcHandle.from_buffer_copy(raw_handle)
-
-
-class _CudaRuntime:
-    """The few CUDA runtime calls CUDA shared memory needs, through ctypes on ``libcudart``."""
-
-    def __init__(self, library: ctypes.CDLL, path: str) -> None:
-        self.path = path
-        self._lib = library
-        self._lock = threading.Lock()
-        library.cudaSetDevice.argtypes = [ctypes.c_int]
-        library.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
-        library.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
-        library.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        library.cudaGetErrorString.argtypes = [ctypes.c_int]
-        library.cudaGetErrorString.restype = ctypes.c_char_p
-        library.cudaGetDeviceCount.argtypes = [ctypes.POINTER(ctypes.c_int)]
-
-    def _check(self, code: int, what: str) -> None:
-        if code != 0:
-            reason = self._lib.cudaGetErrorString(code).decode("utf-8", "replace")
-            raise _refused(f"{what}: CUDA error {code} ({reason})")
-
-    def open(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> int:
-        what = f"cannot register CUDA shared memory region {name!r}"
-        if len(raw_handle) != IPC_HANDLE_BYTES:
-            raise _refused(f"{what}: raw_handle is {len(raw_handle)} bytes; a CUDA IPC handle is {IPC_HANDLE_BYTES}")
-        count = ctypes.c_int(0)
-        self._check(self._lib.cudaGetDeviceCount(ctypes.byref(count)), what)
-        if device_id >= count.value:
-            raise _refused(f"{what}: device_id {device_id} is not a GPU of this machine (it has {count.value})")
-        handle = ipc_handle(raw_handle)
-        pointer = ctypes.c_void_p()
-        with self._lock:
-            self._check(self._lib.cudaSetDevice(device_id), what)
-            self._check(self._lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), handle,
-                                                      _CUDA_IPC_LAZY_ENABLE_PEER_ACCESS), what)  # fmt: skip
-        address = int(pointer.value or 0)
-        size = _allocation_size(address)
-        if size is not None and byte_size > size:
-            self.close(device_id, address)
-            raise _refused(f"{what}: byte_size {byte_size} is more than the {size} bytes the handle's memory holds")
-        return address
-
-    def copy(self, device_id: int, dst: int, src: int, size: int, *, to_device: bool) -> None:
-        kind = _CUDA_MEMCPY_HOST_TO_DEVICE if to_device else _CUDA_MEMCPY_DEVICE_TO_HOST
-        # The current device is per thread: set it on the thread that copies.
-        self._check(self._lib.cudaSetDevice(device_id), "CUDA shared memory")
-        self._check(self._lib.cudaMemcpy(dst, src, size, kind), "copying to or from CUDA shared memory")
-
-    def close(self, device_id: int, address: int) -> None:
-        code = self._lib.cudaSetDevice(device_id) or self._lib.cudaIpcCloseMemHandle(address)
-        if code:
-            log.warning("closing a CUDA IPC handle failed: CUDA error %d", code)
-
-
-def _allocation_size(address: int) -> int | None:
-    """The size of the device allocation ``address`` is in (the driver's cuMemGetAddressRange), or None
-    when the driver library cannot say."""
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-        query = driver.cuMemGetAddressRange_v2
-    except (OSError, AttributeError):
-        return None
-    query.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    if query(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)) != 0:
-        return None
-    return int(size.value) - (address - int(base.value))
-
-
-def _cudart_candidates() -> list[str]:
-    names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
-    # The runtime NVIDIA's wheels install (with torch, cupy or cuda-python), found without importing them.
-    for root in sys.path:
-        names += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_runtime", "lib", "libcudart.so*")), reverse=True)
-        names += sorted(glob.glob(os.path.join(root, "nvidia", "cu1*", "lib", "libcudart.so*")), reverse=True)
-        names += sorted(glob.glob(os.path.join(root, "torch", "lib", "libcudart*.so*")), reverse=True)
-    return names
-
-
-@functools.cache
-def _cuda_runtime_or_reason() -> tuple[_CudaRuntime | None, str]:
-    from neuropod.devices import local_host
-
-    host = local_host()
-    if not host.has_gpu:
-        return None, f"no GPU found ({host.note or 'NVML sees none'})"
-    tried = []
-    for candidate in _cudart_candidates():
-        try:
-            library = ctypes.CDLL(candidate)
-        except OSError:
-            tried.append(candidate)
-            continue
-        return _CudaRuntime(library, candidate), ""
-    return None, (
-        "no CUDA runtime library found (libcudart: install one, e.g. pip install nvidia-cuda-runtime-cu12, "
-        "or a CUDA build of torch)"
-    )
-
-
-def _cuda_runtime() -> _CudaRuntime:
-    runtime, reason = _cuda_runtime_or_reason()
-    if runtime is None:
-        raise _refused(f"CUDA shared memory needs a GPU and the CUDA runtime (libcudart): {reason}")
-    return runtime
 
 
 __all__ = ["CUDA", "ENABLE_HINT", "MAX_REGIONS", "SYSTEM", "Lease", "SharedMemoryRegistry"]
