@@ -1,45 +1,9 @@
-"""The extraction cache: each zip package unpacked once, keyed by the zip's sha256.
-
-The cache is a performance device, not a source of truth. Layout::
-
-    $NEUROPOD_CACHE_DIR/packages/<sha256 of the zip>/
-        files/         the zip's members, extracted
-        record.json    written last: the zip's sha256 and every file's size,
-                       mtime_ns and sha256
-
-What it trusts, and why:
-
-* An entry is only ever made from bytes whose hash is its key: on a miss the
-  zip is copied, through the descriptor it was hashed from, into a private
-  unnamed file while being hashed again, and the entry is extracted from that
-  copy. Replacing or rewriting the zip in between cannot put another model
-  under the key.
-* Entries are built under a temporary name, their data synced, the record
-  written last, and renamed into place whole. A reader never sees a partial
-  entry; an entry without a valid record is not an entry.
-* Each load checks, cheaply, that the record names this zip's hash and that
-  the entry holds exactly the recorded files, as regular files, with the
-  recorded sizes and modification times (a stat per file, no reading). An
-  entry that fails (a file edited, deleted or added, an empty directory, a
-  file where the directory should be, no record) is extracted again and
-  replaced atomically: never an error, never the wrong model.
-* The cheap check cannot see a file rewritten with its size kept and its
-  mtime put back, nor a record rewritten to match. Who can write the cache
-  directory can change the models it serves, so it is created private
-  (mode 0700) and must stay so. :func:`verify_cache` re-hashes every file of
-  every entry on demand (``neuropod cache verify``) and can remove the bad ones.
-
-Limits on what a zip may unpack to, checked against the headers before
-anything is written and against the real output while writing (headers can
-lie): ``NEUROPOD_MAX_PACKAGE_BYTES`` (default 32 GiB) of uncompressed data and
-``NEUROPOD_MAX_PACKAGE_FILES`` (default 100000) members. Any failure, an
-interrupt included, removes what was extracted.
-"""
+"""The cache entries: a zip package extracted once under its sha256, with a record of every file,
+checked cheaply on each load and re-hashed on demand (``neuropod cache verify``)."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import io
@@ -57,21 +21,25 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from neuropod import _json
+from neuropod.cache.regular_files import (
+    CHUNK,
+    O_CLOEXEC,
+    O_NOFOLLOW,
+    file_kind,
+    hash_stream,
+    open_regular,
+    scan_tree,
+    sha256_file,
+)
 from neuropod.errors import PackageError
 
 try:
     import lzma
 except ImportError:  # a Python built without lzma: zipfile refuses such members itself
     lzma = None  # type: ignore[assignment]
-
-#: Default bound on a zip package's uncompressed size (``NEUROPOD_MAX_PACKAGE_BYTES``):
-#: a guard against zip bombs, not a quota.
-DEFAULT_MAX_PACKAGE_BYTES = 32 * 2**30
-#: Default bound on the number of members of a zip package (``NEUROPOD_MAX_PACKAGE_FILES``).
-DEFAULT_MAX_PACKAGE_FILES = 100_000
 
 RECORD = "record.json"
 FILES = "files"
@@ -81,15 +49,10 @@ _RECORD_VERSION = 1
 STALE_SECONDS = 3600
 #: Above this many files one ``sync()`` is cheaper than an ``fsync()`` per file.
 _FSYNC_EACH_UP_TO = 256
-_CHUNK = 1 << 20
 #: Deeper than any real package; keeps directory creation and removal, which recurse, far from the stack limit.
 _MAX_DEPTH = 100
 _METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
 HEX64 = re.compile(r"[0-9a-f]{64}")
-
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 #: What zipfile and the decompressors raise on damaged data (bz2 raises OSError).
 ZIP_READ_ERRORS: tuple[type[BaseException], ...] = (
@@ -120,158 +83,6 @@ class Entry:
 class _Invalid(Exception):
     """A cache entry that must not be used; the message says why."""
 
-
-# --- limits -----------------------------------------------------------------
-
-
-def _limit_from_env(var: str, default: int, unit: str) -> int:
-    text = os.environ.get(var, "")
-    if not text.strip():
-        return default
-    if re.fullmatch(r"[0-9]+", text.strip()) and int(text) > 0:
-        return int(text)
-    raise PackageError(
-        f"{var} must be a whole number of {unit} greater than 0 (default {default}), not {text!r}; "
-        "fix or unset it"
-    )
-
-
-def max_package_bytes() -> int:
-    """The bound on a zip's uncompressed size: ``NEUROPOD_MAX_PACKAGE_BYTES``, default 32 GiB."""
-    return _limit_from_env("NEUROPOD_MAX_PACKAGE_BYTES", DEFAULT_MAX_PACKAGE_BYTES, "bytes")
-
-
-def max_package_files() -> int:
-    """The bound on a zip's member count: ``NEUROPOD_MAX_PACKAGE_FILES``, default 100000."""
-    return _limit_from_env("NEUROPOD_MAX_PACKAGE_FILES", DEFAULT_MAX_PACKAGE_FILES, "files")
-
-
-def check_limit_argument(name: str, value: Any) -> None:
-    """Refuse a limit argument that is not None or a positive int, naming it."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be greater than 0, not {value}")
-
-
-# --- files that must be regular ----------------------------------------------
-
-
-def file_kind(mode: int) -> str:
-    """What a file mode is, in words: "a FIFO (named pipe)", "a symbolic link", ..."""
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return "not a regular file"
-
-
-def _not_regular(path: Path, mode: int) -> PackageError:
-    what = file_kind(mode)
-    if stat.S_ISLNK(mode):
-        try:
-            what += f" (to {os.readlink(path)!r})"
-        except OSError:
-            pass
-    fix = "replace the link with a copy of the file" if stat.S_ISLNK(mode) else "remove it"
-    return PackageError(
-        f"{path} is {what}; a package may hold only regular files and directories "
-        f"(links are refused, as in zip packages): {fix}"
-    )
-
-
-def open_regular(path: Path, *, follow_symlinks: bool = False) -> io.BufferedReader:
-    """Open ``path`` for reading only if it is a regular file.
-
-    Opening never blocks (a FIFO is opened non-blocking, then refused) and,
-    unless ``follow_symlinks``, never follows a link, so a file checked by
-    :func:`scan_tree` cannot be swapped for a FIFO or a link to ``/dev/zero``.
-
-    :raises PackageError: not a regular file, or it cannot be opened.
-    """
-    flags = os.O_RDONLY | _O_NONBLOCK | _O_CLOEXEC | (0 if follow_symlinks else _O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ELOOP and not follow_symlinks:
-            raise _not_regular(path, stat.S_IFLNK) from None
-        if isinstance(e, FileNotFoundError):
-            raise PackageError(f"{path} not found") from None
-        raise PackageError(f"Cannot open {path}: {e.strerror}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(path, mode)
-        return open(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def scan_tree(root: Path) -> dict[str, os.stat_result]:
-    """Every file under ``root`` by POSIX relative path, with its ``lstat``.
-
-    Nothing is opened: a FIFO, device, socket or link anywhere in the tree is
-    refused before any file is read.
-
-    :raises PackageError: naming the first such path, or a directory that cannot be listed.
-    """
-    files: dict[str, os.stat_result] = {}
-    todo = [("", root)]  # a loop, not recursion: a tree may be deeper than the stack
-    while todo:
-        prefix, folder = todo.pop()
-        try:
-            with os.scandir(folder) as it:
-                entries = list(it)
-        except OSError as e:
-            raise PackageError(f"Cannot list {folder}: {e.strerror}") from None
-        for entry in entries:
-            rel = prefix + entry.name
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError as e:
-                raise PackageError(f"Cannot read {entry.path}: {e.strerror}") from None
-            if stat.S_ISDIR(st.st_mode):
-                todo.append((rel + "/", Path(entry.path)))
-            elif stat.S_ISREG(st.st_mode):
-                files[rel] = st
-            else:
-                raise _not_regular(Path(entry.path), st.st_mode)
-    return files
-
-
-def hash_stream(f: io.BufferedReader, copy_to: BinaryIO | None = None) -> str:
-    """The sha256 of what is left to read of ``f``, read in chunks, each also written to ``copy_to`` if given."""
-    h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    while n := f.readinto(view):
-        h.update(view[:n])
-        if copy_to is not None:
-            copy_to.write(view[:n])
-    return h.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    """The sha256 of a regular file (see :func:`open_regular`)."""
-    with open_regular(path) as f:
-        try:
-            return hash_stream(f)
-        except OSError as e:
-            raise PackageError(f"Cannot read {path}: {e.strerror}") from None
-
-
-# --- the cache ---------------------------------------------------------------
 
 
 def cache_dir() -> Path:
@@ -377,7 +188,7 @@ def entry_lock(packages: Path, digest: str) -> Iterator[None]:
     locks = packages.parent / "locks"
     try:
         locks.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(locks / digest, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o600)
+        fd = os.open(locks / digest, os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0o600)
     except OSError as e:
         raise PackageError(f"Cannot create a lock in the package cache at {locks}: {e.strerror}") from None
     try:
@@ -532,7 +343,7 @@ def _extract_members(
             target = dest.joinpath(*rel.split("/"))
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o644)
             except OSError as e:
                 raise PackageError(f"Cannot extract zip package {source}: member {rel!r}: {e.strerror}") from None
             h = hashlib.sha256()
@@ -544,7 +355,7 @@ def _extract_members(
                 with src:
                     while True:
                         try:
-                            chunk = src.read(_CHUNK)
+                            chunk = src.read(CHUNK)
                         except ZIP_READ_ERRORS as e:
                             raise _corrupt(source, info.filename, e) from None
                         if not chunk:
@@ -583,7 +394,7 @@ def _write_record(entry: Path, digest: str, files: Mapping[str, FileRecord]) -> 
         "files": {rel: [r.size, r.mtime_ns, r.sha256] for rel, r in sorted(files.items())},
     }
     data = json.dumps(record, separators=(",", ":")).encode()
-    fd = os.open(entry / RECORD, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+    fd = os.open(entry / RECORD, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o644)
     with open(fd, "wb") as f:
         f.write(data)
 
@@ -693,26 +504,3 @@ def _stray(child: os.DirEntry[str]) -> str | None:
     if age < STALE_SECONDS:
         return None  # perhaps another process is extracting right now
     return "a temporary directory left behind by an interrupted extraction"
-
-
-__all__ = [
-    "DEFAULT_MAX_PACKAGE_BYTES",
-    "DEFAULT_MAX_PACKAGE_FILES",
-    "Entry",
-    "FileRecord",
-    "HEX64",
-    "STALE_SECONDS",
-    "ZIP_READ_ERRORS",
-    "cache_dir",
-    "entry_lock",
-    "extract",
-    "file_kind",
-    "make_private_dir",
-    "max_package_bytes",
-    "max_package_files",
-    "open_regular",
-    "remove_path",
-    "scan_tree",
-    "sha256_file",
-    "verify_cache",
-]
