@@ -1,0 +1,188 @@
+"""The Ray Serve deployment: one replica serving one package over REST and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from neuropod import load_neuropod
+from neuropod_serving.defaults import DEFAULT_MAX_REQUEST_BYTES
+from neuropod_serving.errors import ProtocolError
+from neuropod_serving.ray._extra import ray, serve
+from neuropod_serving.ray.metrics import RayMetrics
+from neuropod_serving.ray.packages import PackageRef, fetch
+from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry, ServedModel, create_app
+from neuropod_serving.server.grpc_service import METHODS, Servicer, authenticate, status_of
+
+log = logging.getLogger("neuropod_serving.ray")
+
+#: The name of the deployment in every application :func:`build` makes.
+DEPLOYMENT_NAME = "NeuropodModel"
+
+
+class _TooLarge(Exception):
+    """A gRPC request over ``max_request_bytes`` (RESOURCE_EXHAUSTED)."""
+
+
+class _Serialized:
+    """Bytes the servicer already serialized, in the form Ray's replica sends gRPC answers."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+
+def _absolute_paths(app: Any) -> Any:
+    """``app`` seeing every path whole: Ray sets ``root_path`` to the application's route
+    prefix, and the Open Inference Protocol's routes are absolute (``/v2/models/...``)."""
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("root_path"):
+            scope = {**scope, "root_path": ""}
+        await app(scope, receive, send)
+
+    return asgi
+
+
+@serve.ingress()
+class NeuropodDeployment:
+    """One replica: one package, loaded once, served over REST (``neuropod serve``'s app) and
+    gRPC (its servicer's methods, named as the protocol's RPCs for Ray's gRPC proxy)."""
+
+    async def __init__(self, package: PackageRef, options: Mapping[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
+        self._options = dict(options)
+        context = serve.get_replica_context()
+        self._replica = context.replica_id.unique_id
+        self._path = await fetch(package)
+        load_options = dict(self._options.get("load_options") or {})
+        workers = int(self._options.get("workers", 1))
+        if workers > 1:
+            load_options.update(use_ope=True, workers=workers)
+        if not self._options.get("gpu") and "device" not in load_options:
+            # No GPU was reserved for this replica: never take one Ray may give another.
+            load_options["device"] = "cpu"
+        loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(None, lambda: load_neuropod(self._path, **load_options))
+        try:
+            served = ServedModel(model, self._path)
+            registry = ModelRegistry([served], load_options=load_options)
+            batch = int(self._options.get("max_batch_size", 1))
+            batching = BatchPolicy(batch, int(self._options.get("max_queue_delay_us", 0)) / 1e6) if batch > 1 else None
+            metrics = RayMetrics(self._replica, context.app_name)
+            self._engine = Engine(registry, batching=batching, metrics=metrics)
+        except BaseException:
+            model.close()
+            raise
+        self._servicer = Servicer(self._engine)
+        self._max_request_bytes = int(self._options.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+        token = self._options.get("auth_token")
+        self._expected_auth = None if not token else f"Bearer {token}".encode()
+        log.info(
+            "replica %s serves %r (%s on %s) from %s",
+            self._replica, model.name, model.backend.id, model.device, package.source,
+        )  # fmt: skip
+
+    def __serve_build_asgi_app__(self) -> Any:
+        app = create_app(
+            self._engine,
+            auth_token=self._options.get("auth_token") or None,
+            max_request_bytes=self._max_request_bytes,
+        )
+        return _absolute_paths(app)
+
+    def info(self) -> dict[str, Any]:
+        """Where this replica runs and what it serves (for operators and tests)."""
+        (served,) = list(self._engine.registry)
+        model = served.model
+        runtime = ray.get_runtime_context()
+        return {
+            "replica": self._replica,
+            "actor_name": runtime.get_actor_name(),
+            "pid": os.getpid(),
+            "node_id": runtime.get_node_id(),
+            "model": model.name,
+            "backend": model.backend.id,
+            "device": model.device,
+            "package_path": str(self._path),
+            "batched": self._engine.batched(model.name)[0],
+        }
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
+
+    # The Open Inference Protocol's RPCs, by their names: Ray's gRPC proxy calls the method named as the RPC,
+    # with the request's bytes (add_inference_servicer registers no parser) and the call's context.
+
+    async def _rpc(self, method: str, data: bytes, grpc_context: Any) -> Any:
+        spec = METHODS[method]
+        request: Any = None
+        try:
+            if self._expected_auth is not None and not spec.open:
+                authenticate(grpc_context, self._expected_auth)
+            if len(data) > self._max_request_bytes:
+                # neuropod serve's grpcio refuses these before a handler sees them; Ray's proxy takes up to 2 GiB.
+                raise _TooLarge(
+                    f"the request is {len(data):,} bytes, more than this server's limit of "
+                    f"{self._max_request_bytes:,} (max_request_bytes)"
+                )
+            request = _parse(spec, data)
+            handler = getattr(self._servicer, spec.handler)
+            if method == "ModelInfer":
+                return _Serialized(await self._servicer.model_infer_async(request, grpc_context))
+            return handler(request, grpc_context)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status (status_of logs the unexpected)
+            model = spec.model_of(request) if spec.model_of is not None and request is not None else "?"
+            code, details = (
+                (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                if isinstance(e, _TooLarge)
+                else status_of(e, method, model)
+            )
+            grpc_context.set_code(code)
+            grpc_context.set_details(details)
+            return _Serialized(b"")
+
+    async def ServerLive(self, request: bytes, grpc_context: Any) -> Any:  # named as the RPC
+        return await self._rpc("ServerLive", request, grpc_context)
+
+    async def ServerReady(self, request: bytes, grpc_context: Any) -> Any:
+        return await self._rpc("ServerReady", request, grpc_context)
+
+    async def ServerMetadata(self, request: bytes, grpc_context: Any) -> Any:
+        return await self._rpc("ServerMetadata", request, grpc_context)
+
+    async def ModelReady(self, request: bytes, grpc_context: Any) -> Any:
+        return await self._rpc("ModelReady", request, grpc_context)
+
+    async def ModelMetadata(self, request: bytes, grpc_context: Any) -> Any:
+        return await self._rpc("ModelMetadata", request, grpc_context)
+
+    async def ModelInfer(self, request: bytes, grpc_context: Any) -> Any:
+        return await self._rpc("ModelInfer", request, grpc_context)
+
+    async def ModelConfig(self, request: bytes, grpc_context: Any) -> Any:
+        return await self._rpc("ModelConfig", request, grpc_context)
+
+    async def ModelStatistics(self, request: bytes, grpc_context: Any) -> Any:
+        # Answers UNIMPLEMENTED: a replica keeps no statistics (RayMetrics), and does not list them.
+        return await self._rpc("ModelStatistics", request, grpc_context)
+
+
+def _parse(spec: Any, data: bytes) -> Any:
+    """A request's bytes as ``spec``'s request; a message that is not one is INVALID_ARGUMENT."""
+
+    try:
+        return spec.parse(data)
+    except DecodeError as e:
+        raise ProtocolError(f"the request is not a valid {spec.request.__name__} message: {e}") from None

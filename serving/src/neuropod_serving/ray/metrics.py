@@ -1,0 +1,100 @@
+"""``neuropod serve``'s metrics on Ray Serve: recorded through Ray's metrics, per replica."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from neuropod_serving.server.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+
+
+class RayMetrics:
+    """``neuropod serve``'s metrics (same names, same buckets) recorded through Ray's metrics,
+    tagged with the replica: each node's metrics agent exports them to Prometheus.
+
+    Ray prefixes application metrics with ``ray_`` when it exports them
+    (``ray_neuropod_requests_total{model,protocol,replica,...}``).
+    """
+
+    #: What ``GET /metrics`` on a replica answers (with 404): one replica's numbers behind a
+    #: load-balancing proxy would mislead a scraper.
+    elsewhere = (
+        "on Ray Serve, each replica's metrics are exported by its node's Ray metrics agent "
+        "(ray_neuropod_* with a replica tag; ray start --metrics-export-port), not at /metrics"
+    )
+
+    def __init__(self, replica: str, application: str) -> None:
+        from ray.util import metrics as m
+
+
+        common = ("model", "replica", "application")
+        self._tags = {"replica": replica, "application": application}
+        latency = list(LATENCY_BUCKETS)
+        self._requests = m.Counter("neuropod_requests", "Inference requests received", (*common, "protocol"))
+        self._failures = m.Counter(
+            "neuropod_request_failures",
+            "Inference requests that failed, by who caused it: client (bad request) or model",
+            (*common, "protocol", "reason"),
+        )
+        self._request_duration = m.Histogram(
+            "neuropod_request_duration_seconds",
+            "Time from a request reaching the replica's handler to its reply being encoded",
+            latency,
+            (*common, "protocol"),
+        )
+        self._queue = m.Histogram(
+            "neuropod_queue_duration_seconds",
+            "Time a request waited for a batch or a free thread before its model ran",
+            latency,
+            common,
+        )
+        self._compute = m.Histogram(
+            "neuropod_compute_duration_seconds", "Time of one model run (one per batch when batching)", latency, common
+        )
+        self._batch = m.Histogram(
+            "neuropod_batch_size", "Rows along the batch dimension per model run", list(BATCH_BUCKETS), common
+        )
+        self._loaded = m.Gauge("neuropod_models_loaded", "Models loaded and ready", ("replica", "application"))
+        self._by_model: dict[str, dict[str, str]] = {}
+
+    def _model(self, model: str) -> dict[str, str]:
+        tags = self._by_model.get(model)
+        if tags is None:
+            tags = self._by_model[model] = {**self._tags, "model": model}
+        return tags
+
+    def request(self, model: str, protocol: str, seconds: float, failure: str | None = None) -> None:
+        tags = {**self._model(model), "protocol": protocol}
+        self._requests.inc(1, tags)
+        self._request_duration.observe(seconds, tags)
+        if failure is not None:
+            self._failures.inc(1, {**tags, "reason": failure})
+
+    def queued(self, model: str, seconds: float) -> None:
+        self._queue.observe(seconds, self._model(model))
+
+    def ran(self, model: str, queued: float, seconds: float, prepared: float = 0.0) -> None:
+        tags = self._model(model)
+        self._queue.observe(queued, tags)
+        self._compute.observe(seconds, tags)
+
+    def computed(
+        self,
+        model: str,
+        seconds: float,
+        rows: int | None,
+        requests: int = 1,
+        prepared: float = 0.0,
+        extracted: float = 0.0,
+        waited: Sequence[float] = (),
+    ) -> None:
+        # Triton's statistics (the other arguments) are not kept on Ray Serve: one replica's
+        # numbers behind a load-balancing proxy would mislead, as /metrics would.
+        tags = self._model(model)
+        for w in waited:  # each request's wait in the queue, as queued() records one
+            self._queue.observe(w, tags)
+        self._compute.observe(seconds, tags)
+        if rows is not None:
+            self._batch.observe(rows, tags)
+
+    def loaded(self, count: int) -> None:
+        self._loaded.set(count, self._tags)
