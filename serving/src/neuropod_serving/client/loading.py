@@ -121,9 +121,8 @@ def _transports(targets: list[Target], auth_token: str | None, ca_cert: Any, ser
     # without them, and in a process whose other gRPC stack would clash with them.
     if any(t.protocol == "grpc" for t in targets):
         try:
-            from neuropod_serving.client._grpc import (
-                GrpcTransport,  # lazy: grpc and protobuf (the [client] extra), for grpc:// URLs only
-            )
+            # lazy: grpcio and protobuf (the [client] extra), imported for grpc:// URLs only
+            from neuropod_serving.client._grpc import GrpcTransport
         except ImportError as e:
             raise PluginNotInstalledError(
                 f"gRPC remote models need grpcio and protobuf ({e}): {pip_install(_INSTALL_EXTRA)}"
