@@ -35,7 +35,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from neuropod_serving.defaults import DEFAULT_MAX_GRPC_STREAMS  # noqa: E402
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb  # noqa: E402
 from neuropod_serving.protocol._grpc import triton_repository_pb2 as rpb  # noqa: E402
-from neuropod_serving.server import Engine, ModelRegistry, repository  # noqa: E402
+from neuropod_serving.server import Engine, ModelRegistry, repository_api  # noqa: E402
 from neuropod_serving.server.grpc_repository import (  # noqa: E402
     _INFER_RESPONSE_TAG,
     stream_error,
@@ -176,7 +176,7 @@ def test_index_lists_every_entry_with_a_reason(server: Server) -> None:
     }
     assert index["adder"].reason == "" and index["echo"].reason == "not loaded"
     # The same entries as the REST route's (one function answers both).
-    assert [(e.name, e.state, e.reason) for e in repository.index(server.engine)] == [
+    assert [(e.name, e.state, e.reason) for e in repository_api.index(server.engine)] == [
         (m.name, m.state, m.reason) for m in index.values()
     ]
     assert list(_index(server, ready=True)) == ["adder"]

@@ -46,7 +46,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, TextIO
 
 from neuropod.errors import NeuropodError
-from neuropod_serving.server import repository
+from neuropod_serving.server import repository_api
 from neuropod_serving.server.launcher import read_tls, read_token, serve_models
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class GroupMember:
     def repository(self, op: str, name: str, parameters: dict[str, Any] | None = None) -> None:
         """Apply a repository ``op`` ("load" or "unload") in every process of the group; blocks.
 
-        :raises NeuropodError: what :mod:`~neuropod_serving.server.repository` raises in the
+        :raises NeuropodError: what :mod:`~neuropod_serving.server.repository_api` raises in the
             first process where it failed.
         """
         self._channel.ask("repository", (op, name, parameters)).result()
@@ -227,9 +227,9 @@ class GroupMember:
             if engine is None:
                 raise NeuropodError(f"server process {self.index} is still loading its models")
             if op == "load":
-                repository.load_here(engine, name, parameters or {})
+                repository_api.load_here(engine, name, parameters or {})
             else:
-                repository.unload_here(engine, name)
+                repository_api.unload_here(engine, name)
         except Exception as e:  # noqa: BLE001  # every failure is the answer, sent back to the asker
             self._channel.reply(ident, False, _sendable(e))
         else:

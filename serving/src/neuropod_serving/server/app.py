@@ -23,7 +23,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import neuropod_serving.server.extensions as extensions
-import neuropod_serving.server.repository as repository
+import neuropod_serving.server.repository_api as repository_api
 import neuropod_serving.server.shared_memory_api as shared_memory_api
 from neuropod import _json
 from neuropod.errors import NeuropodError, SpecError
@@ -454,7 +454,7 @@ def create_app(
         ready = _repository_body(await _read_body(request, max_request_bytes)).get("ready", False)
         if not isinstance(ready, bool):
             raise ProtocolError(f"'ready' in a repository index request is true or false, not {ready!r}")
-        entries = await run_in_threadpool(repository.index, engine, ready)
+        entries = await run_in_threadpool(repository_api.index, engine, ready)
         return JSONResponse([e.to_json() for e in entries])
 
     async def repository_load(request: Request) -> Response:
@@ -463,12 +463,12 @@ def create_app(
             params = {}
         if not isinstance(params, dict):
             raise ProtocolError(f"'parameters' of a load request is a JSON object, not {type(params).__name__}")
-        await run_in_threadpool(repository.load, engine, request.path_params["model"], params)
+        await run_in_threadpool(repository_api.load, engine, request.path_params["model"], params)
         return JSONResponse({})
 
     async def repository_unload(request: Request) -> Response:
         await _read_body(request, max_request_bytes)
-        await run_in_threadpool(repository.unload, engine, request.path_params["model"])
+        await run_in_threadpool(repository_api.unload, engine, request.path_params["model"])
         return JSONResponse({})
 
     async def on_failure(request: Request, exc: Exception) -> Response:

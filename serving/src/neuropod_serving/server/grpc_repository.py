@@ -6,7 +6,7 @@ authentication, status codes and access log:
 
 - ``RepositoryIndex``, ``RepositoryModelLoad`` (with a ``config`` parameter,
   see :mod:`~neuropod_serving.server.config_override`) and
-  ``RepositoryModelUnload`` call :mod:`~neuropod_serving.server.repository`,
+  ``RepositoryModelUnload`` call :mod:`~neuropod_serving.server.repository_api`,
   as the REST routes do, so both protocols answer alike.
 - ``ModelStreamInfer`` (a bidirectional stream) answers each ModelInferRequest
   with one ModelStreamInferResponse, in order: ``infer_response`` when it ran,
@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-import neuropod_serving.server.repository as repository
+import neuropod_serving.server.repository_api as repository_api
 from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._grpc import triton_repository_pb2 as rpb
@@ -80,14 +80,14 @@ class StreamSlots:
 
 
 class RepositoryServicer:
-    """The repository RPCs over one engine (the REST routes' logic, in :mod:`.repository`)."""
+    """The repository RPCs over one engine (the REST routes' logic, in :mod:`.repository_api`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def repository_index(self, request: Any, context: Any) -> Any:
         _one_repository(request.repository_name)
-        entries = repository.index(self.engine, request.ready)
+        entries = repository_api.index(self.engine, request.ready)
         return rpb.RepositoryIndexResponse(
             models=[
                 rpb.RepositoryIndexResponse.ModelIndex(
@@ -100,13 +100,13 @@ class RepositoryServicer:
     def repository_model_load(self, request: Any, context: Any) -> Any:
         _one_repository(request.repository_name)
         parameters = {key: _parameter(key, value) for key, value in request.parameters.items()}
-        repository.load(self.engine, request.model_name, parameters)
+        repository_api.load(self.engine, request.model_name, parameters)
         return rpb.RepositoryModelLoadResponse()
 
     def repository_model_unload(self, request: Any, context: Any) -> Any:
         _one_repository(request.repository_name)
         # Triton's one unload parameter, unload_dependents, has nothing to do here: no model depends on another.
-        repository.unload(self.engine, request.model_name)
+        repository_api.unload(self.engine, request.model_name)
         return rpb.RepositoryModelUnloadResponse()
 
 
