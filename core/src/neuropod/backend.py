@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from neuropod.errors import InProcessConflictError, PackageError
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -240,8 +242,8 @@ def load_libraries_once(
     :raises PackageError: a listed library is missing or fails to load.
     :raises InProcessConflictError: ``clash`` found a library that cannot be loaded here.
     """
+    # lazy: numpy (the cache reads JSON through neuropod._json), kept out of plugin discovery and `neuropod backends`
     from neuropod import cache
-    from neuropod.errors import InProcessConflictError, PackageError
 
     kind = framework.split()[0]
     todo: list[tuple[Path, tuple[str, str]]] = []
@@ -289,8 +291,8 @@ def mapped_copy(digest: str, size: int) -> Path | None:
     each once per (device, inode, size, mtime), so asking costs a read of the
     map and a few ``stat`` calls.
     """
+    # lazy: numpy (the cache reads JSON through neuropod._json), kept out of plugin discovery and `neuropod backends`
     from neuropod import cache
-    from neuropod.errors import PackageError
 
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as f:
@@ -339,6 +341,7 @@ def cached_probe(kind: str, key: str, compute: Callable[[], Any], valid: Callabl
     """
     import json
 
+    # lazy: numpy (the cache reads JSON through neuropod._json), kept out of plugin discovery and `neuropod backends`
     from neuropod import cache
 
     safe = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{kind}-{key}")

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from neuropod.backend import cached_probe, load_libraries_once
 from neuropod.errors import PackageError
 
 #: Seconds a probe may take by default (importing a framework is most of it).
@@ -160,8 +161,6 @@ def load_torch_libraries(paths: Sequence[Path], where: str) -> None:
         return
     import torch
 
-    from neuropod.backend import load_libraries_once
-
     load_libraries_once(
         paths, torch.ops.load_library, f"torch {torch.__version__}", where,
         clash=lambda path: torch_ops_clash(path, where),
@@ -179,8 +178,8 @@ def torch_library_registrations(path: Path, torch_version: str, where: str) -> d
     :raises PackageError: the library does not load in a fresh process, or
         the probe crashed or ran past :data:`PROBE_TIMEOUT`.
     """
+    # lazy: numpy (the cache reads JSON through neuropod._json), kept out of `python -m neuropod.probe`'s fresh interpreter
     from neuropod import cache
-    from neuropod.backend import cached_probe
 
     def probe() -> Any:
         what = (

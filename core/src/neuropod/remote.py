@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import NeuropodError, PackageError, PluginNotInstalledError
+from neuropod.plugins import pip_install
 
 if TYPE_CHECKING:
     from neuropod.model import NeuropodModel
@@ -82,8 +83,6 @@ def load_remote(urls: str | Sequence[str], **arguments: Any) -> NeuropodModel:
             f"{', '.join(sorted(handlers))}" + (f" (did you mean {close[0]}://?)" if close else "")
         )
     if missing:
-        from neuropod.plugins import pip_install
-
         known = [s for s in missing if s in CLIENT_SCHEMES]
         install = pip_install("'neuropod-serving[client]'")
         hint = install if known else (

@@ -28,6 +28,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from neuropod.errors import NeuropodError
+
 # DLPack device types (dlpack.h): the ones we can name.
 _DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cpu", 13: "cuda"}  # kDLCPU, kDLCUDA, kDLCUDAHost (pinned), kDLCUDAManaged
 _DLPACK_NAMES = {4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host", 12: "ext_dev", 14: "oneAPI",
@@ -112,8 +114,6 @@ def host_array(obj: Any, facts: TensorFacts) -> np.ndarray:
 
     :raises NeuropodError: numpy cannot read it (an element type numpy lacks, such as bfloat16).
     """
-    from neuropod.errors import NeuropodError
-
     detach = getattr(obj, "detach", None)  # a torch tensor that requires grad refuses DLPack export until detached
     numpy = getattr(obj, "numpy", None)  # an OrtValue of an onnxruntime without DLPack
     attempts: list[Callable[[], np.ndarray]] = [lambda: np.from_dlpack(obj)]

@@ -13,6 +13,9 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from neuropod.errors import PluginNotInstalledError
+from neuropod.plugins import pip_install
+
 
 def forward(module: str, target: str, names: tuple[str, ...], distribution: str) -> Callable[[str], Any]:
     """A module ``__getattr__`` that takes ``names`` from the plugin module ``target``."""
@@ -25,9 +28,6 @@ def forward(module: str, target: str, names: tuple[str, ...], distribution: str)
         except ModuleNotFoundError as e:
             if e.name is None or not target.startswith(e.name):
                 raise
-            from neuropod.errors import PluginNotInstalledError
-            from neuropod.plugins import pip_install
-
             raise PluginNotInstalledError(
                 f"{module}.{name} is part of the {distribution} plugin, which is not installed: "
                 f"{pip_install(distribution)}"
