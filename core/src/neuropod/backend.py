@@ -101,7 +101,8 @@ def backend_record(backend: Backend, caps: DeviceCaps) -> dict[str, Any]:
     }
 
 
-_DIST_INFO = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info")
+#: A ``.dist-info`` folder name: the distribution (as written in the folder name) and its version.
+DIST_INFO = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info")
 
 
 def _normalize(name: str) -> str:
@@ -116,7 +117,7 @@ def _dist_infos(directory: str) -> dict[str, str]:
         return {}
     found: dict[str, str] = {}
     for entry in entries:
-        m = _DIST_INFO.fullmatch(entry)
+        m = DIST_INFO.fullmatch(entry)
         if m:
             found.setdefault(_normalize(m["name"]), m["version"])
     return found

@@ -33,8 +33,9 @@ from typing import Any
 import importlib_metadata
 import pluggy
 
-from neuropod import __version__, hookspecs
-from neuropod.backend import _DIST_INFO, Backend, DeviceCaps
+from neuropod import hookspecs
+from neuropod._version import __version__
+from neuropod.backend import DIST_INFO, Backend, DeviceCaps
 from neuropod.errors import NoBackendError, PluginNotInstalledError
 
 ENTRY_POINT_GROUP = "neuropod.backends"
@@ -125,7 +126,7 @@ def _dist_label(ep: Any) -> str:
     # The .dist-info folder name says it without parsing METADATA (which
     # costs the email package's import: a third of listing backends).
     folder = getattr(getattr(dist, "_path", None), "name", "")
-    m = _DIST_INFO.fullmatch(folder)
+    m = DIST_INFO.fullmatch(folder)
     if m:
         return f"{m['name'].replace('_', '-')} {m['version']}"
     return f"{dist.name} {dist.version}"

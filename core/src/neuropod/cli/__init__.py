@@ -38,7 +38,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
-from neuropod import __version__
+from neuropod._version import __version__
 from neuropod.cli.backends import cmd_backends
 from neuropod.cli.cache import cmd_cache_prune, cmd_cache_verify
 from neuropod.cli.demo import cmd_demo

@@ -11,7 +11,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TextIO
 
-from neuropod import __version__, plugins
+from neuropod import plugins
+from neuropod._version import __version__
 from neuropod.backend import backend_record
 from neuropod.cli.env import print_environments
 from neuropod.cli.output import print_table

@@ -20,7 +20,8 @@ from urllib.parse import unquote, urlparse
 
 import importlib_metadata
 
-from neuropod import __version__, _json
+from neuropod import _json
+from neuropod._version import __version__
 from neuropod.envs.records import (
     CORE_DIR,
     ENV_FILE,

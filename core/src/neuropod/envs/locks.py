@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from neuropod import __version__
+from neuropod._version import __version__
 from neuropod.backend import Backend
 from neuropod.envs.create import (
     FRAMEWORK_DISTRIBUTIONS,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neuropod import __version__, _json
+from neuropod import _json
+from neuropod._version import __version__
 from neuropod.backend import Backend, DeviceCaps, backend_record
 from neuropod.errors import NeuropodError
 
