@@ -207,7 +207,7 @@ def test_a_first_load_of_a_large_object_keeps_the_first_chunk_it_read(
 ) -> None:
     """S3, an object larger than a chunk: the GET that said what it is gave its first chunk, and
     the rest is read after it (no HEAD, and no byte read twice)."""
-    monkeypatch.setattr(storage, "CHUNK", 64 * 1024)
+    monkeypatch.setattr(storage.stores, "CHUNK", 64 * 1024)
     data = np.random.default_rng(1).bytes(300 * 1024 + 17)
     url = bucket.put("big.zip", data)
     caplog.set_level(logging.INFO, "werkzeug")
@@ -278,19 +278,19 @@ def test_bytes_read_ahead_count_only_when_their_md5_proves_them_the_object(
     from concurrent.futures import Future
 
     url = bucket.put("adder.neuropod", packages["zip"])
-    fs, path = storage._filesystem(url, dict(bucket.options))
-    info = storage._info(fs, path, url)
+    fs, path = storage.stores.open_filesystem(url, dict(bucket.options))
+    info = storage.stores.object_info(fs, path, url)
 
     def read(data: bytes) -> Future[bytes]:
         future: Future[bytes] = Future()
         future.set_result(data)
         return future
 
-    assert storage._whole(read(packages["zip"]), fs, info) == packages["zip"]
-    assert storage._whole(read(packages["other"]), fs, info) is None  # read before the object changed
-    assert storage._whole(read(packages["zip"][:100]), fs, info) is None  # not all of it
+    assert storage.transfer.whole_read_ahead(read(packages["zip"]), fs, info) == packages["zip"]
+    assert storage.transfer.whole_read_ahead(read(packages["other"]), fs, info) is None  # read before the object changed
+    assert storage.transfer.whole_read_ahead(read(packages["zip"][:100]), fs, info) is None  # not all of it
     multipart = {**info, "ETag": '"' + "0" * 32 + '-2"'}  # no MD5 listed: never taken
-    assert storage._whole(read(packages["zip"]), fs, multipart) is None
+    assert storage.transfer.whole_read_ahead(read(packages["zip"]), fs, multipart) is None
 
 
 _KILLED_FETCH = textwrap.dedent("""
@@ -310,8 +310,8 @@ _KILLED_FETCH = textwrap.dedent("""
         def __exit__(self, *exc):
             return self.f.__exit__(*exc)
 
-    storage.CHUNK = 64 * 1024
-    storage.open = lambda *a, **k: Slow(builtins.open(*a, **k))  # what storage writes downloads with
+    storage.stores.CHUNK = 64 * 1024
+    storage.transfer.open = lambda *a, **k: Slow(builtins.open(*a, **k))  # what storage writes downloads with
     storage.fetch(sys.argv[1], storage_options={"client_kwargs": {"endpoint_url": sys.argv[2]}})
 """)
 
@@ -338,7 +338,7 @@ def test_a_killed_download_is_resumed_by_the_next(
     assert 0 < have < len(data)
     assert not [p for p in storage.downloads_dir().iterdir() if len(p.name) == 64]  # nothing a load would take
     # Chunks smaller than the object, or the first load's read-ahead would take all of it at once.
-    monkeypatch.setattr(storage, "CHUNK", 1024 * 1024)
+    monkeypatch.setattr(storage.stores, "CHUNK", 1024 * 1024)
     path = storage.fetch(url, storage_options=bucket.options)
     assert path.read_bytes() == data
     assert any(m.startswith(f"resuming {url} from byte") for m in (r.getMessage() for r in caplog.records)), caplog.text
@@ -454,9 +454,9 @@ def test_a_server_killed_mid_download_then_restarted(tmp_path: Path, monkeypatch
         proxy.close()
         raise
     try:
-        monkeypatch.setattr(storage, "CHUNK", 256 * 1024)
+        monkeypatch.setattr(storage.stores, "CHUNK", 256 * 1024)
         slow = lambda *a, **k: _SlowWrites(builtins.open(*a, **k))  # noqa: E731, SIM115  # closed by storage
-        monkeypatch.setattr(storage, "open", slow, raising=False)  # what storage writes downloads with
+        monkeypatch.setattr(storage.transfer, "open", slow, raising=False)  # what storage writes downloads with
         out: list[Any] = []
         options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"}}
 
@@ -606,7 +606,7 @@ class _Files(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def web(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, type[_Files]]]:
     monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(storage, "FIRST_WAIT_S", 0.05)
+    monkeypatch.setattr(storage.transfer, "FIRST_WAIT_S", 0.05)
     handler = type("Files", (_Files,), {"root": tmp_path / "www", "drop": set()})
     handler.root.mkdir()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)

@@ -278,8 +278,8 @@ def test_the_listed_md5_lets_a_first_load_keep_what_it_read_ahead(
     """A blob's Content-MD5, as adlfs lists it, is its MD5: the bytes read ahead while the store is
     asked what the blob is are the download (one read of the blob, not two)."""
     url = container.put("adder.neuropod", packages["zip"])
-    fs, path = storage._filesystem(url, {})
-    assert storage._listed_md5(fs, fs.info(path)) == hashlib.md5(packages["zip"]).hexdigest()
+    fs, path = storage.stores.open_filesystem(url, {})
+    assert storage.stores.listed_md5(fs, fs.info(path)) == hashlib.md5(packages["zip"]).hexdigest()
     opened: list[str] = []
     original = type(fs).open
     monkeypatch.setattr(type(fs), "open", lambda self, *a, **k: opened.append(a[0]) or original(self, *a, **k))
@@ -290,11 +290,11 @@ def test_the_listed_md5_lets_a_first_load_keep_what_it_read_ahead(
 def test_range_reads(container: _Container, packages: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     url = container.put("adder.neuropod", packages["zip"])
     # Chunks smaller than the blob: it is read in ranges, in parallel.
-    monkeypatch.setattr(storage, "CHUNK", 256)
-    assert len(packages["zip"]) > 4 * storage.CHUNK
+    monkeypatch.setattr(storage.stores, "CHUNK", 256)
+    assert len(packages["zip"]) > 4 * storage.stores.CHUNK
     ranged: list[int] = []
-    copy_ranges = storage._copy_ranges
-    monkeypatch.setattr(storage, "_copy_ranges", lambda *a, **k: ranged.append(1) or copy_ranges(*a, **k))
+    copy_ranges = storage.transfer._copy_ranges
+    monkeypatch.setattr(storage.transfer, "_copy_ranges", lambda *a, **k: ranged.append(1) or copy_ranges(*a, **k))
     assert storage.fetch(url).read_bytes() == packages["zip"]
     assert ranged, "not read in ranges"
 

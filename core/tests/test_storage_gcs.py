@@ -223,16 +223,16 @@ def test_range_reads_and_the_listed_md5(
     bucket: _Bucket, packages: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = bucket.put("adder.neuropod", packages["zip"])
-    fs, path = storage._filesystem(url, {})
-    info = storage._info(fs, path, url)
+    fs, path = storage.stores.open_filesystem(url, {})
+    info = storage.stores.object_info(fs, path, url)
     # GCS's md5Hash is the object's MD5: a first load may keep the chunk it read ahead.
-    assert storage._listed_md5(fs, info) == hashlib.md5(packages["zip"], usedforsecurity=False).hexdigest()
+    assert storage.stores.listed_md5(fs, info) == hashlib.md5(packages["zip"], usedforsecurity=False).hexdigest()
     # Chunks smaller than the object: the read-ahead is not all of it, so it is read in ranges, in parallel.
-    monkeypatch.setattr(storage, "CHUNK", 256)
-    assert len(packages["zip"]) > 4 * storage.CHUNK
+    monkeypatch.setattr(storage.stores, "CHUNK", 256)
+    assert len(packages["zip"]) > 4 * storage.stores.CHUNK
     ranged: list[int] = []
-    copy_ranges = storage._copy_ranges
-    monkeypatch.setattr(storage, "_copy_ranges", lambda *a, **k: ranged.append(1) or copy_ranges(*a, **k))
+    copy_ranges = storage.transfer._copy_ranges
+    monkeypatch.setattr(storage.transfer, "_copy_ranges", lambda *a, **k: ranged.append(1) or copy_ranges(*a, **k))
     assert storage.fetch(url).read_bytes() == packages["zip"]
     assert ranged, "not read in ranges"
 
