@@ -38,17 +38,18 @@ def _wire_dtype(dtype: str) -> np.dtype[Any]:
     return native if little == native else little
 
 
-# Binary tensors are little-endian on the wire whatever the host is.
+#: OIP datatype -> its dtype in binary data: little-endian on the wire whatever the host is.
 WIRE_DTYPES: dict[str, np.dtype[Any]] = {
     datatype: _wire_dtype(dtype) for datatype, dtype in DATATYPES.items() if dtype != "string"
 }
+#: OIP datatype -> its numpy dtype in this host's byte order.
 NATIVE_DTYPES: dict[str, np.dtype[Any]] = {
     datatype: np.dtype(dtype) for datatype, dtype in DATATYPES.items() if dtype != "string"
 }
-# Datatypes whose binary form numpy reads as it is (BOOL needs its 0/1 check).
+#: Datatypes whose binary form numpy reads as it is (BOOL needs its 0/1 check).
 FAST_DECODE: dict[object, np.dtype[Any]] = {d: w for d, w in WIRE_DTYPES.items() if d != "BOOL"}
-# Numeric datatypes -> (native dtype, the numpy kinds of JSON data it takes, the spec dtype), the
-# kinds as :func:`_numbers_from_json` checks them: true/false for BOOL, integers for integer types.
+#: Numeric datatypes -> (native dtype, the numpy kinds of JSON data it takes, the spec dtype), the
+#: kinds as :func:`~neuropod_serving.protocol.tensors.decode_tensor` checks them: true/false for BOOL, integers for integer types.
 JSON_TARGETS: dict[object, tuple[np.dtype[Any], str, str]] = {
     d: (n, "b" if d == "BOOL" else "iu" if n.kind in "iu" else "iuf", DATATYPES[d]) for d, n in NATIVE_DTYPES.items()
 }

@@ -30,13 +30,13 @@ def unchecked_request(
     body: bytes | bytearray | memoryview, specs: Mapping[str, TensorSpec] | None
 ) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]] | None:
     """A plain JSON request's header and inputs read the quick way, or None where that way does not
-    give the very answer of the checked one (:func:`split_body` and :func:`_decode_tensors`).
+    give the very answer of the checked one (:func:`split_body` and ``inference._decode_tensors``).
 
     The checked way scans the text for its depth and for integers of 19 digits or more before
     parsing it (about a third of the time of parsing a body of numbers). Here orjson reads the
     body first (it refuses documents over 1,024 levels deep, infinities and bad UTF-8 by itself),
     and what it gave is checked instead, where that is cheap: every input numeric, flat enough
-    and without parameters (:func:`_decode_tensors` with ``unchecked``), every other value of the
+    and without parameters (``inference._decode_tensors`` with ``unchecked``), every other value of the
     request no deeper than the bound, and no number that may be an integer past 64 bits (which
     orjson reads as a float, and the checked way refuses or keeps exact). Anything else is read
     again the checked way, which words what is wrong: a request costs one parse more, never a
@@ -72,7 +72,7 @@ def _json_inputs(
     entries: list[Any], specs: Mapping[str, TensorSpec] | None, floats: list[np.ndarray[Any, Any]]
 ) -> dict[str, np.ndarray[Any, Any]]:
     """The inputs of a request read by :func:`unchecked_request`, when every one is what
-    :func:`_decode_tensors` takes its JSON fast path for (and gives the same array for): a
+    ``inference._decode_tensors`` takes its JSON fast path for (and gives the same array for): a
     name, a numeric datatype the spec agrees with, a shape of plain dims, numbers as ``data``
     (at most :data:`MAX_DIMS` levels), no other key and no parameters. Else :class:`_Recheck`.
     Float arrays as read are added to ``floats`` (for the caller's range check)."""

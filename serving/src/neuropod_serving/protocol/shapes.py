@@ -9,12 +9,12 @@ from typing import Any
 from neuropod_serving.errors import ProtocolError
 from neuropod_serving.protocol.fields import is_int, show
 
-# numpy 1.x allows 32 dims (2.x allows 64); the lower bound keeps both working.
+#: numpy 1.x allows 32 dims (2.x allows 64); the lower bound keeps both working.
 MAX_DIMS = 32
-# An element count must fit the int64 every OIP implementation stores it in.
+#: An element count must fit the int64 every OIP implementation stores it in.
 MAX_ELEMENTS = 2**63 - 1
-# The product of a shape's dims, its zeros counted as 1, that numpy can make an array of
-# (of any dtype: it checks that product times the item size, even for an empty array).
+#: The product of a shape's dims, its zeros counted as 1, that numpy can make an array of
+#: (of any dtype: it checks that product times the item size, even for an empty array).
 MAX_SPAN = 2**63 // 16
 
 
@@ -49,6 +49,7 @@ def spannable(shape: Sequence[int]) -> bool:
 
 
 def checked_shape(shape: object, name: str) -> list[int]:
+    """A tensor's ``shape`` as sent: a list of at most :data:`MAX_DIMS` dims >= 0 that numpy can make an array of."""
     if not isinstance(shape, list):
         raise ProtocolError(f"tensor {name!r}: 'shape' must be a list of sizes, not {show(shape)}")
     for i, dim in enumerate(shape):

@@ -32,12 +32,12 @@ _CONTENTS_FIELD: dict[str, str] = {
     "BYTES": "bytes_contents",
 }
 _CONTENTS_FIELDS = tuple(dict.fromkeys(_CONTENTS_FIELD.values()))
-# Field numbers of the raw contents in the proto (checked against the descriptor in the tests).
+#: Field numbers of the raw contents in the proto (checked against the descriptor in the tests).
 RAW_INPUT_FIELD = 7
 RAW_OUTPUT_FIELD = 6
 
-# The fast path for numbers out: datatype by numpy dtype where the host's is the
-# wire's (little-endian), so that tobytes() is already what goes out.
+#: The fast path for numbers out: datatype by numpy dtype where the host's is the
+#: wire's (little-endian), so that tobytes() is already what goes out.
 FAST_ENCODE: dict[np.dtype[Any], str] = (
     {np.dtype(dtype): datatype for datatype, dtype in DATATYPES.items() if dtype != "string"}
     if sys.byteorder == "little"
@@ -72,9 +72,6 @@ def fill_parameters(target: Any, parameters: Mapping[str, Any]) -> None:
             raise ProtocolError(
                 f"parameter {key!r}: gRPC parameters are bool, int64, uint64, float or str, not {value!r}"
             )
-
-
-# --- tensors -----------------------------------------------------------------
 
 
 def encode_tensors(
