@@ -181,7 +181,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Load every package, print the table, and serve until interrupted."""
     from neuropod_serving import launch  # lazy: numpy, Starlette, uvicorn and grpc, kept out of `neuropod --help`
@@ -207,4 +206,3 @@ def _seconds(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"a number of seconds above 0, not {text!r}")
     return value
-

@@ -32,6 +32,7 @@ from neuropod_serving.server.served_versions import scan_local
 
 log = logging.getLogger("neuropod_serving.cli")
 
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Load every package, print the table, and serve until interrupted."""
     out = out or sys.stdout
@@ -69,7 +70,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return run_group(args, processes, out, None if args.quiet else line)
     serve_models(args, token, tls, out)
     return 0
-
 
 
 def run_ray(args: argparse.Namespace, out: TextIO) -> int:
@@ -172,6 +172,7 @@ def _leave_ray(serve: Any, ray: Any, names: list[str], timeout_s: float = RAY_ST
     whole process group, the local cluster's own processes too, and a delete can then wait on
     a controller that is going away: past the bound the command says what it left and exits
     rather than hang (its threads in Ray's client would keep the process alive)."""
+
     def delete() -> None:
         for name in names:
             try:
@@ -194,4 +195,3 @@ def _leave_ray(serve: Any, ray: Any, names: list[str], timeout_s: float = RAY_ST
             sys.stderr.flush()
             os._exit(0)
         log.info("%s took %.1f s", what, time.monotonic() - started)
-

@@ -74,6 +74,7 @@ def read_tls(cert: Path | None, key: Path | None) -> tuple[bytes, bytes] | None:
 def _check_tls(cert: Path, key: Path) -> None:
     """Load the pair as a TLS server would, so a bad one fails the start naming its flag
     (not later, inside uvicorn or gRPC, as a bare OpenSSL 'PEM lib' error)."""
+
     def encrypted() -> bytes:  # OpenSSL would otherwise prompt on the terminal
         raise NeuropodError(f"--tls-key {key} is encrypted; give an unencrypted key (openssl pkey -in KEY -out PLAIN)")
 
@@ -175,7 +176,6 @@ def serve_models(
         _serve(engine, args, token, tls, out, group=group, on_serving=on_serving)
     finally:
         engine.close()
-
 
 
 #: How long a thread may keep the GIL while another waits (Python's default is 5 ms).
@@ -304,7 +304,6 @@ def _http_protocol(args: argparse.Namespace) -> Any:
     return OneWriteProtocol.with_limits(
         max_head_bytes=args.max_head_bytes, max_headers=args.max_headers, head_timeout_s=args.head_timeout
     )
-
 
 
 def show_host(host: str) -> str:
