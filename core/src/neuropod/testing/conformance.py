@@ -1,42 +1,14 @@
-"""The backend conformance suite: what every backend plugin must do.
-
-A backend's tests subclass :class:`BackendConformance` in a few lines, the
-way Hydra's launcher plugins subclass ``LauncherTestSuite``::
-
-    from neuropod.testing import BackendConformance
-
-    class TestConformance(BackendConformance):
-        platform = "onnx"
-        distribution = "neuropod-onnx"
-        framework_modules = ("onnxruntime",)
-        dtypes = ALL_DTYPES          # the dtypes the backend runs, "string" included or not
-        custom_ops = True            # and give custom_op_library()
-
-        def make_package(self, tmp_path, name, input_spec, output_spec, **packager_kwargs):
-            ...  # a real model of the platform: output "out_<s>" is a copy of input "in_<s>"
-
-This module is also a pytest plugin (registered through pytest's
-``pytest11`` entry point, so it is active wherever ``neuropod`` is
-installed): it parametrizes the suite over the subclass's dtypes, applies a
-subclass's ``run_marks`` to the tests that need to run a model, and offers
-the ``neuropod_cache`` fixture. It imports no framework, and ``import
-neuropod`` does not import it.
-
-Every test method says which hooks it exercises (:func:`covers`); the core's
-meta-tests check that together they exercise every hook in
-:mod:`neuropod.hookspecs`.
-"""
+"""The backend conformance suite: :class:`BackendConformance` and what its tests use (the dtypes,
+:func:`covers`, :func:`sample`, :class:`HostTensor`, :func:`run_in_threads`)."""
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import importlib_metadata
 import numpy as np
@@ -45,6 +17,9 @@ import pytest
 from neuropod import plugins
 from neuropod.backend import Backend, DeviceCaps
 from neuropod.errors import NeuropodError, SpecError
+from neuropod.loader import load_neuropod
+from neuropod.package import read_package
+from neuropod.testdata import run_test_data
 
 #: Every dtype a spec can name.
 ALL_DTYPES: tuple[str, ...] = (
@@ -197,8 +172,6 @@ class BackendConformance:
         return "float32" if "float32" in self.dtypes else self.dtypes[0]
 
     def _load(self, path: Path, **options: Any) -> Any:
-        from neuropod.loader import load_neuropod
-
         return load_neuropod(path, device=self.device, backend=self.platform, **options)
 
     @staticmethod
@@ -280,9 +253,6 @@ class BackendConformance:
 
     @covers("load_model", "infer", runs_model=True)
     def test_package_with_test_data(self, tmp_path: Path) -> None:
-        from neuropod.package import read_package
-        from neuropod.testdata import run_test_data
-
         dtype = self._first_dtype()
         ins, outs = self._pair_spec(dtype, ["a", "b"])
         inputs = self._inputs(dtype, ["a", "b"])
@@ -415,7 +385,6 @@ class BackendConformance:
         lib = self.custom_op_library(tmp_path)
         if lib is None:
             pytest.skip(f"{type(self).__name__}.custom_op_library gives no library here")
-        from neuropod.package import read_package
 
         dtype = self._first_dtype()
         ins, outs = self._pair_spec(dtype, ["a"])
@@ -461,239 +430,3 @@ def run_in_threads(work: Callable[[int], object], threads: int) -> None:
         t.join()
     if errors:
         raise errors[0]
-
-
-# --- the pytest plugin -------------------------------------------------------
-
-
-@pytest.fixture
-def neuropod_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private package cache (``NEUROPOD_CACHE_DIR``) for one test."""
-    cache = tmp_path_factory.mktemp("neuropod-cache")
-    monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(cache))
-    return cache
-
-
-#: Set to 1 on a GPU machine (``nox -s tests_gpu`` does): a ``gpu`` test that cannot run there fails
-#: instead of skipping, so a GPU run that tested nothing on the GPU cannot pass.
-REQUIRE_GPU_ENV = "NEUROPOD_REQUIRE_GPU"
-
-
-def gpu_missing() -> str | None:
-    """Why this machine cannot run GPU tests (NVML sees no GPU), or None when it can."""
-    from neuropod.devices import local_host
-
-    host = local_host()
-    return None if host.has_gpu else (host.note or "no GPU")
-
-
-def gpu_memory_used(device: str = "cuda:0", *, pid: int | None = None) -> int:
-    """Bytes in use on a GPU as NVML counts them, for tests that check a closed model gave its memory back:
-    process ``pid``'s alone when given, else every process's (the driver's own included). NVML indexes
-    GPUs as CUDA does without ``CUDA_VISIBLE_DEVICES``. A ``pid`` that NVML does not list (a process in
-    another PID namespace, or one holding no memory there) reads as -1."""
-    import pynvml
-
-    from neuropod.devices import parse_device
-
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(int(parse_device(device).split(":")[1]))
-        if pid is None:
-            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if process.pid == pid and isinstance(process.usedGpuMemory, int):
-                return int(process.usedGpuMemory)
-        return -1
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def assert_gpu_memory_given_back(
-    path: str | Path, inputs: Mapping[str, Any], *, min_taken: int, tolerance: int = 8 * 2**20, **load_kwargs: Any
-) -> None:
-    """Load a package onto a GPU, run it, close it: NVML's used memory must come back to where it was.
-
-    A first load, call and close comes before the reading, so what a process
-    keeps for its lifetime (the CUDA context, cuBLAS workspaces) is not
-    counted. While loaded the model must take at least ``min_taken`` bytes,
-    so the check shows something; after ``close()`` used memory must be within
-    ``tolerance`` of the reading before. The readings are of this process alone
-    where NVML lists it (other processes on the GPU, such as pytest-xdist's
-    other workers, come and go meanwhile), else of the whole GPU.
-    """
-    import os
-    import time
-
-    from neuropod.loader import load_neuropod
-
-    with load_neuropod(path, **load_kwargs) as model:
-        device = model.device
-        model.infer(inputs)
-    assert device.startswith("cuda:"), f"the model loaded on {device}, not a GPU"
-    time.sleep(0.5)
-    pid: int | None = os.getpid()
-    before = gpu_memory_used(device, pid=pid)
-    if before < 0:  # NVML does not list this process (another PID namespace): the whole GPU, then
-        pid = None
-        before = gpu_memory_used(device)
-    model = load_neuropod(path, **load_kwargs)
-    model.infer(inputs)
-    loaded = gpu_memory_used(device, pid=pid)
-    model.close()
-    time.sleep(0.5)
-    after = gpu_memory_used(device, pid=pid)
-    mib = 2**20
-    scope = "this process" if pid is not None else "all processes"
-    figures = (
-        f"before {before / mib:.0f} MiB, loaded {loaded / mib:.0f} MiB, after {after / mib:.0f} MiB on {device}, {scope}"
-    )
-    assert loaded - before >= min_taken, f"the model took less than {min_taken / mib:.0f} MiB on the GPU ({figures})"
-    assert abs(after - before) <= tolerance, f"close() left {(after - before) / mib:.1f} MiB behind ({figures})"
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "gpu(needs=None): needs an NVIDIA GPU (NVML must see one); needs=callable returning why the test cannot "
-        f"run here (a framework without CUDA...) or None. Skipped with the reason elsewhere; {REQUIRE_GPU_ENV}=1 "
-        "makes that a failure.",
-    )
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Skip ``gpu`` tests where they cannot run, saying why (or fail them under NEUROPOD_REQUIRE_GPU=1)."""
-    import os
-
-    marker = item.get_closest_marker("gpu")
-    if marker is None:
-        return
-    reason = gpu_missing()
-    needs = marker.kwargs.get("needs")
-    if reason is None and callable(needs):
-        reason = needs()
-    if reason is None:
-        return
-    if os.environ.get(REQUIRE_GPU_ENV) == "1":
-        pytest.fail(f"GPU test cannot run ({REQUIRE_GPU_ENV}=1): {reason}", pytrace=False)
-    pytest.skip(f"needs a GPU: {reason}")
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Run ``test_infer_dtype`` once per dtype the backend claims."""
-    cls = metafunc.cls
-    if cls is not None and issubclass(cls, BackendConformance) and "conformance_dtype" in metafunc.fixturenames:
-        metafunc.parametrize("conformance_dtype", list(cls.dtypes))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Give the tests that run a model their backend's ``run_marks``."""
-    for item in items:
-        cls = getattr(item, "cls", None)
-        func = getattr(item, "function", None)
-        if cls is None or not issubclass(cls, BackendConformance) or func is None:
-            continue
-        if getattr(func, "_neuropod_runs_model", False):
-            for mark in cls.run_marks:
-                item.add_marker(mark)
-
-
-# Open Inference Protocol datatypes of the numeric spec dtypes (the JSON form sends numbers as numbers).
-_OIP_DATATYPES = {
-    "float16": "FP16", "float32": "FP32", "float64": "FP64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
-    "int64": "INT64", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64", "bool": "BOOL",
-}  # fmt: skip
-
-
-class Served(NamedTuple):
-    """Where :func:`served` serves: ``http`` is the REST base URL, ``grpc`` the gRPC ``host:port``."""
-
-    http: str
-    grpc: str
-
-
-@contextlib.contextmanager
-def served(models: Path, *, timeout: float = 60.0, options: Sequence[str] = ()) -> Iterator[Served]:
-    """``neuropod serve models [options...]`` in a subprocess on free ports, until the block ends.
-
-    For a backend's tests that its packages serve: the server is the real
-    command (``neuropod-serving`` must be installed), stopped with SIGTERM
-    and waited for at the end. Drive it with :func:`oip_infer`, or load
-    ``f"grpc://{s.grpc}/<model>"`` / ``f"{s.http}/<model>"`` as remote models.
-    """
-    import socket
-    import urllib.request
-
-    ports = []
-    for _ in range(2):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "neuropod", "serve", str(models), "--http-port", str(ports[0]),
-           "--grpc-port", str(ports[1]), "--metrics-port", "0", "--quiet", *options]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{ports[0]}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                out, err = proc.communicate()
-                pytest.fail(f"neuropod serve exited with {proc.returncode} before it was ready:\n{out}\n{err}")
-            try:
-                with urllib.request.urlopen(f"{base}/v2/health/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"neuropod serve was not ready within {timeout:g} s")
-            time.sleep(0.1)
-        yield Served(base, f"127.0.0.1:{ports[1]}")
-    finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-
-
-def oip_infer(base: str, model: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """One Open Inference Protocol REST call in its plain JSON form (numeric tensors), outputs as arrays.
-
-    Written against the protocol, not neuropod's client, so a test that uses
-    it checks what any OIP client (Triton's, KServe's) would get.
-    """
-    import json
-    import urllib.request
-
-    body = {"inputs": [
-        {"name": name, "datatype": _OIP_DATATYPES[str(a.dtype)], "shape": list(a.shape), "data": a.ravel().tolist()}
-        for name, a in inputs.items()
-    ]}  # fmt: skip
-    request = urllib.request.Request(
-        f"{base}/v2/models/{model}/infer", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as r:
-        reply = json.loads(r.read())
-    dtypes = {v: k for k, v in _OIP_DATATYPES.items()}
-    return {o["name"]: np.array(o["data"], dtypes[o["datatype"]]).reshape(o["shape"]) for o in reply["outputs"]}
-
-
-__all__ = [
-    "ALL_DTYPES",
-    "NUMERIC_DTYPES",
-    "REQUIRE_GPU_ENV",
-    "BackendConformance",
-    "Served",
-    "HostTensor",
-    "assert_gpu_memory_given_back",
-    "covers",
-    "gpu_memory_used",
-    "gpu_missing",
-    "hooks_covered",
-    "neuropod_cache",
-    "oip_infer",
-    "sample",
-    "served",
-]
