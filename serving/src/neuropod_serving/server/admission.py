@@ -27,9 +27,9 @@ class ModelLimits:
 
     :param max_concurrent: runs of one model at once (unbatched requests;
         a batched model runs as many batches as it has OPE workers). None:
-        :data:`DEFAULT_MAX_CONCURRENT`, or 2 per OPE worker when that is more.
+        :data:`~neuropod_serving.defaults.DEFAULT_MAX_CONCURRENT`, or 2 per OPE worker when that is more.
     :param max_queued: requests of one model waiting for a run or a batch;
-        one more is refused at once with :class:`ModelBusyError`.
+        one more is refused at once with :class:`~neuropod_serving.errors.ModelBusyError`.
     """
 
     max_concurrent: int | None = None

@@ -103,7 +103,7 @@ class Engine(ModelLifecycle):
         workers it makes :attr:`default_settings`; a model loaded with a config
         of its own (:meth:`load`) is served with its :attr:`ServedModel.settings` instead.
     :param metrics: where to record; nothing is recorded when None.
-    :param limits: runs at once and queue of each model (default: :class:`ModelLimits`'s).
+    :param limits: runs at once and queue of each model (default: :class:`~.admission.ModelLimits`'s).
     :param shared_memory: the regions clients register for tensors in shared memory (Triton's
         shared-memory extensions); None: this server takes no tensors in shared memory.
     """
@@ -159,7 +159,7 @@ class Engine(ModelLifecycle):
             parameters for the model); see :meth:`_infer_with`.
         :raises SpecError: the request does not fit the spec.
         :raises UnknownModelError: the model was unloaded before or while it ran.
-        :raises ModelBusyError: the model's queue is full (:class:`ModelLimits`).
+        :raises ModelBusyError: the model's queue is full (:class:`~.admission.ModelLimits`).
         :raises RequestTimeoutError: its timeout passed while it waited; it was not run.
         :raises NeuropodError: the model failed (BackendError, WorkerError...).
         """
@@ -468,7 +468,7 @@ def _learn(
 ) -> float:
     """Learn from a run of ``runner``'s model begun at ``started`` (``cpu``: the thread's CPU
     time then, ``collected``: :class:`_FullCollections` seconds then) whether it may run on the
-    event loop (:attr:`Runner.inline_ok`, ``ewma_s``, ``inline_bytes``); the run's seconds.
+    event loop (:attr:`~.lifecycle.Runner.inline_ok`, ``ewma_s``, ``inline_bytes``); the run's seconds.
 
     :param on_thread: the run was not on the event loop (only such runs raise ``inline_bytes``).
     """
@@ -502,7 +502,7 @@ def _classification(
 
 
 def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:
-    """The size of the first input (0 for none): what :attr:`Runner.inline_bytes` compares."""
+    """The size of the first input (0 for none): what :attr:`~.lifecycle.Runner.inline_bytes` compares."""
     for a in inputs.values():
         return int(a.nbytes)
     return 0

@@ -263,7 +263,7 @@ def default_threads(engine: Engine) -> int:
     """Pool threads for ``engine``: a thread per request that can be waiting in a
     batch or running in an OPE worker, twice over, and at least :data:`MIN_THREADS`;
     and on top, one for every request each model of the repository may hold
-    (running or queued, :class:`~neuropod_serving.server.engine.ModelLimits`), so that
+    (running or queued, :class:`~neuropod_serving.server.admission.ModelLimits`), so that
     busy models never leave health, metadata or another model's calls without a
     thread. grpcio starts threads only when none is idle: the headroom costs nothing
     while models keep up."""
