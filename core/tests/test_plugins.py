@@ -293,12 +293,12 @@ def test_install_hints_name_the_checkout_the_core_was_installed_from(
     (tmp_path / "plugins" / "neuropod-onnx" / "pyproject.toml").write_text("")
     (tmp_path / "serving").mkdir()
     (tmp_path / "serving" / "pyproject.toml").write_text("")
-    monkeypatch.setattr(plugins, "source_checkout", lambda: tmp_path)
+    monkeypatch.setattr(plugins.hints, "source_checkout", lambda: tmp_path)
     assert plugins.pip_install("'neuropod-onnx[cpu]' (or 'neuropod-onnx[gpu]' for NVIDIA GPUs)") == (
         f"pip install '{tmp_path}/plugins/neuropod-onnx[cpu]' (or '{tmp_path}/plugins/neuropod-onnx[gpu]' for NVIDIA GPUs)"
     )
     assert plugins.pip_install("'neuropod-serving[client]'") == f"pip install '{tmp_path}/serving[client]'"
     assert plugins.pip_install("neuropod-jax") == "pip install neuropod-jax", "no such folder: the name stays"
     assert plugins.pip_install("torch") == "pip install torch"
-    monkeypatch.setattr(plugins, "source_checkout", lambda: None)  # installed from wheels
+    monkeypatch.setattr(plugins.hints, "source_checkout", lambda: None)  # installed from wheels
     assert plugins.pip_install("'neuropod-onnx[cpu]'") == "pip install 'neuropod-onnx[cpu]'"

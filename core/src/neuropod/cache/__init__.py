@@ -36,10 +36,9 @@ lie): ``NEUROPOD_MAX_PACKAGE_BYTES`` (default 32 GiB) of uncompressed data and
 interrupt included, removes what was extracted.
 """
 
+from neuropod.cache.entries import FILES as FILES
 from neuropod.cache.entries import (
-    FILES,
     HEX64,
-    RECORD,
     STALE_SECONDS,
     ZIP_READ_ERRORS,
     Entry,
@@ -51,31 +50,29 @@ from neuropod.cache.entries import (
     remove_path,
     verify_cache,
 )
+from neuropod.cache.entries import RECORD as RECORD
 from neuropod.cache.limits import (
     DEFAULT_MAX_PACKAGE_BYTES,
     DEFAULT_MAX_PACKAGE_FILES,
-    check_limit_argument,
     max_package_bytes,
     max_package_files,
 )
-from neuropod.cache.regular_files import file_kind, hash_stream, open_regular, scan_tree, sha256_file
+from neuropod.cache.limits import check_limit_argument as check_limit_argument
+from neuropod.cache.regular_files import file_kind, open_regular, scan_tree, sha256_file
+from neuropod.cache.regular_files import hash_stream as hash_stream
 
 __all__ = [
     "DEFAULT_MAX_PACKAGE_BYTES",
     "DEFAULT_MAX_PACKAGE_FILES",
-    "FILES",
-    "RECORD",
     "Entry",
     "FileRecord",
     "HEX64",
     "STALE_SECONDS",
     "ZIP_READ_ERRORS",
     "cache_dir",
-    "check_limit_argument",
     "entry_lock",
     "extract",
     "file_kind",
-    "hash_stream",
     "make_private_dir",
     "max_package_bytes",
     "max_package_files",

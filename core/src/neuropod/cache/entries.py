@@ -84,7 +84,6 @@ class _Invalid(Exception):
     """A cache entry that must not be used; the message says why."""
 
 
-
 def cache_dir() -> Path:
     """Where extracted zip packages live: ``NEUROPOD_CACHE_DIR``, else ``$XDG_CACHE_HOME/neuropod``."""
     env = os.environ.get("NEUROPOD_CACHE_DIR")

@@ -44,30 +44,14 @@ from neuropod.cli.cache import cmd_cache_prune, cmd_cache_verify
 from neuropod.cli.demo import cmd_demo
 from neuropod.cli.env import cmd_env_create, cmd_env_list, cmd_env_prepare, cmd_env_prune, cmd_env_remove
 from neuropod.cli.inspect import cmd_explain, cmd_inspect
-from neuropod.cli.output import EXIT_ERROR, EXIT_TEST_FAILED, describe_os_error, one_line, safe, safe_stream
+from neuropod.cli.output import EXIT_ERROR, describe_os_error, one_line, safe, safe_stream
+from neuropod.cli.output import EXIT_TEST_FAILED as EXIT_TEST_FAILED
+from neuropod.cli.plugin_commands import KNOWN_PLUGIN_COMMANDS as KNOWN_PLUGIN_COMMANDS
+from neuropod.cli.plugin_commands import KNOWN_PLUGIN_HELP as KNOWN_PLUGIN_HELP
 from neuropod.cli.plugin_commands import add_plugin_commands
-from neuropod.cli.run import cmd_infer, cmd_test, output_file_name
+from neuropod.cli.run import cmd_infer, cmd_test
+from neuropod.cli.run import output_file_name as output_file_name
 from neuropod.errors import NeuropodError
-
-__all__ = [
-    "EXIT_ERROR",
-    "EXIT_TEST_FAILED",
-    "cmd_backends",
-    "cmd_cache_prune",
-    "cmd_cache_verify",
-    "cmd_demo",
-    "cmd_env_create",
-    "cmd_env_list",
-    "cmd_env_prepare",
-    "cmd_env_prune",
-    "cmd_env_remove",
-    "cmd_explain",
-    "cmd_infer",
-    "cmd_inspect",
-    "cmd_test",
-    "main",
-    "output_file_name",
-]
 
 # --- entry point ----------------------------------------------------------
 

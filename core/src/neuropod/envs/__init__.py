@@ -70,35 +70,31 @@ from neuropod.envs.create import (
     parse_spec,
     remove_environment,
 )
-from neuropod.envs.locks import LOCK_PREFIX, lock_environment, lock_environment_name, lock_lines, prune_environments
+from neuropod.envs.locks import LOCK_PREFIX as LOCK_PREFIX
+from neuropod.envs.locks import lock_environment, lock_environment_name, lock_lines, prune_environments
 from neuropod.envs.records import (
     ENV_FILE,
-    FORMAT_VERSION,
-    LOCATION_PREFIX,
-    USERS_FILE,
     Environment,
     core_fingerprint,
     environment_backends,
     environment_of,
-    envs_dir,
     get_environment,
     list_environments,
     neuropod_home,
 )
+from neuropod.envs.records import FORMAT_VERSION as FORMAT_VERSION
+from neuropod.envs.records import LOCATION_PREFIX as LOCATION_PREFIX
+from neuropod.envs.records import USERS_FILE as USERS_FILE
+from neuropod.envs.records import envs_dir as envs_dir
 
 __all__ = [
     "ENV_FILE",
-    "FORMAT_VERSION",
     "FRAMEWORK_DISTRIBUTIONS",
-    "LOCATION_PREFIX",
-    "LOCK_PREFIX",
-    "USERS_FILE",
     "Environment",
     "core_fingerprint",
     "create_environment",
     "environment_backends",
     "environment_of",
-    "envs_dir",
     "get_environment",
     "install_requirements",
     "list_environments",

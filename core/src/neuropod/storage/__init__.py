@@ -41,12 +41,15 @@ user, password and query nor any option is logged or written to the cache.
 """
 
 from neuropod.storage.downloads import downloads_dir, fetch, list_objects, prune_downloads, verify_downloads
-from neuropod.storage.stores import CHUNK, object_identity
-from neuropod.storage.transfer import ATTEMPTS, FIRST_WAIT_S, PARALLEL, READ_AHEAD_WAIT_S
+from neuropod.storage.stores import CHUNK as CHUNK
+from neuropod.storage.stores import object_identity
+from neuropod.storage.transfer import ATTEMPTS as ATTEMPTS
+from neuropod.storage.transfer import FIRST_WAIT_S as FIRST_WAIT_S
+from neuropod.storage.transfer import PARALLEL as PARALLEL
+from neuropod.storage.transfer import READ_AHEAD_WAIT_S as READ_AHEAD_WAIT_S
 from neuropod.storage.urls import PACKAGE_SUFFIXES, SCHEMES, as_downloaded, is_package_url, shown
 
 __all__ = [
-    "ATTEMPTS", "CHUNK", "FIRST_WAIT_S", "PACKAGE_SUFFIXES", "PARALLEL", "READ_AHEAD_WAIT_S", "SCHEMES", "as_downloaded",
-    "downloads_dir", "fetch", "is_package_url", "list_objects", "object_identity", "prune_downloads", "shown",
-    "verify_downloads",
+    "PACKAGE_SUFFIXES", "SCHEMES", "as_downloaded", "downloads_dir", "fetch", "is_package_url", "list_objects",
+    "object_identity", "prune_downloads", "shown", "verify_downloads",
 ]  # fmt: skip
