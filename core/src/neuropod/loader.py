@@ -231,6 +231,10 @@ def check_load_args(
     neuropod_path: object, *, device: object = None, backend: object = None, verify: object = True,
     use_ope: object = False, workers: object = 1, restart: object = False, timeout: object = None,
 ) -> None:  # fmt: skip
+    """Check :func:`load_neuropod`'s arguments before any file is read (also for :func:`~neuropod.testdata.run_test_data`).
+
+    :raises TypeError, ValueError: an argument of the wrong type or value.
+    """
     _check_path("neuropod_path", neuropod_path, package_ok=True)
     _check_resolution_args(device, backend)
     for name, flag in (("verify", verify), ("use_ope", use_ope), ("restart", restart)):

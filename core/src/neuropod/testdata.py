@@ -119,9 +119,9 @@ def check_packaged(
     run (made for another framework version) is kept with a warning that it
     was not checked.
 
-    :param neuropod_load_args: more keywords for :func:`load_neuropod` (the
+    :param neuropod_load_args: more keywords for :func:`~neuropod.load_neuropod` (the
         original Neuropod's packager keyword), e.g. ``{"visible_gpu": None}``.
-    :param kwargs: for :func:`load_neuropod` (e.g. ``backend=``), plus
+    :param kwargs: for :func:`~neuropod.load_neuropod` (e.g. ``backend=``), plus
         ``rtol``/``atol`` for the comparison.
     :returns: the test report, or None when nothing was run.
     """
