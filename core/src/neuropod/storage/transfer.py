@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import neuropod.storage.stores as stores
 from neuropod import cache
 from neuropod.errors import NeuropodError, PackageError
-from neuropod.storage import stores
 from neuropod.storage.stores import is_ranged, list_files, listed_md5, object_identity, object_info, store_error
 
 log = logging.getLogger("neuropod.storage")
