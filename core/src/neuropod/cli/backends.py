@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import TextIO
 
@@ -76,6 +74,8 @@ def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
 def _framework_builds(frameworks: set[str]) -> dict[str, dict[str, str]]:
     """Which build of a framework is installed, where that decides whether it can use a GPU: for
     torch, ``"CPU build"`` or ``"CUDA 13.0 build"``, read from ``torch/version.py`` without importing torch."""
+    import importlib.util
+    from importlib import metadata
 
     builds: dict[str, dict[str, str]] = {}
     if "torch" in frameworks:
