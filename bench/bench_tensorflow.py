@@ -60,7 +60,7 @@ def main() -> None:
     rounds = 7 if args.quick else args.rounds
     if not FIXTURES.is_dir():
         sys.exit(f"the original Neuropod packages are not at {FIXTURES}")
-    from neuropod_tensorflow._runtime import import_tensorflow
+    from neuropod_tensorflow._quiet import import_tensorflow
 
     tf = import_tensorflow()
     print(f"neuropod {neuropod.__version__}, tensorflow {tf.__version__}, numpy {np.__version__}, "

@@ -69,6 +69,7 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
     """Deserialize the package's exported program and put its parameters on ``device``."""
     if backend.platform != PLATFORM:
         return None
+    # lazy: jax and numpy, kept out of `import neuropod_jax` (plugin discovery)
     from neuropod_jax._runtime import JaxModel
 
     return JaxModel.load(package, device, options)

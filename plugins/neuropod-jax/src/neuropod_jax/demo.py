@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from neuropod.plugins import import_framework
+
 INPUT_SPEC: list[dict[str, Any]] = [{"name": "x", "dtype": "float32", "shape": ["batch_size", 4]}]
 OUTPUT_SPEC: list[dict[str, Any]] = [
     {"name": "scores", "dtype": "float32", "shape": ["batch_size", 3]},
@@ -20,12 +22,11 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """
     import numpy as np
 
-    from neuropod.plugins import import_framework
-
     import_framework("jax", "jax", "neuropod demo jax")
     import jax
     import jax.numpy as jnp
 
+    # lazy: numpy (the packager imports it), kept out of importing this module (as numpy above)
     from neuropod_jax.packager import create_jax_neuropod
 
     def mlp(params: dict[str, Any], x: Any) -> dict[str, Any]:

@@ -21,8 +21,8 @@ import numpy as np
 from packaging.version import InvalidVersion, Version
 
 from neuropod.backend import installed_distribution
+from neuropod.create import create_package, package_options
 from neuropod.errors import PackageError
-from neuropod.package import create_package, package_options
 from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_jax import FRAMEWORK_DISTRIBUTIONS, PLATFORM
@@ -30,7 +30,7 @@ from neuropod_jax import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from neuropod.package import PackageOptions
+    from neuropod.create import PackageOptions
 
 PACKAGER = "create_jax_neuropod"
 EXPORT_PATH = "0/data/model.jaxexport"
@@ -131,6 +131,7 @@ def create_jax_neuropod(
             raise PackageError(f"{where}: tensor {s.name!r} is a string tensor, and JAX has no strings")
 
     jax_export = _import_jax()
+    # lazy: jax (the runtime imports it), kept out of `import neuropod_jax.packager`
     from neuropod_jax._runtime import argument_trees, needs_x64, output_names
 
     treedef, flat, paths = _flatten_params(params, where)
@@ -341,6 +342,7 @@ def _export(
     import jax
     from jax import export as jax_export
 
+    # lazy: jax (the runtime imports it), kept out of `import neuropod_jax.packager`
     from neuropod_jax._runtime import x64_context
 
     symbols = _Symbols(ins)

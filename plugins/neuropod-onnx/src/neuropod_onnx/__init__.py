@@ -73,6 +73,7 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
     """Create an ONNX Runtime session for the package on ``device``."""
     if backend.platform != PLATFORM:
         return None
+    # lazy: onnxruntime and numpy, kept out of `import neuropod_onnx` (plugin discovery)
     from neuropod_onnx._runtime import OnnxModel
 
     return OnnxModel.load(package, device, options)

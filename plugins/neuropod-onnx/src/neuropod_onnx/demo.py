@@ -73,6 +73,7 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """
     import numpy as np
 
+    # lazy: numpy (the packager imports it), kept out of importing this module (as numpy above)
     from neuropod_onnx.packager import create_onnx_neuropod
 
     x = np.array([[1, 2], [3, 4]], dtype=np.float32)

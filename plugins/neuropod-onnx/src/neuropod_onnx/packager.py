@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuropod.create import create_package, package_options
 from neuropod.errors import NeuropodError, PackageError
-from neuropod.package import create_package, package_options
 from neuropod.plugins import import_framework
 from neuropod.spec import parse_spec
 from neuropod_onnx import FRAMEWORK_DISTRIBUTIONS, PLATFORM
@@ -16,7 +16,7 @@ from neuropod_onnx import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from neuropod.package import PackageOptions
+    from neuropod.create import PackageOptions
 
 MODEL_PATH = "0/data/model.onnx"
 
@@ -69,6 +69,7 @@ def _check_graph(
 ) -> None:
     """Open the model once so a spec that does not match fails before anything is written."""
     import_framework("onnxruntime", PLATFORM, "create_onnx_neuropod")
+    # lazy: onnxruntime (the runtime imports it), kept out of `import neuropod_onnx.packager`
     from neuropod_onnx._runtime import check_io, create_session
 
     where = f"Model {name!r}"

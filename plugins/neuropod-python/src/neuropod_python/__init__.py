@@ -115,6 +115,7 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
         raise NeuropodError(
             f"The python backend takes no load options; got {', '.join(map(repr, sorted(options)))}"
         )
+    # lazy: numpy, kept out of `import neuropod_python` (plugin discovery)
     from neuropod_python._runtime import load
 
     return load(package, device)

@@ -50,6 +50,7 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """
     import numpy as np
 
+    # lazy: numpy (the packager imports it), kept out of importing this module (as numpy above)
     from neuropod_python.packager import create_python_neuropod
 
     rng = np.random.default_rng(0)

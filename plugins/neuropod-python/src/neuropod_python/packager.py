@@ -20,16 +20,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuropod.backend import installed_distribution
+from neuropod.create import check_destination, create_package, package_options
 from neuropod.errors import NeuropodError, PackageError
-from neuropod.package import FileSource, check_destination, create_package, package_options
-from neuropod.versions import parse_range
+from neuropod.package import FileSource
+from neuropod.versions import parse_range, satisfies
 from neuropod_python import PLATFORM, other_interpreters
 from neuropod_python.lock import compile_requirements, requirement_names
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from neuropod.package import PackageOptions
+    from neuropod.create import PackageOptions
 
 
 def create_python_neuropod(
@@ -117,8 +119,6 @@ def create_pytorch_neuropod(
     as with the original Neuropod. The entrypoint's callable gets numpy
     arrays; it may return torch tensors (they are converted).
     """
-    from neuropod.backend import installed_distribution
-
     reqs = requirements or ""
     if "torch" not in requirement_names(reqs):
         found = installed_distribution("torch")
@@ -202,8 +202,6 @@ def _locking_python(version_range: str) -> str:
     """The interpreter to lock the requirements with: this one when the package's range allows it,
     else the first other interpreter on PATH that it allows."""
     import sys
-
-    from neuropod.versions import satisfies
 
     parse_range(version_range)  # an invalid range is an error naming it
     if satisfies(platform.python_version(), version_range):

@@ -98,6 +98,7 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
     """Load the package's frozen graph or SavedModel onto ``device``."""
     if backend.platform != PLATFORM:
         return None
+    # lazy: numpy, kept out of `import neuropod_tensorflow` (plugin discovery)
     from neuropod_tensorflow._runtime import load
 
     return load(package, device, options)

@@ -23,6 +23,7 @@ from typing import Any
 from neuropod import cache
 from neuropod.backend import cached_probe
 from neuropod.probe import ProbeFailure, run_probe
+from neuropod_tensorflow._quiet import not_tensorflow
 
 
 def library_ops(tf: Any, path: Path, where: str) -> list[str]:
@@ -33,15 +34,13 @@ def library_ops(tf: Any, path: Path, where: str) -> list[str]:
     """
 
     def probe() -> Any:
-        from neuropod_tensorflow._runtime import _not_tensorflow
-
         what = (
             f"{where}: custom op library {path.name} failed to load in tensorflow {tf.__version__} "
             "(loaded alone in a fresh process to learn its ops)"
         )
         env = {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
         return run_probe(
-            "neuropod_tensorflow._ops_probe:registered_ops", [str(path)], what, env=env, clean_output=_not_tensorflow
+            "neuropod_tensorflow._ops_probe:registered_ops", [str(path)], what, env=env, clean_output=not_tensorflow
         )
 
     key = f"{cache.sha256_file(path)}-tensorflow-{tf.__version__}"

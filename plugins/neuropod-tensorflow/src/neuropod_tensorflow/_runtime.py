@@ -10,21 +10,13 @@ Two kinds of package, as the original Neuropod wrote them and as we do:
 * a SavedModel at ``0/data/savedmodel``, run through its ``serving_default``
   signature, whose input and output keys are the spec's names.
 
-TensorFlow prints log lines from C++ as it starts (some before its own log
-settings are read). Unless the user set ``TF_CPP_MIN_LOG_LEVEL`` (asking
-for them), ``TF_CPP_MIN_LOG_LEVEL=2`` is set for this process and stderr is
-captured while TensorFlow is imported and a model is loaded; what it
-printed is shown only if that fails.
+TensorFlow is imported, and models loaded, with its C++ start-up logs held
+back (:mod:`neuropod_tensorflow._quiet`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import tempfile
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +26,8 @@ from neuropod.backend import load_libraries_once
 from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.package import Package
 from neuropod.spec import TensorSpec, to_string_array
+from neuropod_tensorflow._ops_probe import clash
+from neuropod_tensorflow._quiet import LOCK, import_tensorflow, quiet_stderr
 
 FROZEN_GRAPH = "model.pb"
 SAVED_MODEL = "savedmodel"
@@ -44,69 +38,6 @@ LOAD_OPTIONS = {
     "inter_op_num_threads": "threads across operators (as above)",
     "inter_op_thread_pool": "frozen graphs: 'caller' (default: run ops on the calling thread) or 'pool' (TensorFlow's pool)",
 }
-
-_lock = threading.RLock()
-
-
-# --- quiet TensorFlow ----------------------------------------------------------------
-
-
-# Whether the user asked for TensorFlow's logs, decided before we set our default.
-_user_wants_logs = "TF_CPP_MIN_LOG_LEVEL" in os.environ
-
-
-@contextlib.contextmanager
-def quiet_stderr(what: str) -> Iterator[None]:
-    """Capture file descriptor 2 while TensorFlow starts; replay it only on failure.
-
-    TensorFlow writes to the C-level stderr, so ``sys.stderr`` redirection
-    does not reach it. Other threads' stderr output in this window is kept
-    and written out afterwards.
-    """
-    if _user_wants_logs:
-        yield
-        return
-    with _lock, tempfile.TemporaryFile(mode="w+b") as sink:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(sink.fileno(), 2)
-        failed = True
-        try:
-            yield
-            failed = False
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            text = sink.read().decode("utf-8", "replace")
-            keep = text if failed else _not_tensorflow(text)
-            if keep.strip():
-                sys.stderr.write(keep if not failed else f"[TensorFlow's output while {what}]\n{keep}")
-                sys.stderr.flush()
-
-
-def _not_tensorflow(text: str) -> str:
-    """Lines that are not TensorFlow's C++ log lines (kept: they belong to someone else)."""
-    prefixes = ("I0000", "W0000", "E0000", "WARNING: All log messages before absl::InitializeLog()")
-    lines = text.splitlines(keepends=True)
-    return "".join(line for line in lines if not line.startswith(prefixes) and " cpu_feature_guard.cc" not in line)
-
-
-def import_tensorflow() -> Any:
-    """Import TensorFlow quietly (see the module docstring), once."""
-    if sys.modules.get("tensorflow") is not None:  # None: an import of it was blocked
-        return sys.modules["tensorflow"]
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with quiet_stderr("importing tensorflow"):
-        import tensorflow as tf
-    # Memory growth must be set before a GPU is first used: TensorFlow would
-    # otherwise take all of every visible GPU's memory for itself.
-    for gpu in tf.config.list_physical_devices("GPU"):
-        with contextlib.suppress(RuntimeError, ValueError):
-            tf.config.experimental.set_memory_growth(gpu, True)
-    return tf
-
 
 # --- shared pieces -----------------------------------------------------------------
 
@@ -120,8 +51,6 @@ def load_custom_ops(tf: Any, paths: Sequence[Path], where: str) -> None:
     """
     if not paths:
         return
-    from neuropod_tensorflow._ops_probe import clash
-
     load_libraries_once(
         paths, tf.load_op_library, f"tensorflow {tf.__version__}", where, clash=lambda path: clash(tf, path, where)
     )
@@ -267,7 +196,7 @@ class FrozenGraphModel:
     def _make_callable(self, names: tuple[str, ...], outputs: tuple[str, ...]) -> Callable[..., Any]:
         fetches = [self._tensors[n] for n in outputs]
         feeds = [self._tensors[n] for n in names]
-        with _lock:
+        with LOCK:
             fn = self._caller_thread_callable(feeds, fetches) if self._caller_thread else None
             if fn is None:
                 fn = self.session.make_callable(fetches, feed_list=feeds)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from neuropod.plugins import import_framework
+from neuropod_tensorflow._quiet import import_tensorflow
+
 INPUT_SPEC = [
     {"name": "x", "dtype": "float32", "shape": ["batch_size", 2]},
     {"name": "y", "dtype": "float32", "shape": ["batch_size", 2]},
@@ -20,8 +23,7 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """
     import numpy as np
 
-    from neuropod.plugins import import_framework
-    from neuropod_tensorflow._runtime import import_tensorflow
+    # lazy: numpy (the packager imports it), kept out of importing this module (as numpy above)
     from neuropod_tensorflow.packager import create_tensorflow_neuropod
 
     tf = import_framework("tensorflow", "tensorflow", "neuropod demo tensorflow", import_tensorflow)

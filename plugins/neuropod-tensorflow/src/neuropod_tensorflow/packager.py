@@ -8,17 +8,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuropod.create import create_package
 from neuropod.errors import NeuropodError, PackageError
-from neuropod.package import FileSource, create_package
+from neuropod.package import FileSource
 from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_tensorflow import FRAMEWORK_DISTRIBUTIONS, PLATFORM
-from neuropod_tensorflow._runtime import import_tensorflow
+from neuropod_tensorflow._quiet import import_tensorflow, quiet_stderr
+from neuropod_tensorflow._runtime import SIGNATURE
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from neuropod.package import PackageOptions
+    from neuropod.create import PackageOptions
 
 FROZEN_GRAPH_PATH = "0/data/model.pb"
 SAVED_MODEL_PATH = "0/data/savedmodel"
@@ -363,8 +365,6 @@ def _flat_positions(tf: Any, struct: Any, tensors: list[Any]) -> list[int]:
 
 def _save_trackable(obj: Any, path: Path) -> Path:
     import tensorflow as tf
-
-    from neuropod_tensorflow._runtime import SIGNATURE, quiet_stderr
 
     signatures = getattr(obj, SIGNATURE, None)
     kwargs: dict[str, Any] = {}

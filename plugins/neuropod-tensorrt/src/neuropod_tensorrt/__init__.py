@@ -63,6 +63,7 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
     """Deserialize the package's engine onto ``device`` (a GPU)."""
     if backend.platform != PLATFORM:
         return None
+    # lazy: numpy, kept out of `import neuropod_tensorrt` (plugin discovery)
     from neuropod_tensorrt._runtime import TensorRTModel
 
     return TensorRTModel.load(package, device, options)

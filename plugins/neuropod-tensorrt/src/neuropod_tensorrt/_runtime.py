@@ -29,7 +29,8 @@ _plugins_lock = threading.Lock()
 _loaded_plugins: set[str] = set()
 
 
-def _cudart() -> Any:
+def cuda_runtime() -> Any:
+    """cuda-python's CUDA runtime module (imported on first call)."""
     try:
         from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
     except ImportError:
@@ -37,7 +38,7 @@ def _cudart() -> Any:
     return cudart
 
 
-def _check(result: Any, what: str) -> Any:
+def cuda_call(result: Any, what: str) -> Any:
     """Unpack a cuda-python result ``(err, *values)``, raising on an error."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
@@ -77,7 +78,7 @@ def engine_io(trt: Any, engine: Any) -> dict[str, tuple[str, str, tuple[int, ...
     return io
 
 
-class _Logger:
+class ErrorLogger:
     """A TensorRT logger that keeps errors so they can go into our exceptions."""
 
     def __init__(self, trt: Any) -> None:
@@ -102,10 +103,10 @@ class TensorRTModel:
         self.name = package.name
         self.where = where
         self._trt = trt
-        self._cudart = cudart = _cudart()
+        self._cudart = cudart = cuda_runtime()
         self._device_index = int(device.split(":", 1)[1])
-        _check(cudart.cudaSetDevice(self._device_index), "cudaSetDevice")
-        props = _check(cudart.cudaGetDeviceProperties(self._device_index), "cudaGetDeviceProperties")
+        cuda_call(cudart.cudaSetDevice(self._device_index), "cudaSetDevice")
+        props = cuda_call(cudart.cudaGetDeviceProperties(self._device_index), "cudaGetDeviceProperties")
         here = f"{props.major}.{props.minor}"
         need = (package.config.device_requirements or {}).get("compute_capability")
         if need and need != here and not (package.config.device_requirements or {}).get("hardware_compatible"):
@@ -113,7 +114,7 @@ class TensorRTModel:
                 f"{where}: the engine was built for compute capability {need}, but {device} is {here}; rebuild the "
                 "engine on this GPU (or build it hardware-compatible)"
             )
-        self._logger = _Logger(trt)
+        self._logger = ErrorLogger(trt)
         load_plugins(trt, self._logger.trt_logger, package.custom_op_paths, where)
         runtime = trt.Runtime(self._logger.trt_logger)
         engine = runtime.deserialize_cuda_engine((package.root / ENGINE_PATH).read_bytes())
@@ -127,7 +128,7 @@ class TensorRTModel:
         self._io = engine_io(trt, engine)
         check_io(self._io, package.config.input_spec, package.config.output_spec, where)
         self.context = engine.create_execution_context()
-        self.stream = _check(cudart.cudaStreamCreate(), "cudaStreamCreate")
+        self.stream = cuda_call(cudart.cudaStreamCreate(), "cudaStreamCreate")
         self._buffers: dict[str, tuple[int, int]] = {}  # name -> (pointer, capacity in bytes)
         self._lock = threading.Lock()  # one execution context: one call at a time
 
@@ -150,8 +151,8 @@ class TensorRTModel:
         ptr, capacity = self._buffers.get(name, (0, 0))
         if capacity < nbytes:
             if ptr:
-                _check(self._cudart.cudaFree(ptr), "cudaFree")
-            ptr = int(_check(self._cudart.cudaMalloc(max(nbytes, 1)), f"cudaMalloc({nbytes})"))
+                cuda_call(self._cudart.cudaFree(ptr), "cudaFree")
+            ptr = int(cuda_call(self._cudart.cudaMalloc(max(nbytes, 1)), f"cudaMalloc({nbytes})"))
             self._buffers[name] = (ptr, max(nbytes, 1))
         return ptr
 
@@ -160,7 +161,7 @@ class TensorRTModel:
         h2d = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
         d2h = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
         with self._lock:
-            _check(cudart.cudaSetDevice(self._device_index), "cudaSetDevice")
+            cuda_call(cudart.cudaSetDevice(self._device_index), "cudaSetDevice")
             for name, (mode, _, _) in self._io.items():
                 if mode == "input" and name not in inputs:
                     raise SpecError(f"Model {self.name!r} needs input {name!r}: TensorRT engines have no optional inputs")
@@ -171,7 +172,7 @@ class TensorRTModel:
                         "optimization profile"
                     )
                 ptr = self._buffer(name, arr.nbytes)
-                _check(cudart.cudaMemcpyAsync(ptr, arr.ctypes.data, arr.nbytes, h2d, self.stream), "cudaMemcpyAsync")
+                cuda_call(cudart.cudaMemcpyAsync(ptr, arr.ctypes.data, arr.nbytes, h2d, self.stream), "cudaMemcpyAsync")
                 self.context.set_tensor_address(name, ptr)
             outputs: dict[str, np.ndarray] = {}
             for name, (mode, dtype, _) in self._io.items():
@@ -186,8 +187,8 @@ class TensorRTModel:
             wanted = outputs if requested is None else {k: outputs[k] for k in requested}
             for name, host in wanted.items():
                 ptr = self._buffers[name][0]
-                _check(cudart.cudaMemcpyAsync(host.ctypes.data, ptr, host.nbytes, d2h, self.stream), "cudaMemcpyAsync")
-            _check(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+                cuda_call(cudart.cudaMemcpyAsync(host.ctypes.data, ptr, host.nbytes, d2h, self.stream), "cudaMemcpyAsync")
+            cuda_call(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
             return dict(wanted)
 
     def close(self) -> None:

@@ -8,17 +8,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuropod.backend import installed_distribution
+from neuropod.create import create_package, package_options
 from neuropod.errors import BackendError, NeuropodError, PackageError
-from neuropod.package import create_package, package_options
 from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod_tensorrt import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 from neuropod_tensorrt._engine import ENGINE_PATH, EngineInfo, check_io
+from neuropod_tensorrt._runtime import ErrorLogger, cuda_call, cuda_runtime, engine_io, load_plugins
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from neuropod.package import PackageOptions
+    from neuropod.create import PackageOptions
 
 Profile = Mapping[str, tuple[Any, Any, Any]]
 
@@ -109,10 +110,8 @@ def create_tensorrt_neuropod(
 def _gpu_here() -> str | None:
     """This machine's first GPU's compute capability, or None without a usable GPU."""
     try:
-        from neuropod_tensorrt._runtime import _check, _cudart
-
-        cudart = _cudart()
-        props = _check(cudart.cudaGetDeviceProperties(0), "cudaGetDeviceProperties")
+        cudart = cuda_runtime()
+        props = cuda_call(cudart.cudaGetDeviceProperties(0), "cudaGetDeviceProperties")
     except Exception:  # noqa: BLE001 - no driver, no GPU, no binding: all mean "no GPU here"
         return None
     return f"{props.major}.{props.minor}"
@@ -129,9 +128,7 @@ def _check_engine_if_possible(
         import tensorrt as trt
     except ImportError:
         return
-    from neuropod_tensorrt._runtime import _Logger, engine_io, load_plugins
-
-    logger = _Logger(trt)
+    logger = ErrorLogger(trt)
     load_plugins(trt, logger.trt_logger, plugins, f"Model {name!r}")
     deserialized = trt.Runtime(logger.trt_logger).deserialize_cuda_engine(engine)
     if deserialized is None:
@@ -183,9 +180,7 @@ def _build_from_onnx(
     if cc is None:
         raise NeuropodError("Building a TensorRT engine from ONNX needs an NVIDIA GPU and its driver; none is usable here")
     trt = import_framework("tensorrt", PLATFORM, "Building a TensorRT engine")
-    from neuropod_tensorrt._runtime import _Logger, engine_io, load_plugins
-
-    logger = _Logger(trt)
+    logger = ErrorLogger(trt)
     load_plugins(trt, logger.trt_logger, plugins, f"ONNX model {onnx_path}")
     builder = trt.Builder(logger.trt_logger)
     network = builder.create_network(0)

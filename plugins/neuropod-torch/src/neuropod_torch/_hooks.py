@@ -83,9 +83,10 @@ class TorchPlugin:
         """Load the package's program (torch_export) or compiled model (aoti) onto ``device``."""
         if backend.platform != self.platform:
             return None
-        from neuropod_torch import _runtime
+        # lazy: torch, kept out of `import neuropod_torch` (plugin discovery)
+        from neuropod_torch._runtime import AotiModel, ExportedModel
 
-        loader = _runtime.AotiModel if self.platform == AOTI else _runtime.ExportedModel
+        loader = AotiModel if self.platform == AOTI else ExportedModel
         return loader.load(package, device, options)
 
     @hookimpl

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from neuropod.plugins import import_framework
+
 INPUT_SPEC: list[dict[str, Any]] = [{"name": "x", "dtype": "float32", "shape": ["batch_size", 4]}]
 OUTPUT_SPEC: list[dict[str, Any]] = [
     {"name": "scores", "dtype": "float32", "shape": ["batch_size", 3]},
@@ -24,7 +26,7 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """
     import numpy as np
 
-    from neuropod.plugins import import_framework
+    # lazy: numpy (the packager imports it), kept out of importing this module (as numpy above)
     from neuropod_torch.packager import create_torch_export_neuropod
 
     import_framework("torch", "torch_export", "neuropod demo torch")

@@ -24,16 +24,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuropod.create import create_package, package_options
 from neuropod.errors import PackageError, SpecError
-from neuropod.package import create_package, package_options
 from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod_torch._archive import aoti_metadata, check_archive
 from neuropod_torch._hooks import AOTI, FRAMEWORK_DISTRIBUTIONS, TORCH_EXPORT
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from neuropod.package import PackageOptions
+    from neuropod.create import PackageOptions
 
 MODEL_PATH = "0/data/model.pt2"
 #: The loggers that narrate a failed export on stderr (the error raised says it better).
@@ -164,8 +165,6 @@ def create_aoti_neuropod(
             program = _program(packager, model_name, inputs, module, exported_program, example_inputs, strict, opts, device)
             args = _positional_names(program)
             compiled = _compile(packager, model_name, program, Path(tmp) / "model.pt2", kind, inductor_configs)
-        from neuropod_torch._archive import aoti_metadata, check_archive
-
         where = f"{packager} for model {model_name!r}"
         check_archive(compiled, AOTI, where, torch)
         metadata = aoti_metadata(compiled, where)
@@ -488,6 +487,7 @@ def _check_program_against_spec(packager: str, model_name: str, program: Any, in
 
 def _positional_names(program: Any) -> list[str]:
     """The names of the program's positional inputs, in order (what its forward calls them)."""
+    # lazy: torch (the runtime imports it), kept out of `import neuropod_torch.packager`
     from neuropod_torch._runtime import tree_children
 
     n = tree_children(program.call_spec.in_spec)[0].num_children

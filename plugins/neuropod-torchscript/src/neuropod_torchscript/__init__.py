@@ -77,6 +77,7 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
     """Load the package's TorchScript module onto ``device``."""
     if backend.platform != PLATFORM:
         return None
+    # lazy: torch and numpy, kept out of `import neuropod_torchscript` (plugin discovery)
     from neuropod_torchscript._runtime import TorchScriptModel
 
     return TorchScriptModel.load(package, device, options)

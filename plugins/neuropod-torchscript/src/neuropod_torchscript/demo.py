@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from neuropod.plugins import import_framework
+
 INPUT_SPEC = [
     {"name": "x", "dtype": "float32", "shape": ["batch_size", 2]},
     {"name": "y", "dtype": "float32", "shape": ["batch_size", 2]},
@@ -20,7 +22,7 @@ def build_demo(directory: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """
     import numpy as np
 
-    from neuropod.plugins import import_framework
+    # lazy: numpy (the packager imports it), kept out of importing this module (as numpy above)
     from neuropod_torchscript.packager import create_torchscript_neuropod
 
     import_framework("torch", "torchscript", "neuropod demo torchscript")

@@ -8,15 +8,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuropod.create import create_package
 from neuropod.errors import PackageError
-from neuropod.package import create_package
 from neuropod.plugins import import_framework
 from neuropod_torchscript import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from neuropod.package import PackageOptions
+    from neuropod.create import PackageOptions
 
 MODEL_PATH = "0/data/model.pt"
 
@@ -76,6 +76,7 @@ def _serialize(module: Any) -> bytes:
         kind = type(module).__name__
         hint = " (script or trace it first: torch.jit.script(module))" if isinstance(module, torch.nn.Module) else ""
         raise PackageError(f"module must be a torch.jit.ScriptModule, not {kind}{hint}")
+    # lazy: torch (the runtime imports it), kept out of `import neuropod_torchscript.packager`
     from neuropod_torchscript._runtime import quiet_jit_deprecation
 
     buf = io.BytesIO()
