@@ -155,11 +155,11 @@ def _comment_lines(source: str) -> dict[int, str]:
 def _has_lazy_comment(node: ast.stmt, comments: dict[int, str], lines: list[str]) -> bool:
     """A ``# lazy: ...`` comment on the statement's lines, or alone on the line just above it."""
     last = node.end_lineno or node.lineno
-    if any(LAZY_COMMENT.match(comments.get(n, "")) for n in range(node.lineno, last + 1)):
+    if any(LAZY_COMMENT.search(comments.get(n, "")) for n in range(node.lineno, last + 1)):
         return True
     above = node.lineno - 1
     return (
-        above >= 1 and lines[above - 1].lstrip().startswith("#") and bool(LAZY_COMMENT.match(comments.get(above, "")))
+        above >= 1 and lines[above - 1].lstrip().startswith("#") and bool(LAZY_COMMENT.search(comments.get(above, "")))
     )
 
 
