@@ -24,7 +24,7 @@
     nox -s lint types              ruff, mypy
     nox -s imports                 the import graph read from source (tests/test_import_graph.py): no circles, own
                                    imports inside functions only with a `# lazy:` reason, no file over 600 lines;
-                                   `neuropod serve --help` imports no server library
+                                   `neuropod serve --help` imports no server library; import-linter's contracts
     nox -s docs                    every code block of docs/ and the READMEs run, the site built (warnings are errors)
     nox -s bench                   benchmarks (print ratios against the raw framework)
     nox -s charts                  docs/performance.md's charts: quick benches with --json, then bench/charts.py
@@ -434,9 +434,14 @@ def imports(session: nox.Session) -> None:
     """The import graph of the core, neuropod-serving and the plugins, read from source: no import circle,
     an own-module import inside a function only with a `# lazy:` reason, no library file over 600 lines
     unless allowed by name; and `neuropod serve --help` (core and serving installed, as users get them)
-    imports no server library."""
-    session.install("pytest>=8", str(CORE), f"{SERVING}[server]")
+    imports no server library. Then import-linter's contracts (.importlinter): the core imports neither
+    serving nor a plugin, plugins never import one another nor serving, no package's parts import one
+    another round."""
+    session.install("pytest>=8", "import-linter==2.17", str(CORE), f"{SERVING}[server]")
     _pytest(session, "tests/test_import_graph.py")
+    # import-linter's contracts (.importlinter), read from the checkout's sources: plugins need not be installed.
+    sources = [CORE / "src", SERVING / "src", *[p / "src" for p in PLUGINS]]
+    session.run("lint-imports", "--no-cache", env={"PYTHONPATH": os.pathsep.join(map(str, sources))})
 
 
 # --- documentation ----------------------------------------------------------

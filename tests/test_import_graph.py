@@ -32,7 +32,8 @@ What an import statement depends on (:func:`import_targets`), as Python runs it:
 - Only the longest of our modules that a dotted name starts with counts (``from neuropod.spec import
   TensorSpec`` depends on ``neuropod.spec``); imports of anything else are not part of this graph.
 
-Run this file alone (``nox -s imports`` does): ``pytest tests/test_import_graph.py``.
+Run this file alone (``nox -s imports`` does): ``pytest tests/test_import_graph.py``. The same session
+runs import-linter's contracts (``.importlinter``) as a second opinion on the rules between packages.
 """
 
 from __future__ import annotations
