@@ -249,7 +249,7 @@ def test_local_sources(tmp_path: Path, record: dict[str, Any], expected: str | N
     (tmp_path / "neuropod-0.4.0-py3-none-any.whl").write_bytes(b"")
     tmp = str(tmp_path).lstrip("/")
     text = json.dumps({k: v.replace("/{tmp}", "/" + tmp) if k == "url" else v for k, v in record.items()})
-    assert envs.create._direct_path(text) == (expected.replace("{tmp}", str(tmp_path)) if expected else None)
+    assert envs.builder._direct_path(text) == (expected.replace("{tmp}", str(tmp_path)) if expected else None)
 
 
 def test_requirements_pin_the_core_and_the_framework() -> None:

@@ -504,7 +504,7 @@ def test_item17_a_bad_environment_record_leaves_the_others_usable(
 
 
 def test_item17_pip_direct_url_nested_deep_is_ignored() -> None:
-    assert envs.create._direct_path('{"url": ' + "[" * 100_000 + "]" * 100_000 + "}") is None
+    assert envs.builder._direct_path('{"url": ' + "[" * 100_000 + "]" * 100_000 + "}") is None
 
 
 def test_item17_host_file_nested_deep(tmp_path: Path) -> None:

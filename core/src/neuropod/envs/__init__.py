@@ -63,7 +63,7 @@ readable ``neuropod-env.json`` or whose
 interpreter is gone is listed with a ``problem`` and offers no backends.
 """
 
-from neuropod.envs.create import (
+from neuropod.envs.builder import (
     FRAMEWORK_DISTRIBUTIONS,
     create_environment,
     install_requirements,

@@ -18,7 +18,7 @@ from typing import TextIO
 
 from neuropod._version import __version__
 from neuropod.backend import Backend
-from neuropod.envs.create import (
+from neuropod.envs.builder import (
     FRAMEWORK_DISTRIBUTIONS,
     build_environment,
     local_source,
