@@ -436,7 +436,8 @@ def imports(session: nox.Session) -> None:
     unless allowed by name; and `neuropod serve --help` (core and serving installed, as users get them)
     imports no server library. Then import-linter's contracts (.importlinter): the core imports neither
     serving nor a plugin, plugins never import one another nor serving, no package's parts import one
-    another round."""
+    another round, and the core, neuropod-serving, its server and its protocol codec each read top-down
+    in the layers listed there."""
     session.install("pytest>=8", "import-linter==2.17", str(CORE), f"{SERVING}[server]")
     _pytest(session, "tests/test_import_graph.py")
     # import-linter's contracts (.importlinter), read from the checkout's sources: plugins need not be installed.
