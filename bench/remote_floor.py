@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 HEADER_LENGTH = "inference-header-content-length"
-#: neuropod serve's (neuropod_serving.cli.GIL_SWITCH_S), copied: without --one-write this file imports nothing of ours.
+#: neuropod serve's (neuropod_serving.server.launcher.GIL_SWITCH_S), copied: without --one-write this file imports nothing of ours.
 GIL_SWITCH_S = 0.0001
 
 
