@@ -1,20 +1,7 @@
-"""Finding backend plugins: entry points, allow and block lists, failures.
-
-Plugins are loaded once, lazily, by :func:`get_plugin_manager`. Each entry
-point is loaded on its own; one that fails (import error, hook with no spec,
-a hook that raises while listing its backends) is skipped with a
-:class:`PluginWarning` naming its distribution and version, and recorded so
-``neuropod backends`` can show it. It never breaks the other plugins.
-
-Environment variables, by entry-point name (e.g. ``onnx``):
-
-* ``NEUROPOD_PLUGINS=onnx,torchscript`` loads only those plugins.
-* ``NEUROPOD_DISABLE_PLUGINS=tensorflow`` loads all but those.
-
-A plugin whose distribution requires a ``neuropod`` range that this core's
-version is not in (its ``Requires-Dist``) is skipped before it is imported,
-with that reason, instead of failing at call time.
-"""
+"""The plugin manager and its record of plugins: loading the ``neuropod.backends`` entry points once
+(each on its own, a failure recorded and warned about, never breaking the others), registering and
+unregistering plugins, and listing what they offer (backends, health, distributions).
+The rules users see are in :mod:`neuropod.plugins`."""
 
 from __future__ import annotations
 
