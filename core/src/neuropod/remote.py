@@ -10,13 +10,11 @@ says which distribution to install. The core gains no dependency.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import NeuropodError, PackageError, PluginNotInstalledError
-from neuropod.plugins import pip_install
 
 if TYPE_CHECKING:
     from neuropod.model import NeuropodModel
@@ -77,6 +75,8 @@ def load_remote(urls: str | Sequence[str], **arguments: Any) -> NeuropodModel:
     if missing and set(CLIENT_SCHEMES) <= set(handlers):
         # Nothing to install: a scheme nobody handles is a mistyped URL (grpcc://, htp://).
         url = next(u for u in url_list if scheme(u) == missing[0])
+        import difflib  # only for a misspelt scheme's suggestion
+
         close = difflib.get_close_matches(missing[0], sorted(handlers), n=1)
         raise PackageError(
             f"Model URL {url!r:.200}: unknown scheme {missing[0]}://; the known schemes are "
@@ -84,6 +84,8 @@ def load_remote(urls: str | Sequence[str], **arguments: Any) -> NeuropodModel:
         )
     if missing:
         known = [s for s in missing if s in CLIENT_SCHEMES]
+        from neuropod.plugins import pip_install  # lazy: pluggy and the plugin registry, kept out of `neuropod --help`
+
         install = pip_install("'neuropod-serving[client]'")
         hint = install if known else (
             "installed schemes: " + (", ".join(sorted(handlers)) or "none") + f"; for {', '.join(CLIENT_SCHEMES)}: {install}"

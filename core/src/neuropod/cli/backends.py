@@ -9,17 +9,17 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from neuropod import plugins
 from neuropod._version import __version__
-from neuropod.backend import backend_record
 from neuropod.cli.env import print_environments
 from neuropod.cli.output import print_table
-from neuropod.plugins import pip_install
 
 
 def cmd_backends(args: argparse.Namespace, out: TextIO) -> int:
+    from neuropod import plugins  # lazy: pluggy and the plugin registry, kept out of `neuropod --help`
+    from neuropod.backend import backend_record  # lazy: the plugin registry's backends, kept out of `neuropod --help`
     from neuropod.devices import load_host, local_host  # lazy: numpy, kept out of `neuropod --help`
     from neuropod.envs import list_environments  # lazy: numpy, kept out of `neuropod --help`
+    from neuropod.plugins import pip_install  # lazy: pluggy and the plugin registry, kept out of `neuropod --help`
 
     backends = plugins.installed_backends()
     caps = {b: plugins.backend_caps(b) for b in backends}
@@ -97,6 +97,8 @@ def _framework_builds(frameworks: set[str]) -> dict[str, dict[str, str]]:
 
 
 def _print_plugin_health(out: TextIO) -> None:
+    from neuropod import plugins  # lazy: pluggy and the plugin registry, kept out of `neuropod --help`
+
     health = plugins.plugin_health()
     if not health:
         return

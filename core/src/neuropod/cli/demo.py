@@ -12,11 +12,9 @@ from typing import Any, TextIO
 
 import importlib_metadata
 
-from neuropod import plugins
 from neuropod.cli.inspect import cmd_inspect
 from neuropod.cli.output import fmt_array, short
 from neuropod.errors import NeuropodError, PluginNotInstalledError, SpecError
-from neuropod.plugins import pip_install
 
 
 def _build_demo(build: Any, work: Path, *, keep: bool, overwrite: bool) -> tuple[Path, Any, Any]:
@@ -50,6 +48,7 @@ def _build_demo(build: Any, work: Path, *, keep: bool, overwrite: bool) -> tuple
 def _default_demo(demos: dict[str, Any]) -> str:
     """The demo ``neuropod demo`` runs without a platform: onnx's, else the first, preferring a
     plugin whose framework is installed (a plugin without it says what to install)."""
+    from neuropod import plugins  # lazy: pluggy and the plugin registry, kept out of `neuropod --help`
 
     runnable = {b.plugin_distribution.split(" ")[0] for b in plugins.installed_backends()}
     order = sorted(demos, key=lambda n: (n != "onnx", n))
@@ -57,13 +56,12 @@ def _default_demo(demos: dict[str, Any]) -> str:
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
-
     from neuropod.loader import load_neuropod, plan  # lazy: numpy, kept out of `neuropod --help`
     from neuropod.package import read_package  # lazy: numpy, kept out of `neuropod --help`
+    from neuropod.plugins import pip_install  # lazy: pluggy and the plugin registry, kept out of `neuropod --help`
 
     demos = {ep.name: ep for ep in importlib_metadata.entry_points(group="neuropod.demos")}
     if not demos:
-
         install = pip_install("'neuropod-onnx[cpu]'")
         raise PluginNotInstalledError(f"neuropod demo needs a backend plugin with a demo: {install}")
     name = args.platform or _default_demo(demos)

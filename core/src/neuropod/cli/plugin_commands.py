@@ -11,7 +11,6 @@ import importlib_metadata
 
 from neuropod.cli.output import one_line
 from neuropod.errors import NeuropodError, PluginNotInstalledError
-from neuropod.plugins import pip_install
 
 #: Commands other distributions add through the ``neuropod.commands`` entry
 #: point group, and what to install when one is missing.
@@ -62,6 +61,8 @@ def add_plugin_commands(sub: Any, argv: Sequence[str]) -> None:
 
 
 def _missing_command(name: str) -> Any:
+    from neuropod.plugins import pip_install  # lazy: pluggy and the plugin registry, kept out of `neuropod --help`
+
     def fail(args: argparse.Namespace, out: TextIO) -> int:
         raise PluginNotInstalledError(
             f"`neuropod {name}` comes with another distribution: {pip_install(KNOWN_PLUGIN_COMMANDS[name])}"
