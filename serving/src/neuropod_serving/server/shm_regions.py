@@ -46,6 +46,7 @@ import numpy as np
 
 from neuropod_serving.errors import ProtocolError
 from neuropod_serving.protocol.datatypes import WIRE_DTYPES, datatype_of
+from neuropod_serving.protocol.fields import show
 from neuropod_serving.protocol.shm_params import (
     BYTE_SIZE,
     SharedMemoryRequest,
@@ -231,7 +232,7 @@ class SharedMemoryRegistry:
         name = _region_name(name)
         if not isinstance(key, str) or not key:
             raise _refused(f"cannot register system shared memory region {name!r}: 'key' must be the name of "
-                           f"a shared memory object (a non-empty string), not {_show(key)}")  # fmt: skip
+                           f"a shared memory object (a non-empty string), not {show(key)}")  # fmt: skip
         offset = _count(offset, "offset", name, minimum=0)
         byte_size = _count(byte_size, "byte_size", name, minimum=1)
         with self._lock:
@@ -427,7 +428,7 @@ def _open_segment(name: str, key: str) -> int:
     base = key.lstrip("/")  # as shm_open reads it
     if not base or "/" in base or base in (".", "..") or "\0" in base or len(base.encode("utf-8", "replace")) > 255:
         raise _refused(
-            f"cannot register system shared memory region {name!r}: key {_show(key)} is not the name of a POSIX "
+            f"cannot register system shared memory region {name!r}: key {show(key)} is not the name of a POSIX "
             "shared memory object ('/name': no '/' but at the start; up to 255 bytes)"
         )
     where = f"the shared memory object {key!r}"
@@ -466,7 +467,7 @@ def _open_segment(name: str, key: str) -> int:
 def _region_name(name: object) -> str:
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
         raise _refused(f"a shared memory region's name is a non-empty string of at most {MAX_NAME_CHARS} "
-                       f"characters, not {_show(name)}")  # fmt: skip
+                       f"characters, not {show(name)}")  # fmt: skip
     return name
 
 
@@ -474,14 +475,9 @@ def _count(value: object, what: str, name: str, *, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value >= 2**63:
         raise _refused(
             f"cannot register shared memory region {name!r}: {what!r} must be an integer of at least {minimum}, "
-            f"not {_show(value)}"
+            f"not {show(value)}"
         )
     return value
-
-
-def _show(value: object, limit: int = 80) -> str:
-    text = "missing" if value is None else repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def decode_raw_handle(value: object, name: str) -> bytes:
@@ -490,7 +486,7 @@ def decode_raw_handle(value: object, name: str) -> bytes:
     if not isinstance(b64, str):
         raise _refused(
             f'cannot register CUDA shared memory region {name!r}: raw_handle must be {{"b64": <the serialized '
-            f"cudaIpcMemHandle_t, base64>}}, not {_show(value)}"
+            f"cudaIpcMemHandle_t, base64>}}, not {show(value)}"
         )
     try:
         return base64.b64decode(b64, validate=True)
