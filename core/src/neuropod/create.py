@@ -38,6 +38,7 @@ def packager_config(
     device_requirements: Mapping[str, Any] | None = None,
     exported_with: Mapping[str, Any] | None = None,
     output_labels: Mapping[str, Sequence[str]] | None = None,
+    decoupled: bool = False,
 ) -> ModelConfig:
     """The ``config.json`` every ``create_*_neuropod`` writes, from its usual arguments.
 
@@ -46,6 +47,7 @@ def packager_config(
     inputs not in ``input_tensor_device`` get ``default_input_tensor_device``,
     as in the original Neuropod's packagers.
     """
+    check_flag("decoupled", decoupled)
     inputs = parse_spec(input_spec, "input_spec")
     devices = {s.name: default_input_tensor_device for s in inputs}
     devices.update(input_tensor_device or {})
@@ -65,6 +67,7 @@ def packager_config(
         exported_with=made,
         device_requirements=device_requirements,
         output_labels=parse_output_labels(output_labels, outputs, "output_labels"),
+        decoupled=bool(decoupled),
     )
 
 
@@ -101,6 +104,11 @@ class PackageOptions(TypedDict, total=False):
       index ``i`` of a row of that output; kept in ``config.json`` and used by
       ``neuropod serve`` to answer classification requests
       (``score:index:label``).
+    * ``decoupled``: the model answers each request with any number of
+      responses (zero or more), each a dict of some or all of its outputs;
+      it runs with ``infer_stream``, and only on a backend that streams
+      (the python backend: the model's function is a generator). Kept in
+      ``config.json`` as ``"decoupled": true``.
     * ``overwrite``: replace a package already at the path (default False:
       that is an error). The new package is written and checked beside the
       old one, which is replaced only then; a package that fails its check
@@ -122,6 +130,7 @@ class PackageOptions(TypedDict, total=False):
     test_rtol: float
     test_atol: float
     overwrite: bool
+    decoupled: bool
 
 
 _OPTION_DEFAULTS: dict[str, Any] = {
@@ -138,6 +147,7 @@ _OPTION_DEFAULTS: dict[str, Any] = {
     "test_rtol": 1e-5,
     "test_atol": 1e-6,
     "overwrite": False,
+    "decoupled": False,
 }
 
 
@@ -219,7 +229,7 @@ def create_package(
         platform_version_semver=default_version_range if version_range is None else version_range,
         framework_distributions=framework_distributions, input_tensor_device=opts["input_tensor_device"],
         default_input_tensor_device=opts["default_input_tensor_device"], device_requirements=device_requirements,
-        exported_with=exported_with, output_labels=opts["output_labels"],
+        exported_with=exported_with, output_labels=opts["output_labels"], decoupled=opts["decoupled"],
     )  # fmt: skip
     try:
         path = write_package(

@@ -22,7 +22,7 @@ Rules every implementation keeps:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -129,4 +129,38 @@ def infer(
     """
 
 
-__all__ = ["device_caps", "hookimpl", "hookspec", "infer", "load_model", "supported_versions"]
+@hookspec(firstresult=True)
+def infer_stream(
+    model: Any,
+    inputs: Mapping[str, np.ndarray],
+    requested_outputs: Sequence[str] | None,
+    parameters: Mapping[str, Any] | None,
+) -> Iterator[Mapping[str, np.ndarray]] | None:
+    """Run a *decoupled* model this plugin loaded on one set of inputs: its responses, as they come.
+
+    Optional. A package whose ``config.json`` says ``"decoupled": true`` answers each request
+    with zero or more responses; only a backend whose plugin implements this hook loads one
+    (the others are refused at load, naming the plugin). A plugin opts in by adding it; plugins
+    without it are unchanged, and :func:`infer` is never called for a decoupled model.
+
+    The core checks ``inputs`` as for :func:`infer`, then iterates what this returns: each
+    item is a dict of output name to numpy array holding some or all of the outputs (the
+    core keeps only ``requested_outputs`` when given, and checks each response against the
+    output spec as it comes). The core may stop early: it calls the iterator's ``close()``
+    (a generator's ``finally`` then runs), from the thread that iterated it, once it is not
+    running. Raise :class:`~neuropod.errors.NeuropodError` (or any exception, wrapped by the
+    core as a :class:`~neuropod.errors.BackendError`) to end the stream with an error; the
+    responses already produced have been delivered.
+
+    :param model: a handle returned by this plugin's :func:`load_model`.
+    :param inputs: input name to numpy array.
+    :param requested_outputs: output names wanted, or None for all.
+    :param parameters: request parameters, as for :func:`infer` (declare it with a default).
+    :returns: an iterator of output dicts (a generator is the usual one), or None when the
+        model is not this plugin's. Stops at first non-None result.
+
+    .. versionadded:: 0.4 (streaming)
+    """
+
+
+__all__ = ["device_caps", "hookimpl", "hookspec", "infer", "infer_stream", "load_model", "supported_versions"]

@@ -13,10 +13,11 @@ from neuropod import plugins
 from neuropod._args import check_parameters
 from neuropod.backend import Backend
 from neuropod.devices import parse_device
-from neuropod.errors import BackendError, NeuropodError
+from neuropod.errors import BackendError, NeuropodError, NoBackendError
 from neuropod.package import Package
 from neuropod.resolve import Resolution
 from neuropod.spec import SpecValidator, TensorSpec
+from neuropod.streams import ResponseStream
 from neuropod.tensors import TensorFacts
 
 
@@ -41,11 +42,14 @@ class NeuropodModel:
             shared_symbols=not package.original_format,
         )  # fmt: skip
         self._bind_infer()
+        #: ``call(handle, inputs, requested_outputs, parameters)`` -> the backend's iterator of
+        #: responses, for a decoupled model (see :meth:`infer_stream`); None for others.
+        self._stream: Callable[[Any, Any, Any, Any], Any] | None = self._bind_stream() if self.decoupled else None
         # Subclasses that run the model elsewhere (a worker, a server) override _run.
         self._run_is_the_hook = type(self)._run is NeuropodModel._run
         self._validator.device_policy = self._device_policy()
         self._closed = False
-        self._fast = self._fast_call()
+        self._fast = None if self.decoupled else self._fast_call()
         self._close_lock = threading.Lock()
 
     #: Whether ``infer`` hands GPU tensors to the backend and honours ``output_device`` (set for
@@ -74,6 +78,25 @@ class NeuropodModel:
         if chosen and chosen.caps.device_tensors and "output_device" in infer_impl.argnames:  # type: ignore[attr-defined]
             self._infer_on_device = infer_impl.function  # type: ignore[attr-defined]
             self._device_tensors = True
+
+    def _bind_stream(self) -> Callable[[Any, Any, Any, Any], Any]:
+        """The backend's ``infer_stream`` hook, for a decoupled model; a NeuropodError when its
+        plugin has none (the model cannot run there)."""
+        try:
+            impl = plugins.bound_hook("infer_stream", self.backend)
+        except NoBackendError:
+            raise NeuropodError(
+                f"Model {self.name!r} is decoupled (its config.json says \"decoupled\": true: any number of "
+                f"responses a request), and backend {self.backend.id} cannot stream responses: its plugin "
+                f"{self.backend.plugin!r} has no infer_stream hook. Backends that stream: python"
+            ) from None
+        return plugins.stream_caller(impl)
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether the model answers a request with any number of responses (zero or more): run
+        it with :meth:`infer_stream` (its :meth:`infer` refuses)."""
+        return self.package.config.decoupled
 
     def _fast_call(self) -> tuple[Any, ...] | None:
         """What :meth:`infer` needs for the call every model gets most, all looked up once:
@@ -213,6 +236,11 @@ class NeuropodModel:
         """:meth:`infer`, with ``call_options`` for subclasses whose ``infer`` takes more (see :meth:`_run`)."""
         if self._closed:
             raise NeuropodError(f"Model {self.name!r} is closed")
+        if self._stream is not None:
+            raise NeuropodError(
+                f"Model {self.name!r} is decoupled: it answers a request with any number of responses, so it "
+                "runs with infer_stream(inputs), which returns them as they come, not with infer"
+            )
         validator = self._validator
         if requested_outputs is not None:
             requested_outputs = validator.check_requested(requested_outputs)
@@ -237,6 +265,83 @@ class NeuropodModel:
         except Exception as e:
             raise self._run_failed(e) from e
         return self._checked_outputs(outputs, bindings, requested_outputs, output_device)
+
+    def infer_stream(
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None, *,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> ResponseStream:  # fmt: skip
+        """Run the model on one set of inputs and return its responses as they come.
+
+        A decoupled model (:attr:`decoupled`) answers with zero or more responses, each a dict
+        holding some or all of its outputs; any other model with exactly one, its :meth:`infer`
+        answer. Iterate the stream; stop early with ``close()`` (or leave a ``with`` block),
+        which closes the model's generator so its ``finally`` runs. Inputs are checked now; each
+        response is checked against the output spec as it comes (outputs missing from a
+        response are allowed, those present must fit).
+
+        :param inputs: input name to tensor, as for :meth:`infer` (CPU tensors only).
+        :param requested_outputs: output names to return; a response keeps only these (one
+            that holds none of them is still handed out, empty). All when None.
+        :param parameters: request parameters for the model, as for :meth:`infer`.
+        :returns: a :class:`~neuropod.streams.ResponseStream`, an iterator of output dicts.
+        :raises SpecError: an input does not fit the spec (here); a response that does not fit
+            ends the stream with it (from ``next``), after the responses before it.
+        :raises BackendError: the model failed (from ``next``, after the responses it made).
+        """
+        if self._closed:
+            raise NeuropodError(f"Model {self.name!r} is closed")
+        validator = self._validator
+        requested = None if requested_outputs is None else validator.check_requested(requested_outputs)
+        if parameters:
+            check_parameters(parameters)
+        checked, bindings = validator.check_inputs(inputs)
+        if self._stream is None:
+            return ResponseStream(
+                self._one_response(checked, bindings, requested, parameters), _as_checked, self._run_failed
+            )
+        try:
+            source = self._stream(self._handle, checked, requested, parameters or None)
+        except NeuropodError:
+            raise
+        except Exception as e:
+            raise self._run_failed(e) from e
+        if source is None or isinstance(source, Mapping) or not hasattr(source, "__next__"):
+            source = iter(_not_an_iterator(self, source))
+        return ResponseStream(source, functools.partial(self._checked_response, bindings, requested), self._run_failed)
+
+    def _one_response(
+        self, inputs: dict[str, Any], bindings: dict[str, tuple[int, str]], requested: list[str] | None,
+        parameters: Mapping[str, Any] | None,
+    ) -> Any:  # fmt: skip
+        """An ordinary model's one answer, as a stream's only response (run when it is read)."""
+        try:
+            if parameters:
+                outputs = self._run_with_parameters(inputs, requested, None, parameters)
+            else:
+                outputs = self._run(inputs, requested, None)
+        except NeuropodError:
+            raise
+        except Exception as e:
+            raise self._run_failed(e) from e
+        yield self._checked_outputs(outputs, bindings, requested, None)
+
+    def _checked_response(
+        self, bindings: dict[str, tuple[int, str]], requested: list[str] | None, outputs: Any
+    ) -> dict[str, Any]:
+        """One response of a decoupled model, as it is handed out: a dict of the requested
+        outputs it holds, each checked against the spec (symbols bound by the inputs hold;
+        those the outputs bind are bound afresh in each response)."""
+        if type(outputs) is not dict:
+            if not isinstance(outputs, Mapping):
+                raise BackendError(
+                    f"Backend {self.backend.id} gave a response of {type(outputs).__name__} for model "
+                    f"{self.name!r}, not a dict of output name to numpy array"
+                )
+            outputs = dict(outputs)
+        if requested is not None:
+            outputs = {k: outputs[k] for k in requested if k in outputs}
+        self._validator.check_outputs(outputs, dict(bindings), None, False, partial=True)
+        return outputs
 
     def _run_failed(self, e: Exception) -> BackendError:
         """The error for a framework's exception while running the model (the caller chains ``e``)."""
@@ -293,6 +398,19 @@ class NeuropodModel:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.backend.id} on {self.device}"
         return f"<NeuropodModel {self.name!r} ({self.platform}) {state}>"
+
+
+def _as_checked(outputs: dict[str, Any]) -> dict[str, Any]:
+    return outputs
+
+
+def _not_an_iterator(model: NeuropodModel, value: Any) -> Any:
+    """A decoupled model's backend returned something other than an iterator of responses."""
+    raise BackendError(
+        f"Backend {model.backend.id} returned {type(value).__name__} from infer_stream for decoupled model "
+        f"{model.name!r}, not an iterator of responses"
+    )
+    yield  # a generator: the error comes from the stream's first next()
 
 
 def device_input_problem(model_device: str, accepts: bool, refusal: str, name: str, facts: TensorFacts) -> str | None:

@@ -30,6 +30,7 @@ _KNOWN_KEYS = {
     "exported_with",
     "device_requirements",
     "output_labels",
+    "decoupled",
 }
 
 
@@ -49,6 +50,9 @@ class ModelConfig:
     #: Class labels of outputs, by output name: label ``i`` names index ``i`` of a row of the
     #: output (what a server's classification answers, ``score:index:label``).
     output_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The model answers a request with any number of responses (zero or more), each a dict
+    #: holding some or all of its outputs: run it with ``infer_stream``.
+    decoupled: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,6 +72,8 @@ class ModelConfig:
             out["device_requirements"] = dict(self.device_requirements)
         if self.output_labels:
             out["output_labels"] = {k: list(v) for k, v in self.output_labels.items()}
+        if self.decoupled:
+            out["decoupled"] = True
         out.update(self.extra)
         return out
 
@@ -118,6 +124,11 @@ def parse_config(data: Any, where: str) -> ModelConfig:
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise PackageError(f"{where}: {key!r} must be an object, not {type(data[key]).__name__}")
     output_spec = parse_spec(data["output_spec"], f"{where}: output_spec")
+    decoupled = data.get("decoupled", False)
+    if decoupled is None:
+        decoupled = False
+    if not isinstance(decoupled, bool):
+        raise PackageError(f"{where}: 'decoupled' must be true or false, not {decoupled!r}")
     return ModelConfig(
         name=name,
         platform=platform,
@@ -129,6 +140,7 @@ def parse_config(data: Any, where: str) -> ModelConfig:
         exported_with=data.get("exported_with"),
         device_requirements=data.get("device_requirements"),
         output_labels=parse_output_labels(data.get("output_labels"), output_spec, f"{where}: output_labels"),
+        decoupled=decoupled,
         extra={k: v for k, v in data.items() if k not in _KNOWN_KEYS},
     )
 

@@ -29,6 +29,7 @@ from neuropod.plugins.hooks import INFER_ARGS_WITH_DEVICE as INFER_ARGS_WITH_DEV
 from neuropod.plugins.hooks import backend_caps, bound_hook
 from neuropod.plugins.hooks import infer_caller as infer_caller
 from neuropod.plugins.hooks import parameters_caller as parameters_caller
+from neuropod.plugins.hooks import stream_caller as stream_caller
 from neuropod.plugins.packager_lookup import PACKAGER_GROUP, packager
 from neuropod.plugins.packager_lookup import packager_names as packager_names
 from neuropod.plugins.registry import (
@@ -65,6 +66,7 @@ __all__ = [
     "install_hint",
     "pip_install",
     "source_checkout",
+    "stream_caller",
     "installed_backends",
     "packager",
     "plugin_failures",

@@ -92,6 +92,22 @@ def parameters_caller(impl: Any) -> Callable[[Any, Any, Any, Any], Any] | None:
     return call
 
 
+def stream_caller(impl: Any) -> Callable[[Any, Any, Any, Any], Any]:
+    """A plugin's ``infer_stream`` implementation (from :func:`bound_hook`) as
+    ``call(model, inputs, requested_outputs, parameters)``, passing each what it declares
+    (``parameters`` only when there are some, to one declared with a default)."""
+    fn = impl.function
+    declared = (*impl.argnames, *getattr(impl, "kwargnames", ()))
+
+    def call(model: Any, inputs: Any, requested: Any, parameters: Any) -> Any:
+        values = {"model": model, "inputs": inputs, "requested_outputs": requested, "parameters": parameters}
+        if not parameters and "parameters" not in impl.argnames:
+            values.pop("parameters")
+        return fn(**{k: values[k] for k in declared if k in values})
+
+    return call
+
+
 def backend_caps(backend: Backend) -> DeviceCaps:
     """What ``backend`` can run on; CPU only if its plugin does not say.
 

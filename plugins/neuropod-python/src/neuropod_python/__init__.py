@@ -23,7 +23,7 @@ import platform
 import shutil
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +147,49 @@ def infer(
     return model.finish(outputs, requested_outputs)
 
 
+@hookimpl
+def infer_stream(
+    model: Any,
+    inputs: Mapping[str, np.ndarray],
+    requested_outputs: Sequence[str] | None,
+    parameters: Mapping[str, Any] | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """A decoupled model: its function is a generator (or returns an iterable) of output
+    dicts; each is handed on as it is yielded. Closing the stream closes the generator."""
+    try:
+        if parameters is not None and model.takes_parameters:
+            produced = model.fn(**inputs, parameters=dict(parameters))
+        else:
+            produced = model.fn(**inputs)
+    except Exception as e:
+        raise BackendError(_raised(model.name, e)) from e
+    if isinstance(produced, Mapping) or not hasattr(produced, "__iter__"):
+        raise BackendError(
+            f"Model {model.name!r} is decoupled, so its function must be a generator that yields dicts of "
+            f"outputs (one per response), but it returned {type(produced).__name__}"
+        )
+    return _responses(model, produced, requested_outputs)
+
+
+def _responses(model: Any, produced: Any, requested: Sequence[str] | None) -> Iterator[dict[str, np.ndarray]]:
+    """The model's responses as numpy dicts; its exception as a BackendError with its traceback.
+    Closing this closes the model's own generator (its ``finally`` runs)."""
+    source = iter(produced)
+    try:
+        while True:
+            try:
+                outputs = next(source)
+            except StopIteration:
+                return
+            except Exception as e:
+                raise BackendError(_raised(model.name, e)) from e
+            yield model.finish(outputs, requested)
+    finally:
+        closer = getattr(source, "close", None)
+        if callable(closer):
+            closer()
+
+
 def _raised(name: str, e: BaseException) -> str:
     """The model's exception with its traceback, from the model's own frames on."""
     tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # skip infer's own frame
@@ -154,4 +197,7 @@ def _raised(name: str, e: BaseException) -> str:
     return f"Model {name!r} raised {type(e).__name__}: {e}\nThe model's traceback:\n{text}"
 
 
-__all__ = ["OTHER_PYTHONS", "PLATFORM", "device_caps", "infer", "load_model", "other_interpreters", "supported_versions"]
+__all__ = [
+    "OTHER_PYTHONS", "PLATFORM", "device_caps", "infer", "infer_stream", "load_model", "other_interpreters",
+    "supported_versions",
+]  # fmt: skip
