@@ -22,3 +22,9 @@ DEFAULT_MAX_CONCURRENT = 4
 DEFAULT_MAX_QUEUED = 64
 #: gRPC streams (ModelStreamInfer and Health Watch) open at once when not configured.
 DEFAULT_MAX_GRPC_STREAMS = 64
+#: Streams (``infer_stream``, gRPC ModelStreamInfer requests of a model) of one model open at once
+#: when not configured; one more is refused at once (HTTP 429, gRPC RESOURCE_EXHAUSTED).
+DEFAULT_MAX_OPEN_STREAMS = 256
+#: Responses a stream's model may run ahead of a client that reads slowly; then the model's generator
+#: waits (backpressure), so a slow reader holds at most this many responses in the server.
+DEFAULT_STREAM_BUFFER = 16

@@ -48,6 +48,7 @@ from neuropod_serving.server.batching import writable
 from neuropod_serving.server.classification import Classifier
 from neuropod_serving.server.lifecycle import ModelLifecycle, Runner
 from neuropod_serving.server.registry import ServedModel
+from neuropod_serving.server.streams import ServedStream
 
 log = logging.getLogger("neuropod_serving.server")
 
@@ -232,6 +233,27 @@ class Engine(ModelLifecycle):
             if self._runners.get((served.name, served.version)) is not runner:
                 raise self._closed_under(runner) from e
             raise
+
+    def open_stream(
+        self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None,
+        options: RequestOptions | None = None,
+    ) -> ServedStream:  # fmt: skip
+        """Open a stream of ``served``'s responses to one request (see :mod:`~.streams`): a decoupled
+        model's responses as it makes them, any other model's one answer. Its inputs are
+        checked here; read the stream on a thread (iterate it) or from the event loop (``async
+        for``, ``next_batch``), and close it. It runs outside the model's batcher and run
+        slots, within its own limit of open streams.
+
+        :raises SpecError: the request does not fit the spec.
+        :raises UnknownModelError: the model was unloaded.
+        :raises ModelBusyError: the model has its most streams open.
+        """
+        runner = self._runner(served)
+        if requested is not None and requested == runner.output_names:
+            requested = None
+        self._check_missing(runner, inputs)
+        parameters = options.parameters if options is not None else None
+        return self.streams.open(served.name, served.model, writable(inputs), requested, parameters)
 
     def infer_blocking(
         self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None,

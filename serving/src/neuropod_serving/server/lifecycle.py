@@ -31,6 +31,7 @@ from neuropod_serving.server.registry import (
     ServedModel,
 )
 from neuropod_serving.server.served_versions import Found
+from neuropod_serving.server.streams import OpenStreams, StreamLimits
 
 if TYPE_CHECKING:
     from neuropod_serving.processes import GroupMember
@@ -106,6 +107,7 @@ class ModelLifecycle:
         metrics: Recorder | None = None,
         limits: ModelLimits | None = None,
         shared_memory: SharedMemoryRegistry | None = None,
+        stream_limits: StreamLimits | None = None,
     ) -> None:
         self.registry = registry
         self.shared_memory = shared_memory
@@ -114,6 +116,8 @@ class ModelLifecycle:
         #: OPE workers per model (1 in-process): batches in flight.
         self.workers = max(1, int(registry.load_options.get("workers", 1)))
         self.limits = limits if limits is not None else ModelLimits()
+        #: Open streams of decoupled models (any model's, read by the stream front ends), and their limits.
+        self.streams = OpenStreams(stream_limits, getattr(self.metrics, "streamed", None))
         #: Runs of one model at once (unbatched).
         self.max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * self.workers)
         #: How a model is served unless a repository load's config says otherwise (:attr:`ServedModel.settings`).
@@ -451,7 +455,9 @@ class ModelLifecycle:
         self.metrics.loaded(len(self.registry))
 
     def close(self) -> None:
-        """Stop every batcher and thread (the repository poll's too) and close every model."""
+        """End every open stream (with a final error), stop every batcher and thread (the
+        repository poll's too) and close every model."""
+        self.streams.stop_all("the server is stopping")
         self._closing.set()
         if self._poller is not None and self._poller is not threading.current_thread():
             self._poller.join()
