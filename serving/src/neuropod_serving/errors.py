@@ -41,4 +41,34 @@ class ModelBusyError(NeuropodError):
     rather than left to time out; the client may retry later."""
 
 
-__all__ = ["ModelBusyError", "ProtocolError", "RequestTimeoutError", "UnknownModelError"]
+class DecoupledModelError(ProtocolError):
+    """A decoupled model (any number of responses per request) was asked for one answer, on an
+    endpoint that gives one (REST ``/infer``, gRPC ``ModelInfer``): refused as Triton refuses it,
+    HTTP 501 and gRPC UNIMPLEMENTED, in Triton's words and then ours (what to call instead).
+
+    :param endpoint: Triton's name for what was called: ``"HTTP end point"`` or ``"ModelInfer RPC"``.
+    :param instead: what to call instead, for the message.
+    """
+
+    def __init__(self, model: str, endpoint: str, instead: str) -> None:
+        super().__init__(
+            f"{endpoint} doesn't support models with decoupled transaction policy: model {model!r} answers each "
+            f"request with any number of responses; {instead}",
+            status=501,
+        )
+        self.model = model
+
+
+class StreamStoppedError(NeuropodError):
+    """The server ended an open stream before its model did (the server is stopping): the
+    stream's final error (HTTP 503, gRPC UNAVAILABLE), after the responses sent before it."""
+
+
+__all__ = [
+    "DecoupledModelError",
+    "ModelBusyError",
+    "ProtocolError",
+    "RequestTimeoutError",
+    "StreamStoppedError",
+    "UnknownModelError",
+]

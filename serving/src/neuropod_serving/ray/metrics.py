@@ -53,6 +53,14 @@ class RayMetrics:
         self._batch = m.Histogram(
             "neuropod_batch_size", "Rows along the batch dimension per model run", list(BATCH_BUCKETS), common
         )
+        self._first_response = m.Histogram(
+            "neuropod_stream_first_response_seconds", "Time from a stream's request to its first response", latency,
+            common,
+        )
+        self._response_gap = m.Histogram(
+            "neuropod_stream_response_gap_seconds", "Time between one response of a stream and the next", latency,
+            common,
+        )
         self._loaded = m.Gauge("neuropod_models_loaded", "Models loaded and ready", ("replica", "application"))
         self._by_model: dict[str, dict[str, str]] = {}
 
@@ -95,6 +103,11 @@ class RayMetrics:
         self._compute.observe(seconds, tags)
         if rows is not None:
             self._batch.observe(rows, tags)
+
+    def streamed(self, model: str, seconds: float, first: bool, index: int | None = None, failed: bool = False) -> None:
+        # Triton's per-response statistics (index, failed) are not kept on Ray Serve, as in computed().
+        if not failed:
+            (self._first_response if first else self._response_gap).observe(seconds, self._model(model))
 
     def loaded(self, count: int) -> None:
         self._loaded.set(count, self._tags)

@@ -15,6 +15,10 @@ Names follow Prometheus' conventions (base units, ``_total`` counters):
 - ``neuropod_compute_duration_seconds{model}``: the model's ``infer`` call
   (once per batch), for runs that succeeded;
 - ``neuropod_batch_size{model}``: rows (along the batch dimension) per run;
+- ``neuropod_stream_first_response_seconds{model}``: from a stream's request to its
+  first response (a decoupled model's stream, or any model's on a stream endpoint);
+- ``neuropod_stream_response_gap_seconds{model}``: between one response of a stream
+  and the next;
 - ``neuropod_models_loaded``.
 
 The same calls keep Triton's per-model statistics
@@ -31,7 +35,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from neuropod_serving.server.statistics import ModelStats, model_statistics
+from neuropod_serving.server.statistics import RESPONSE_STATS_KEYS, ModelStats, model_statistics
 
 #: Seconds: 50 µs to 10 s, dense where a small model's latency lies.
 LATENCY_BUCKETS = (
@@ -94,6 +98,8 @@ class ServerMetrics:
         self._queue_duration: dict[str, _Histogram] = {}
         self._compute_duration: dict[str, _Histogram] = {}
         self._batch_size: dict[str, _Histogram] = {}
+        self._first_response: dict[str, _Histogram] = {}
+        self._response_gap: dict[str, _Histogram] = {}
         self._loaded = 0
         # What Triton's statistics need beyond the histograms (see statistics.py).
         self._stats: dict[str, ModelStats] = {}
@@ -165,6 +171,18 @@ class ServerMetrics:
             stats = self._stats.get(model) or self._new_stats(model)
             stats.batch(rows if rows is not None else requests, requests, prepared, seconds, extracted)
 
+    def streamed(self, model: str, seconds: float, first: bool, index: int | None = None, failed: bool = False) -> None:
+        """One response of a stream produced, ``seconds`` after the stream opened (``first``)
+        or after the response before; ``index`` counts the stream's responses from 0. With
+        ``failed``, the model failed (or broke its spec) where that response would have been:
+        counted in the statistics' ``response_stats`` only, not in the histograms."""
+        with self._lock:
+            if not failed:
+                _observe(self._first_response if first else self._response_gap, model, LATENCY_BUCKETS, seconds)
+            if index is not None and index < RESPONSE_STATS_KEYS:
+                stats = self._stats.get(model) or self._new_stats(model)
+                stats.response(index, seconds, failed)
+
     def loaded(self, count: int) -> None:
         """How many models are loaded now."""
         self._loaded = count
@@ -221,6 +239,14 @@ class ServerMetrics:
             )),
             (self._batch_size, HistogramMetricFamily(
                 "neuropod_batch_size", "Rows along the batch dimension per model run", labels=["model"]
+            )),
+            (self._first_response, HistogramMetricFamily(
+                "neuropod_stream_first_response_seconds",
+                "Time from a stream's request to its first response", labels=["model"],
+            )),
+            (self._response_gap, HistogramMetricFamily(
+                "neuropod_stream_response_gap_seconds",
+                "Time between one response of a stream and the next", labels=["model"],
             )),
         ]  # fmt: skip
         with self._lock:
@@ -345,6 +371,8 @@ class Recorder(Protocol):
         waited: Sequence[float] = (),
     ) -> None: ...
 
+    def streamed(self, model: str, seconds: float, first: bool, index: int | None = None, failed: bool = False) -> None: ...
+
     def loaded(self, count: int) -> None: ...
 
 
@@ -370,6 +398,9 @@ class NoMetrics:
         extracted: float = 0.0,
         waited: Sequence[float] = (),
     ) -> None:
+        pass
+
+    def streamed(self, model: str, seconds: float, first: bool, index: int | None = None, failed: bool = False) -> None:
         pass
 
     def loaded(self, count: int) -> None:

@@ -28,6 +28,19 @@ What each duration means here, per request (``inference_stats``):
   run of one request, whose outputs are handed over as they are. Encoding the
   reply is front-end work, part of ``success`` only.
 
+``response_stats`` (Triton's statistics per response of a decoupled model,
+keyed by the response's index in its stream: ``"0"`` the first, ``"1"`` the
+next...) holds, for the first :data:`RESPONSE_STATS_KEYS` indices, the
+responses produced (``success`` and ``compute_infer``: the time to make that
+response, since the stream opened or since the response before) and the
+streams that failed there (``fail``: the model raised, or its response broke
+the spec). ``compute_output`` counts the same responses with no time of its
+own: a response's spec check is part of making it. ``empty_response`` and
+``cancel`` are 0: an empty final response is the front end's, not the
+model's, and a cancelled stream's generator closes at once. The key is left
+out until a model has streamed. Every response, past those indices too, is in
+the ``neuropod_stream_*`` histograms of ``/metrics``.
+
 A request that ran in a batch counts the batch's compute durations, as in
 Triton. ``batch_stats`` count model runs by batch size (rows); a model that
 is not batched runs one request at a time, counted as batch size 1, and its
@@ -50,6 +63,12 @@ NO_STATISTICS = (
     "built without them, or runs on Ray Serve (where each replica's metrics go to Ray's metrics agents)"
 )
 
+#: Response indices ``response_stats`` keeps, per model ("0" to "255"): a stream of many thousand
+#: responses must not grow the statistics without end.
+RESPONSE_STATS_KEYS = 256
+#: The durations of a ``response_stats`` entry, in Triton's order.
+RESPONSE_DURATIONS = ("compute_infer", "compute_output", "success", "fail", "empty_response", "cancel")
+
 #: The per-request durations of ``inference_stats``, in Triton's order.
 DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
 
@@ -62,7 +81,7 @@ class ModelStats:
 
     __slots__ = (
         "batch_infer", "batch_input", "batch_output", "batched", "batched_requests", "batched_rows",
-        "fail_n", "fail_s",
+        "fail_n", "fail_s", "responses",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -76,6 +95,17 @@ class ModelStats:
         self.batch_input = 0.0
         self.batch_infer = 0.0
         self.batch_output = 0.0
+        #: Streams' responses by index: [produced, seconds, failed, seconds].
+        self.responses: dict[int, list[Any]] = {}
+
+    def response(self, index: int, seconds: float, failed: bool) -> None:
+        """A stream's response ``index`` produced in ``seconds`` (or, ``failed``, its model failed there)."""
+        entry = self.responses.get(index)
+        if entry is None:
+            entry = self.responses[index] = [0, 0.0, 0, 0.0]
+        at = 2 if failed else 0
+        entry[at] += 1
+        entry[at + 1] += seconds
 
     def batch(self, rows: int, requests: int, prepared: float, seconds: float, extracted: float) -> None:
         """One batched run of ``requests`` requests, ``rows`` rows in all."""
@@ -134,7 +164,7 @@ def model_statistics(
         one[2] += single_s
     per_request = single + s.batched_requests
     zero = _duration(0, 0.0)
-    return {
+    stat: dict[str, Any] = {
         "name": name,
         "version": version,
         "last_inference": round(last_s * 1000),
@@ -160,6 +190,19 @@ def model_statistics(
             for rows, (n, prepared, seconds, extracted) in sorted(runs_by_size.items())
         ],
     }
+    if s.responses:
+        stat["response_stats"] = {
+            str(index): {
+                "compute_infer": _duration(n, seconds),
+                "compute_output": _duration(n, 0.0),
+                "success": _duration(n, seconds),
+                "fail": _duration(failed, failed_s),
+                "empty_response": dict(zero),
+                "cancel": dict(zero),
+            }
+            for index, (n, seconds, failed, failed_s) in sorted(s.responses.items())
+        }
+    return stat
 
 
 def statistics_response(model_stats: list[dict[str, Any]]) -> triton_config_pb2.ModelStatisticsResponse:
@@ -188,4 +231,8 @@ def statistics_response(model_stats: list[dict[str, Any]]) -> triton_config_pb2.
                 compute_infer=duration(b["compute_infer"]),
                 compute_output=duration(b["compute_output"]),
             )
+        for key, per_response in m.get("response_stats", {}).items():
+            target = entry.response_stats[key]
+            for name in RESPONSE_DURATIONS:
+                getattr(target, name).CopyFrom(duration(per_response[name]))
     return out

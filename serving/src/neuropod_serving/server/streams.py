@@ -34,7 +34,7 @@ import numpy as np
 from neuropod.errors import NeuropodError
 from neuropod.streams import ResponseStream
 from neuropod_serving.defaults import DEFAULT_MAX_OPEN_STREAMS, DEFAULT_STREAM_BUFFER
-from neuropod_serving.errors import ModelBusyError
+from neuropod_serving.errors import ModelBusyError, StreamStoppedError
 
 Outputs = dict[str, np.ndarray]
 
@@ -64,12 +64,15 @@ class OpenStreams:
     into the metrics (time to the first response, time between responses), ended together when
     the server stops.
 
-    :param on_response: called with ``(model, seconds, first)`` for each response as it is
-        produced: ``first`` when it is the stream's first (``seconds`` since the stream opened),
-        else ``seconds`` since the one before.
+    :param on_response: called with ``(model, seconds, first, index)`` for each response as it
+        is produced: ``first`` when it is the stream's first (``seconds`` since the stream
+        opened), else ``seconds`` since the one before; ``index`` counts the stream's responses
+        from 0. When the model fails (or a response breaks the spec) instead, it is called once
+        more with ``failed=True`` (the index the failed response would have had).
+        :meth:`ServerMetrics.streamed <neuropod_serving.server.metrics.ServerMetrics.streamed>` takes these.
     """
 
-    def __init__(self, limits: StreamLimits | None = None, on_response: Callable[[str, float, bool], None] | None = None):
+    def __init__(self, limits: StreamLimits | None = None, on_response: Callable[..., None] | None = None):
         self.limits = limits if limits is not None else StreamLimits()
         self.on_response = on_response
         self._lock = threading.Lock()
@@ -155,7 +158,7 @@ class ServedStream:
         #: Responses produced so far.
         self.produced = 0
         #: Why the server ended the stream (its final error), or None.
-        self._error: NeuropodError | None = None
+        self._error: StreamStoppedError | None = None
         self._closed = False
         # Reading from the event loop: the producer thread, its buffer, and the loop's waiter.
         self._cond = threading.Condition(threading.Lock())
@@ -187,16 +190,21 @@ class ServedStream:
             if self._error is not None:
                 raise self._error from None
             raise
+        except NeuropodError:  # the model failed, or its response broke the spec
+            report = self._on_response
+            if report is not None:
+                report(self.model, time.perf_counter() - self._last, self.produced == 0, self.produced, failed=True)
+            raise
         self._timed()
         return item
 
     def _timed(self) -> None:
         now = time.perf_counter()
-        first = self.produced == 0
-        self.produced += 1
+        index = self.produced
+        self.produced = index + 1
         report = self._on_response
         if report is not None:
-            report(self.model, now - self._last, first)
+            report(self.model, now - self._last, index == 0, index)
         self._last = now
 
     # -- from the event loop ---------------------------------------------------------
@@ -284,10 +292,10 @@ class ServedStream:
     # -- ending ----------------------------------------------------------------------
 
     def cancel(self, reason: str | None = None) -> None:
-        """End the stream; with ``reason``, its reader gets that as a final NeuropodError (naming
-        the model) instead of the end. The model's generator is closed (see :meth:`close`)."""
+        """End the stream; with ``reason``, its reader gets that as a final
+        :class:`~neuropod_serving.errors.StreamStoppedError` (naming the model) instead of the end. The model's generator is closed (see :meth:`close`)."""
         if reason is not None and self._error is None:
-            self._error = NeuropodError(f"stream of model {self.model!r} ended: {reason}")
+            self._error = StreamStoppedError(f"stream of model {self.model!r} ended: {reason}")
         self.close()
 
     def close(self) -> None:
