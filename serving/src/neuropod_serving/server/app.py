@@ -8,7 +8,6 @@ a slow model never blocks the event loop (health checks keep answering).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -24,14 +23,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import neuropod_serving.server.extensions as extensions
 import neuropod_serving.server.repository_api as repository_api
+import neuropod_serving.server.rest_io as rest_io
 import neuropod_serving.server.shared_memory_api as shared_memory_api
 from neuropod import _json
-from neuropod.errors import NeuropodError, SpecError
+from neuropod.errors import NeuropodError
 from neuropod_serving import __version__
 from neuropod_serving.defaults import DEFAULT_MAX_REQUEST_BYTES
-from neuropod_serving.errors import ModelBusyError, RequestTimeoutError, UnknownModelError
 from neuropod_serving.protocol import (
-    HEADER_LENGTH,
     InferRequest,
     ProtocolError,
     build_infer_response,
@@ -43,6 +41,21 @@ from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from neuropod_serving.server.model_config import model_config
 from neuropod_serving.server.registry import ServedModel
+from neuropod_serving.server.rest_io import (
+    HEADER_LENGTH_KEY,
+    INLINE_BODY_BYTES,
+    Disconnected,
+    TooLarge,
+    add_chunk,
+    answer_to,
+    check_declared,
+    inflated,
+    receive_body,
+    send_body,
+    send_error,
+)
+from neuropod_serving.server.sse import ROUTES as STREAM_ROUTES
+from neuropod_serving.server.sse import StreamRoutes, refuse_decoupled
 from neuropod_serving.server.statistics import NO_STATISTICS
 
 log = logging.getLogger("neuropod_serving.server")
@@ -52,12 +65,6 @@ _OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-
-class _TooLarge(Exception):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 class _BearerAuth:
@@ -96,68 +103,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     Content-Length) is counted as it streams, so neither kind is ever held
     in memory past the limit.
     """
-    _check_declared(request.headers.get("content-length"), limit)
+    check_declared(request.headers.get("content-length"), limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
-        size = _add_chunk(chunks, size, chunk, limit)
+        size = add_chunk(chunks, size, chunk, limit)
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     encoding = request.headers.get("content-encoding")
     if encoding is not None:
         return bytes(await run_in_threadpool(decoded_body, body, encoding.encode("latin-1"), limit))
     return body
-
-
-def _failure(exc: BaseException, model: str) -> tuple[int, str] | None:
-    """The status and message a REST client gets for ``exc``; None when it is no
-    NeuropodError (a bug: the caller answers a bare 500)."""
-    if isinstance(exc, ProtocolError):
-        return exc.status, str(exc)
-    if isinstance(exc, _TooLarge):
-        return 413, exc.message
-    if isinstance(exc, UnknownModelError):
-        return 404, str(exc)
-    if isinstance(exc, ModelBusyError):
-        return 429, str(exc)
-    if isinstance(exc, RequestTimeoutError):
-        return 503, str(exc)  # as Triton answers a request whose timeout expired in its queue
-    if isinstance(exc, SpecError):
-        return 400, str(exc)
-    if isinstance(exc, NeuropodError):
-        # The model failed, not the request: log it with its cause for the
-        # operator, answer 500 naming the model, and keep serving the others.
-        log.error("model %r failed: %s", model, exc, exc_info=exc)
-        return 500, f"model {model!r} failed: {exc}"
-    return None
-
-
-# ASGI servers hand header names over lower-cased.
-_HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode("ascii")
-
-
-class _Disconnected(Exception):
-    """The client went away before its request body was complete."""
-
-
-async def _send(send: Send, status: int, content: bytes, json_length: int | None, encoding: bytes | None = None) -> None:
-    if json_length is None:
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(content))]
-    else:
-        headers = [
-            (b"content-type", b"application/octet-stream"),
-            (b"content-length", b"%d" % len(content)),
-            (_HEADER_LENGTH_KEY, b"%d" % json_length),
-        ]
-    if encoding is not None:
-        # The binary header's length counts the uncompressed body, as Triton's does.
-        headers.append((b"content-encoding", encoding))
-        headers.append((b"vary", b"accept-encoding"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": content})
-
-
-async def _send_error(send: Send, status: int, message: str) -> None:
-    await _send(send, status, json.dumps({"error": message}).encode(), None)
 
 
 class _RawInfer:
@@ -169,6 +124,7 @@ class _RawInfer:
         self.app = app
         self.engine = engine
         self.limit = limit
+        self.streams = StreamRoutes(engine, limit)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -176,10 +132,17 @@ class _RawInfer:
             n = len(parts)
             if (
                 (n == 5 or (n == 7 and parts[4] == "versions"))
-                and parts[-1] == "infer" and parts[1] == "v2" and parts[2] == "models" and parts[3]
-            ):  # fmt: skip
-                await self._infer(scope, receive, send, parts[3], parts[5] if n == 7 else None)
-                return
+                and parts[1] == "v2"
+                and parts[2] == "models"
+                and parts[3]
+            ):
+                last = parts[-1]
+                if last == "infer":
+                    await self._infer(scope, receive, send, parts[3], parts[5] if n == 7 else None)
+                    return
+                if last in STREAM_ROUTES:  # infer_stream, generate, generate_stream (sse.py)
+                    await self.streams(scope, receive, send, last, parts[3], parts[5] if n == 7 else None)
+                    return
         await self.app(scope, receive, send)
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send, name: str, version: str | None) -> None:
@@ -190,25 +153,20 @@ class _RawInfer:
         response_encoding: bytes | None = None
         try:
             s = engine.get(name, version)
+            refuse_decoupled(s)
             declared = header_length = encoding = accept = None
             for key, value in scope["headers"]:
                 if key == b"content-length":
                     declared = value.decode("latin-1")
-                elif key == _HEADER_LENGTH_KEY:
+                elif key == HEADER_LENGTH_KEY:
                     header_length = value.decode("latin-1")
                 elif key == b"content-encoding":
                     encoding = value
                 elif key == b"accept-encoding":
                     accept = value
-            body: bytes | bytearray = await _receive_body(receive, declared, self.limit)
+            body: bytes | bytearray = await receive_body(receive, declared, self.limit)
             if encoding is not None:
-                # Bounded by the same limit once decompressed (compression.py): a zip bomb is a 413.
-                # 1 KiB inflates to about 1 MB at most (deflate stops near 1032:1): fine on the loop.
-                body = (
-                    decoded_body(body, encoding, self.limit)
-                    if len(body) <= INLINE_BODY_BYTES // 64
-                    else await run_in_threadpool(decoded_body, body, encoding, self.limit)
-                )
+                body = await inflated(body, encoding, self.limit)
             if header_length is not None:
                 # Binary tensors are decoded as views of the body: of a bytearray they are
                 # writable, which a model may assume (one copy of the body instead of a copy
@@ -254,65 +212,19 @@ class _RawInfer:
                         else await run_in_threadpool(compressed, content, response_encoding)
                     )
             failure = None
-        except _Disconnected:
+        except Disconnected:
             return
-        except Exception as e:
-            answer = _failure(e, name)
-            if answer is None:
-                log.exception("request to model %r failed", name)
-                answer = (500, f"internal error while serving model {name!r}: {type(e).__name__}")
-            await _send_error(send, *answer)
+        except Exception as e:  # noqa: BLE001 - answered; answer_to logs what is no NeuropodError
+            await send_error(send, *answer_to(e, name))
             return
         finally:
             if held is not None:
                 held.release()
             if name in engine.registry:
                 engine.metrics.request(name, "rest", time.perf_counter() - started, failure)
-        await _send(send, 200, content, json_length, response_encoding)
+        await send_body(send, 200, content, json_length, response_encoding)
 
 
-def _check_declared(declared: str | None, limit: int) -> None:
-    if declared is None:
-        return
-    # isascii too: str.isdigit() accepts '²', which int() refuses (a 500, not a 400).
-    if not (declared.strip().isascii() and declared.strip().isdigit()):
-        raise ProtocolError(f"Content-Length must be a byte count, not {declared!r}")
-    if int(declared) > limit:
-        raise _TooLarge(
-            f"the request body is {int(declared):,} bytes, more than this server's limit of {limit:,} "
-            "(neuropod serve --max-request-bytes)"
-        )
-
-
-def _add_chunk(chunks: list[bytes], size: int, chunk: bytes, limit: int) -> int:
-    size += len(chunk)
-    if size > limit:
-        raise _TooLarge(
-            f"the request body passed this server's limit of {limit:,} bytes while streaming "
-            "(neuropod serve --max-request-bytes)"
-        )
-    chunks.append(chunk)
-    return size
-
-
-async def _receive_body(receive: Receive, declared: str | None, limit: int) -> bytes:
-    """:func:`_read_body` on a bare ASGI ``receive``."""
-    _check_declared(declared, limit)
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _Disconnected()
-        size = _add_chunk(chunks, size, message.get("body", b""), limit)
-        if not message.get("more_body", False):
-            break
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-#: Bodies up to this size are decoded and encoded on the event loop: a thread
-#: hop costs more than parsing them. Larger ones go to a worker thread.
-INLINE_BODY_BYTES = 64 * 1024
 #: Plain JSON bodies (no binary tensors) up to this size also stay on the loop when they hold at
 #: most :data:`INLINE_JSON_VALUES` commas (about one per number). Their decode is the parse of every
 #: number, about 50 ns each (100 FP32 tensors of [10, 5], 104 kB, 5,500 commas: 0.4 to 0.6 ms;
@@ -427,7 +339,7 @@ def create_app(
     async def infer(request: Request) -> Response:
         # POSTs to these paths never get here (_RawInfer answers them); the
         # routes stay so that other methods get Starlette's 405.
-        raise AssertionError("POST .../infer is handled by _RawInfer")
+        raise AssertionError("POST .../infer and the streaming routes are handled by _RawInfer")
 
     async def config(request: Request) -> Response:
         return JSONResponse(model_config(engine, served(request)))
@@ -436,7 +348,9 @@ def create_app(
         if not isinstance(metrics, ServerMetrics):
             return _error(404, NO_STATISTICS)
         name = request.path_params.get("model")
-        models = [served(request)] if name is not None else sorted(engine.registry, key=lambda s: (s.name, int(s.version)))
+        models = (
+            [served(request)] if name is not None else sorted(engine.registry, key=lambda s: (s.name, int(s.version)))
+        )
         return JSONResponse({"model_stats": [metrics.statistics(s.name, s.version) for s in models]})
 
     async def prometheus(request: Request) -> Response:
@@ -472,8 +386,8 @@ def create_app(
         return JSONResponse({})
 
     async def on_failure(request: Request, exc: Exception) -> Response:
-        answer = _failure(exc, request.path_params.get("model", "?"))
-        assert answer is not None  # registered for NeuropodError and _TooLarge only
+        answer = rest_io.failure(exc, request.path_params.get("model", "?"))
+        assert answer is not None  # registered for NeuropodError and TooLarge only
         return _error(*answer)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
@@ -481,10 +395,14 @@ def create_app(
         # text; clients of the protocol parse every error as {"error": ...}.
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
-            message = f"no route {request.url.path!r} on this server (the Open Inference Protocol's routes are under /v2)"
+            message = (
+                f"no route {request.url.path!r} on this server (the Open Inference Protocol's routes are under /v2)"
+            )
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
-            message = f"{request.method} is not a method of {request.url.path!r}" + (f"; it takes {allowed}" if allowed else "")
+            message = f"{request.method} is not a method of {request.url.path!r}" + (
+                f"; it takes {allowed}" if allowed else ""
+            )
         else:
             message = str(exc.detail)
         return _error(exc.status_code, message, headers=dict(exc.headers) if exc.headers else None)
@@ -497,6 +415,12 @@ def create_app(
     routes = [
         Route("/v2/models/{model}/infer", infer, methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
+        # As infer: POSTs go to StreamRoutes (sse.py); the routes give other methods their 405.
+        *(
+            Route(f"/v2/models/{{model}}{versioned}/{kind}", infer, methods=["POST"])
+            for kind in sorted(STREAM_ROUTES)
+            for versioned in ("", "/versions/{version}")
+        ),
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
@@ -518,7 +442,7 @@ def create_app(
     ]
     handlers: dict[Any, Any] = {
         NeuropodError: on_failure,
-        _TooLarge: on_failure,
+        TooLarge: on_failure,
         HTTPException: on_http_error,
         Exception: on_bug,
     }

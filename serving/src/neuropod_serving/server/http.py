@@ -16,6 +16,10 @@ a head not complete within ``head_timeout_s`` of its first byte (or of the
 connection, when nothing came) gets ``408 Request Timeout``, so connections that
 send their heads a byte at a time cannot hold the server's memory or sockets.
 
+When uvicorn's graceful shutdown begins, a response still streaming (Server-Sent
+Events) is told at once, through the callable its app put in the request's scope
+under :data:`ON_SHUTDOWN`, so it can end with a last error event.
+
 Used by ``neuropod serve`` as ``uvicorn.Config(http=OneWriteProtocol.with_limits(...))``;
 when uvicorn's httptools protocol is not there (no httptools) the server uses
 uvicorn's default instead.
@@ -30,6 +34,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from neuropod_serving.defaults import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_HEADERS
+from neuropod_serving.server.rest_io import ON_SHUTDOWN
 
 #: A head held for a body longer than this is written alone first (joining them would copy the body).
 JOIN_BELOW = 64 * 1024
@@ -211,6 +216,16 @@ class OneWriteProtocol(HttpToolsProtocol):
         self._refused = True
         transport.write_eof()
         self.loop.call_later(_LINGER_S, transport.close)
+
+    def shutdown(self) -> None:
+        # uvicorn's graceful shutdown begins: a response still streaming (Server-Sent Events) is
+        # ended now by what its app left in the scope, instead of being cut off when the wait ends.
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            stop = cycle.scope.get(ON_SHUTDOWN)
+            if callable(stop):
+                stop()
+        super().shutdown()
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn answers a request it cannot parse in plain text; here it is JSON like every other error.
