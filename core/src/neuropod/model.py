@@ -17,7 +17,7 @@ from neuropod.errors import BackendError, NeuropodError, NoBackendError
 from neuropod.package import Package
 from neuropod.resolve import Resolution
 from neuropod.spec import SpecValidator, TensorSpec
-from neuropod.streams import ResponseStream
+from neuropod.streams import ResponseStream, cannot_stream
 from neuropod.tensors import TensorFacts
 
 
@@ -44,7 +44,15 @@ class NeuropodModel:
         self._bind_infer()
         #: ``call(handle, inputs, requested_outputs, parameters)`` -> the backend's iterator of
         #: responses, for a decoupled model (see :meth:`infer_stream`); None for others.
-        self._stream: Callable[[Any, Any, Any, Any], Any] | None = self._bind_stream() if self.decoupled else None
+        self._stream: Callable[[Any, Any, Any, Any], Any] | None = None
+        if self.decoupled:
+            try:
+                self._stream = self._bind_stream()
+            except BaseException:
+                closer = getattr(handle, "close", None)  # the backend loaded it: free it before refusing
+                if callable(closer):
+                    closer()
+                raise
         # Subclasses that run the model elsewhere (a worker, a server) override _run.
         self._run_is_the_hook = type(self)._run is NeuropodModel._run
         self._validator.device_policy = self._device_policy()
@@ -85,11 +93,7 @@ class NeuropodModel:
         try:
             impl = plugins.bound_hook("infer_stream", self.backend)
         except NoBackendError:
-            raise NeuropodError(
-                f"Model {self.name!r} is decoupled (its config.json says \"decoupled\": true: any number of "
-                f"responses a request), and backend {self.backend.id} cannot stream responses: its plugin "
-                f"{self.backend.plugin!r} has no infer_stream hook. Backends that stream: python"
-            ) from None
+            raise cannot_stream(self.name, self.backend) from None
         return plugins.stream_caller(impl)
 
     @property
@@ -338,10 +342,9 @@ class NeuropodModel:
                     f"{self.name!r}, not a dict of output name to numpy array"
                 )
             outputs = dict(outputs)
-        if requested is not None:
-            outputs = {k: outputs[k] for k in requested if k in outputs}
-        self._validator.check_outputs(outputs, dict(bindings), None, False, partial=True)
-        return outputs
+        checked: dict[str, Any] = outputs if requested is None else {k: outputs[k] for k in requested if k in outputs}
+        self._validator.check_outputs(checked, dict(bindings), None, False, partial=True)
+        return checked
 
     def _run_failed(self, e: Exception) -> BackendError:
         """The error for a framework's exception while running the model (the caller chains ``e``)."""
@@ -406,11 +409,12 @@ def _as_checked(outputs: dict[str, Any]) -> dict[str, Any]:
 
 def _not_an_iterator(model: NeuropodModel, value: Any) -> Any:
     """A decoupled model's backend returned something other than an iterator of responses."""
-    raise BackendError(
+    error = BackendError(
         f"Backend {model.backend.id} returned {type(value).__name__} from infer_stream for decoupled model "
         f"{model.name!r}, not an iterator of responses"
     )
-    yield  # a generator: the error comes from the stream's first next()
+    yield from ()  # a generator: the error comes from the stream's first next()
+    raise error
 
 
 def device_input_problem(model_device: str, accepts: bool, refusal: str, name: str, facts: TensorFacts) -> str | None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuropod.errors import NeuropodError
+
+if TYPE_CHECKING:
+    from neuropod.backend import Backend
 
 
 class ResponseStream:
@@ -125,4 +128,15 @@ class ResponseStream:
         return f"<ResponseStream {state}, {self.responses} response(s) so far>"
 
 
-__all__ = ["ResponseStream"]
+def cannot_stream(model: str, backend: Backend) -> NeuropodError:
+    """The error for decoupled model ``model`` on a backend whose plugin has no ``infer_stream``
+    hook: it cannot run there (raised at load, in this process or in a worker)."""
+    return NeuropodError(
+        f'Model {model!r} is decoupled (its config.json says "decoupled": true: any number of '
+        f"responses a request), and backend {backend.id} cannot stream responses: its plugin "
+        f"{backend.plugin!r} has no infer_stream hook. Load it with a backend that streams (python), "
+        "or package the model without decoupled=True"
+    )
+
+
+__all__ = ["ResponseStream", "cannot_stream"]

@@ -75,6 +75,8 @@ class WorkerPool:
         #: Calls the workers answered, and the seconds their backend spent in ``infer`` for them.
         self.runs = 0
         self.run_s = 0.0
+        #: Workers held by open streams, by the thread that opened each (see :meth:`take`).
+        self.streams_held: dict[int, int] = {}
         self.workers = [WorkerProcess(self) for _ in range(workers)]
         self.idle: queue.SimpleQueue[WorkerProcess] = queue.SimpleQueue()
         try:
@@ -106,13 +108,28 @@ class WorkerPool:
         self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None,
         parameters: Mapping[str, Any] | None = None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
+        worker = self.take()
+        try:
+            if parameters is None:
+                return worker.infer(inputs, requested)
+            return worker.infer(inputs, requested, parameters)
+        finally:
+            self.give_back(worker)
+
+    def take(self) -> WorkerProcess:
+        """An idle worker, ready for a call (restarted after a failure when allowed): hand it back
+        with :meth:`give_back`. Raises (the worker handed back) when it cannot serve."""
         self._check_usable()
         if not self.forgotten.empty():
             self._collect()
+        if self.streams_held:
+            self._check_not_waiting_on_self()
         worker = self.idle.get()
         try:
             if self.closed:  # while this call waited for a worker
                 raise NeuropodError(f"Model {self.name!r} is closed")
+            if worker.ending_stream:  # a stream dropped unread: read the worker's answer to its end
+                worker.end_abandoned_stream()
             if worker.failed:
                 if not self.restart:
                     raise WorkerError(
@@ -122,13 +139,26 @@ class WorkerPool:
                 worker.restart()
             elif not worker.alive:  # died between calls: say so now, restart (if allowed) on the next call
                 raise worker._failure("died")
-            if parameters is None:
-                return worker.infer(inputs, requested)
-            return worker.infer(inputs, requested, parameters)
-        finally:
-            if self.closed and self._own():
-                worker._teardown()
-            self.idle.put(worker)
+        except BaseException:
+            self.give_back(worker)
+            raise
+        return worker
+
+    def give_back(self, worker: WorkerProcess) -> None:
+        """Make ``worker`` idle again (after a call, or a stream's end)."""
+        if self.closed and self._own():
+            worker._teardown()
+        self.idle.put(worker)
+
+    def _check_not_waiting_on_self(self) -> None:
+        """Refuse a call that would wait for ever: every worker is held by a stream this thread reads."""
+        held = self.streams_held.get(threading.get_ident(), 0)
+        if held >= len(self.workers):
+            raise NeuropodError(
+                f"Every worker of model {self.name!r} ({held}) is held by a stream this thread has open and "
+                "not finished: this call would wait for one of them for ever. Read those streams to their end "
+                "or close them first, or load the model with more workers (workers=N)"
+            )
 
     def _own(self) -> bool:
         return os.getpid() == self.pid

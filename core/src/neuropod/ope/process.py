@@ -86,6 +86,8 @@ class WorkerProcess:
         self.known_handed: set[int] = set()
         self.handed_gen = -1
         self.drops: list[int] = []
+        #: A stream dropped unread asked the worker to end it: the worker's answer is still to be read.
+        self.ending_stream = False
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -316,6 +318,13 @@ class WorkerProcess:
         self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None,
         parameters: Mapping[str, Any] | None = None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
+        return self._finish(self._send("infer", inputs, requested, parameters))
+
+    def _send(
+        self, kind: str, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None,
+        parameters: Mapping[str, Any] | None,
+    ) -> tuple[Any, ...]:  # fmt: skip
+        """Send a request with inputs (``"infer"``, or ``"stream"`` to open a stream) and return the reply."""
         pool = self.pool
         leases = self.out_leases
         # Request parameters ride at the end of the message, only when there are some.
@@ -327,7 +336,7 @@ class WorkerProcess:
             drops = drops + self._handed_drops()
         if self._same_layout(inputs):
             self.drops = []
-            return self._finish(self._request(("infer", None, wanted, (), free, drops, *extra), [], pool.timeout))
+            return self._request((kind, None, wanted, (), free, drops, *extra), [], pool.timeout)
         # Where each input goes: (name, array or encoded strings, dtype text, shape, offset or handed block).
         plan: list[tuple[str, Any, str, tuple[int, ...], int, HandedBlock | None]] = []
         total = 0
@@ -388,12 +397,78 @@ class WorkerProcess:
                 sent.append((name, arena.id if arena is not None else 0, offset, dt, shape))
             self.drops = []
             self.layout = None
-            reply = self._request(("infer", sent, wanted, new, free, drops, *extra), fds, pool.timeout)
+            reply = self._request((kind, sent, wanted, new, free, drops, *extra), fds, pool.timeout)
             self.layout = layout
         finally:
             for fd in own_fds:
                 os.close(fd)
-        return self._finish(reply)
+        return reply
+
+    # -- one stream's responses (see neuropod.ope.streaming) ------------------------
+
+    def open_stream(
+        self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None,
+        parameters: Mapping[str, Any] | None,
+    ) -> dict[str, np.ndarray] | None:  # fmt: skip
+        """Open a stream on this worker: the model's first response, or None when it has none."""
+        return self._response(self._send("stream", inputs, requested, parameters))
+
+    def next_response(self) -> dict[str, np.ndarray] | None:
+        """The open stream's next response, or None at its end."""
+        leases = self.out_leases
+        free = [b for b in self.out_blocks if (ref := leases.get(b)) is None or ref() is None]
+        return self._response(self._request(("next", free), [], self.pool.timeout))
+
+    def cancel_stream(self) -> None:
+        """Close the open stream's generator in the worker (its ``finally`` runs) and wait until it has."""
+        self._request(("cancel",), [], self.pool.timeout)
+
+    def abandon_stream(self) -> None:
+        """Ask the worker to close the open stream's generator, without waiting for its answer (a
+        stream dropped unread, from garbage collection): the next call on this worker reads it first."""
+        channel = self.channel
+        if channel is None:
+            return
+        try:
+            channel.send(("cancel",))
+        except ChannelClosed:
+            return
+        self.ending_stream = True
+
+    def end_abandoned_stream(self) -> None:
+        """Read the worker's answer to :meth:`abandon_stream` (before this worker's next call)."""
+        self.ending_stream = False
+        channel = self.channel
+        if channel is None:
+            return
+        timeout = self.pool.timeout
+        try:
+            _, fds = channel.recv(timeout)
+        except TimeoutError:
+            raise self._failure(f"did not end a stream within {timeout:g} s", kill=True) from None
+        except ChannelClosed:
+            raise self._failure("died") from None
+        except DescriptorsLost as e:
+            raise self._failure(f"sent shared memory this process could not take: {e}", kill=True) from None
+        for fd in fds:
+            os.close(fd)
+
+    def _response(self, reply: tuple[Any, ...]) -> dict[str, np.ndarray] | None:
+        """A stream's reply: None for its end; else the response, copied out of the block, which
+        the worker may then reuse for the next response (a stream's responses are often all kept)."""
+        if reply[0] == "end":
+            return None
+        _, outputs, created, dropped = reply
+        if created or dropped:
+            self._new_out_blocks(created, dropped)
+        result = {}
+        for name, block_id, offset, dt, shape in outputs:
+            whole = self.out_blocks[block_id].whole
+            if dt in STRING_KINDS:
+                result[name] = get_strings(whole, offset, dt, tuple(shape))
+            else:
+                result[name] = np.ndarray(tuple(shape), dtype_of(dt), buffer=whole, offset=offset).copy()
+        return result
 
     def _new_out_blocks(self, created: list[tuple[int, int]], dropped: list[int]) -> None:
         fds, self._reply_fds = self._reply_fds, []

@@ -29,13 +29,14 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from neuropod import plugins
 from neuropod._version import __version__
-from neuropod.errors import NoBackendError, SpecError, WorkerError
+from neuropod.errors import BackendError, NeuropodError, NoBackendError, SpecError, WorkerError
 from neuropod.ope._channel import (
     PROTOCOL,
     STRING_KINDS,
@@ -51,6 +52,7 @@ from neuropod.ope._channel import (
     string_size,
 )
 from neuropod.package import read_package
+from neuropod.streams import cannot_stream
 
 _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's value; the fcntl module names it from Python 3.12 on
 
@@ -81,6 +83,10 @@ class Worker:
         self.model: Any = None
         self.infer: Any = None
         self.infer_with_parameters: Any = None
+        #: The backend's ``infer_stream`` (a decoupled model), and the open stream's iterator.
+        self.infer_stream: Any = None
+        self.stream: Any = None
+        self.backend_id = "?"
 
     def load(self, protocol: int, package_path: str, backend_id: str, device: str, options: dict[str, Any]) -> tuple[Any, ...]:
         if protocol != PROTOCOL:
@@ -95,6 +101,12 @@ class Worker:
             have = ", ".join(b.id for b in plugins.installed_backends()) or "none"
             raise NoBackendError(f"The worker's environment ({sys.executable}) has no backend {backend_id}; it has: {have}")
         backend = found[0]
+        self.backend_id = backend.id
+        if package.config.decoupled:
+            try:
+                self.infer_stream = plugins.stream_caller(plugins.bound_hook("infer_stream", backend))
+            except NoBackendError:
+                raise cannot_stream(package.name, backend) from None
         handle = plugins.bound_hook("load_model", backend)(
             package=package, backend=backend, device=device, options=options
         )
@@ -105,8 +117,72 @@ class Worker:
         return ("ready", os.getpid(), backend.id, sys.executable)
 
     def run(self, message: tuple[Any, ...], fds: list[int]) -> tuple[tuple[Any, ...], list[int]]:
-        _, inputs, requested, new_blocks, free, drop, *extra = message
+        _, _, requested, _, free, _, *extra = message
         parameters = extra[0] if extra else None
+        arrays = self._inputs(message, fds)
+        wanted = list(requested) if requested is not None else None
+        started = time.perf_counter()
+        if parameters and self.infer_with_parameters is not None:
+            outputs = self.infer_with_parameters(self.model, arrays, wanted, parameters)
+        else:
+            outputs = self.infer(self.model, arrays, wanted)
+        ran = time.perf_counter() - started
+        reply, out_fds = self._reply(outputs, free)
+        # The backend's own time last: the client tells it from the round trip (WorkerModel.worker_run_time).
+        return (*reply, ran), out_fds
+
+    def open_stream(self, message: tuple[Any, ...], fds: list[int]) -> tuple[tuple[Any, ...], list[int]]:
+        """Start a decoupled model's stream on the inputs (``"stream"``): its first response."""
+        self.end_stream()  # the client does not open a stream over another, but a stale one must not linger
+        _, _, requested, _, free, _, *extra = message
+        arrays = self._inputs(message, fds)
+        if self.infer_stream is None:
+            raise NeuropodError(f"Model {self.name!r} is not decoupled: it answers with infer, not infer_stream")
+        wanted = list(requested) if requested is not None else None
+        self.stream = self.infer_stream(self.model, arrays, wanted, extra[0] if extra else None)
+        if self.stream is None or isinstance(self.stream, Mapping) or not hasattr(self.stream, "__next__"):
+            got, self.stream = type(self.stream).__name__, None
+            raise BackendError(
+                f"Backend {self.backend_id} returned {got} from infer_stream for decoupled model {self.name!r}, "
+                "not an iterator of responses"
+            )
+        return self.next_response(free)
+
+    def next_response(self, free: list[int]) -> tuple[tuple[Any, ...], list[int]]:
+        """The open stream's next response (``"item"``, like an ``"ok"`` reply) or its end (``"end"``).
+        An error ends the stream (the generator is closed) before it goes back to the client."""
+        stream = self.stream
+        if stream is None:
+            return ("end",), []
+        try:
+            outputs = next(stream)
+            if not isinstance(outputs, Mapping):
+                raise BackendError(
+                    f"Backend {self.backend_id} gave a response of {type(outputs).__name__} for model "
+                    f"{self.name!r}, not a dict of output name to numpy array"
+                )
+            reply, out_fds = self._reply(outputs, free)
+        except StopIteration:
+            self.stream = None
+            return ("end",), []
+        except BaseException:
+            self.end_stream()
+            raise
+        return ("item", *reply[1:]), out_fds
+
+    def end_stream(self) -> None:
+        """Close the open stream's iterator (a generator's ``finally`` runs), if there is one."""
+        stream, self.stream = self.stream, None
+        closer = getattr(stream, "close", None)
+        if callable(closer):
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - a finally that raises: the stream is over either way
+                traceback.print_exc()
+
+    def _inputs(self, message: tuple[Any, ...], fds: list[int]) -> dict[str, np.ndarray]:
+        """A request's inputs as arrays over the client's blocks (mapping the new ones, dropping the gone)."""
+        _, inputs, _, new_blocks, _, drop, *_ = message
         for block_id in drop:  # views over them in last_inputs keep their mapping until replaced
             self.in_blocks.pop(block_id, None)
         try:
@@ -132,16 +208,7 @@ class Worker:
                 else:
                     arrays[name] = np.ndarray(tuple(shape), dtype_of(dt), buffer=whole, offset=offset)
             self.last_inputs = arrays
-        wanted = list(requested) if requested is not None else None
-        started = time.perf_counter()
-        if parameters and self.infer_with_parameters is not None:
-            outputs = self.infer_with_parameters(self.model, arrays, wanted, parameters)
-        else:
-            outputs = self.infer(self.model, arrays, wanted)
-        ran = time.perf_counter() - started
-        reply, out_fds = self._reply(outputs, free)
-        # The backend's own time last: the client tells it from the round trip (WorkerModel.worker_run_time).
-        return (*reply, ran), out_fds
+        return arrays
 
     def _reply(self, outputs: Any, free: list[int]) -> tuple[tuple[Any, ...], list[int]]:
         """Copy the outputs into one block (a free one that fits, else a new one) and describe them."""
@@ -210,6 +277,13 @@ class Worker:
             try:
                 if kind == "infer":
                     reply, out_fds = self.run(message, fds)
+                elif kind == "next":
+                    reply, out_fds = self.next_response(message[1])
+                elif kind == "stream":
+                    reply, out_fds = self.open_stream(message, fds)
+                elif kind == "cancel":
+                    self.end_stream()
+                    reply = ("end",)
                 elif kind == "load":
                     reply = self.load(*message[1:])
                 else:

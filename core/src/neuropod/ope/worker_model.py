@@ -6,7 +6,7 @@ import math
 import operator
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ import numpy as np
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.model import NeuropodModel
 from neuropod.ope.pool import WorkerPool
+from neuropod.ope.streaming import WorkerStream
 from neuropod.package import Package
 from neuropod.resolve import Resolution
 from neuropod.spec import DTYPES
@@ -42,6 +43,11 @@ class WorkerModel(NeuropodModel):
         self._infer_with_parameters = lambda _handle, inputs, requested, parameters: pool.infer(
             inputs, requested, parameters
         )
+
+    def _bind_stream(self) -> Callable[[Any, Any, Any, Any], Any]:
+        # The worker bound the backend's infer_stream when it loaded the model (or refused it).
+        pool = self._pool
+        return lambda _handle, inputs, requested, parameters: WorkerStream(pool, inputs, requested, parameters)
 
     def _no_device_tensors(self) -> str:
         return (

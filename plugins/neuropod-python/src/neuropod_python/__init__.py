@@ -155,7 +155,17 @@ def infer_stream(
     parameters: Mapping[str, Any] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """A decoupled model: its function is a generator (or returns an iterable) of output
-    dicts; each is handed on as it is yielded. Closing the stream closes the generator."""
+    dicts; each is handed on as it is yielded. The function is called at the first ``next``
+    (so its errors come from there, as they do in a worker). Closing the stream closes the
+    generator (its ``finally`` runs)."""
+    return _responses(model, inputs, parameters, requested_outputs)
+
+
+def _responses(
+    model: Any, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | None, requested: Sequence[str] | None
+) -> Iterator[dict[str, np.ndarray]]:
+    """The model's responses as numpy dicts; its exception as a BackendError with its traceback.
+    Closing this closes the model's own generator (its ``finally`` runs)."""
     try:
         if parameters is not None and model.takes_parameters:
             produced = model.fn(**inputs, parameters=dict(parameters))
@@ -168,12 +178,6 @@ def infer_stream(
             f"Model {model.name!r} is decoupled, so its function must be a generator that yields dicts of "
             f"outputs (one per response), but it returned {type(produced).__name__}"
         )
-    return _responses(model, produced, requested_outputs)
-
-
-def _responses(model: Any, produced: Any, requested: Sequence[str] | None) -> Iterator[dict[str, np.ndarray]]:
-    """The model's responses as numpy dicts; its exception as a BackendError with its traceback.
-    Closing this closes the model's own generator (its ``finally`` runs)."""
     source = iter(produced)
     try:
         while True:
