@@ -31,6 +31,8 @@
                                    (-- --from-data: only redraw from docs/_static/perf/data/)
     nox -s bench_serve             neuropod serve against MLServer and a bare floor (REST + gRPC, ~12 min)
     nox -s bench_remote            remote models' latency against in-process, tritonclient and the transport floor
+    nox -s bench_stream            streams (gRPC ModelStreamInfer, SSE) against a bare grpcio / Starlette floor: per
+                                   response, time to the first response, memory of 100 open streams (~1 min)
     nox -s bench_storage           packages by URL from local S3 servers against local disk (cold, cached, memory)
     nox -s bench_ray               the Ray Serve deployment (1, 2 replicas, Ray's floor) against neuropod serve (~4 min)
     nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
@@ -506,7 +508,7 @@ def bench(session: nox.Session) -> None:
         f"jaxlib=={JAX_DEFAULT}",
     )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
-        if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py", "bench_gpu.py"):  # their own sessions
+        if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py", "bench_gpu.py", "bench_stream.py"):  # their own sessions
             session.run("python", str(script), *session.posargs)
 
 
@@ -575,6 +577,16 @@ def bench_remote(session: nox.Session) -> None:
     session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
                     f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", "tritonclient[grpc,http]")  # fmt: skip
     session.run("python", "bench/bench_remote.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_stream(session: nox.Session) -> None:
+    """Streams from neuropod serve (a decoupled Python-backend model, gRPC ModelStreamInfer and SSE
+    infer_stream) against a bare grpcio stream and a bare Starlette SSE endpoint: per-response cost
+    of 1,000-response streams, time to the first response against a unary call, memory of 100 open
+    streams (about 1 min; taskset, two cores)."""
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-python'}", f"{SERVING}[server]", "httpx")
+    session.run("python", "bench/bench_stream.py", *session.posargs)
 
 
 @nox.session(python=DEFAULT_PYTHON)
