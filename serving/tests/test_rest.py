@@ -140,7 +140,9 @@ def test_triton_health_and_metadata(triton: Any) -> None:
     meta = triton.get_server_metadata()
     # This engine keeps no metrics, so no statistics either (test_triton_extensions.py has a server that does).
     assert meta["name"] == "neuropod"
-    assert meta["extensions"] == ["binary_tensor_data", "classification", "model_configuration", "model_repository"]
+    assert meta["extensions"] == [
+        "binary_tensor_data", "classification", "model_configuration", "model_repository", "generate"
+    ]  # fmt: skip
     model = triton.get_model_metadata("adder")
     assert model["platform"] == "onnx" and model["versions"] == ["1"]
     assert model["inputs"][0] == {"name": "x", "datatype": "FP32", "shape": [-1, 2],

@@ -474,7 +474,9 @@ def test_server_metadata_lists_what_is_served(plain: Any) -> None:
     finally:
         http.close()
         grpc.close()
-    assert rest == ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
+    assert rest == [
+        "binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics", "generate"
+    ]  # fmt: skip
     # binary_tensor_data is a REST body format; gRPC carries tensors as raw bytes.
     assert over_grpc == ["classification", "model_configuration", "model_repository", "statistics"]
     # What is listed answers.

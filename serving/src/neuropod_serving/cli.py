@@ -19,8 +19,10 @@ from neuropod_serving.defaults import (
     DEFAULT_MAX_GRPC_STREAMS,
     DEFAULT_MAX_HEAD_BYTES,
     DEFAULT_MAX_HEADERS,
+    DEFAULT_MAX_OPEN_STREAMS,
     DEFAULT_MAX_QUEUED,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_STREAM_BUFFER,
 )
 
 
@@ -130,6 +132,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-grpc-streams", type=_positive, default=DEFAULT_MAX_GRPC_STREAMS, metavar="N",
         help="gRPC ModelStreamInfer and health Watch streams open at once; one more is refused with "
         f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_GRPC_STREAMS})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-open-streams", type=_positive, default=DEFAULT_MAX_OPEN_STREAMS, metavar="N",
+        help="streams of one model open at once (a decoupled model's responses, over gRPC or REST); one more "
+        f"is refused at once with 429 (gRPC: RESOURCE_EXHAUSTED) (default {DEFAULT_MAX_OPEN_STREAMS})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stream-buffer", type=_positive, default=DEFAULT_STREAM_BUFFER, metavar="N",
+        help="responses a stream's model may run ahead of a client that reads slowly over REST (Server-Sent "
+        f"Events) before it waits (default {DEFAULT_STREAM_BUFFER})",
     )  # fmt: skip
     parser.add_argument(
         "--auth-token-file", type=Path, metavar="FILE",

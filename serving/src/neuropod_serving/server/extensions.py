@@ -27,6 +27,9 @@ EXTENSIONS: tuple[tuple[str, frozenset[str]], ...] = (
     ("statistics", _BOTH),
     ("system_shared_memory", _BOTH),
     ("cuda_shared_memory", _BOTH),
+    # Triton's generate extension (/generate, /generate_stream): REST only, as in Triton. Streams
+    # over gRPC (ModelStreamInfer) are part of Triton's service itself, not an extension it lists.
+    ("generate", frozenset({REST})),
 )
 
 #: Extensions answered only when the engine keeps statistics (its metrics are a ServerMetrics:

@@ -9,11 +9,32 @@ authentication, status codes and access log:
   ``RepositoryModelUnload`` call :mod:`~neuropod_serving.server.repository_api`,
   as the REST routes do, so both protocols answer alike.
 - ``ModelStreamInfer`` (a bidirectional stream) answers each ModelInferRequest
-  with one ModelStreamInferResponse, in order: ``infer_response`` when it ran,
-  ``error_message`` (the text a unary ModelInfer would have as its status
-  details) when it did not; the stream goes on either way. Requests of one
-  stream run one after another on the thread that reads it (open several
-  streams, or use ModelInfer, for requests in parallel).
+  as Triton does:
+
+  * a *decoupled* model's request (its package says ``"decoupled": true``) with
+    each of its responses as the model makes it (zero or more), each carrying the
+    request's id and the response parameter ``triton_final_response: false``;
+    with the request parameter ``triton_enable_empty_final_response: true``, an
+    empty response (no outputs) with ``triton_final_response: true`` follows the
+    last one. Without it nothing marks the end, as with Triton's decoupled models
+    that send their final flag alone (``repeat_int32``): a generator cannot tell
+    its last response until it has ended, and holding each response back until
+    the next one would delay every response by a step;
+  * any other model's request with its one answer (``triton_final_response: true``);
+  * a request that fails (unknown model, bad input, too many open streams of its
+    model, its model raising after some responses, a response off its output
+    spec) with ``error_message`` (the text a unary ModelInfer would have as its
+    status details), the request's id, and ``triton_final_response: true``, after
+    the responses sent before it; the stream goes on with the next request.
+
+  Requests of one stream run one after another on the thread that reads it (open
+  several streams, or use ModelInfer, for requests in parallel); a decoupled
+  model's generator runs on that thread, one response per message sent, so a
+  client that reads slowly holds it back (gRPC's flow control) and the server
+  holds no responses for it. A client that cancels or goes away closes the
+  generator at once, or right after the response it is working on (its
+  ``finally`` runs). A stopping server ends each request in flight with an
+  ``error_message`` saying so, then the stream.
 
 A stream holds a thread of the server's pool for as long as it is open (grpcio's
 threaded server reads a stream on one thread), so open streams are bounded:
@@ -29,32 +50,41 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 import neuropod_serving.server.repository_api as repository_api
+from neuropod.errors import NeuropodError
+from neuropod_serving.errors import StreamStoppedError
 from neuropod_serving.protocol import ProtocolError
+from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._grpc import triton_repository_pb2 as rpb
 from neuropod_serving.protocol._wire import encode_varint
 from neuropod_serving.server.engine import Engine
 from neuropod_serving.server.grpc_service import InferCall, Refused, Servicer, authenticate, status_of
 from neuropod_serving.server.limits import escape_log
+from neuropod_serving.server.streams import ServedStream
 
 log = logging.getLogger("neuropod_serving.server")
 access = logging.getLogger("neuropod_serving.access")
 
 #: ModelStreamInferResponse.infer_response: field 2, length-delimited (checked against the descriptor in the tests).
 _INFER_RESPONSE_TAG = b"\x12"
+#: The response parameter saying whether a response is its request's last (Triton's).
+FINAL_RESPONSE = "triton_final_response"
+#: The request parameter asking for an empty response with FINAL_RESPONSE true after a decoupled model's last.
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 
 Handler = Callable[[Any, grpc.ServicerContext], Any]
 
 
 class StreamSlots:
-    """How many streams may be open at once; :meth:`take` refuses one more at once."""
+    """How many streams may be open at once (:meth:`take` refuses one more at once), and the
+    served streams ModelStreamInfer calls read now, ended with an error when the server stops."""
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
@@ -62,6 +92,32 @@ class StreamSlots:
         self.limit = limit
         self.open = 0
         self._lock = threading.Lock()
+        self._reading: set[ServedStream] = set()
+        #: Why the server takes no more stream requests (it is stopping), or None.
+        self.stopping: str | None = None
+
+    def follow(self, stream: ServedStream) -> None:
+        """``stream`` is read by a call now: :meth:`stop` ends it."""
+        with self._lock:
+            stopping = self.stopping
+            if stopping is None:
+                self._reading.add(stream)
+        if stopping is not None:
+            stream.cancel(stopping)
+
+    def forget(self, stream: ServedStream) -> None:
+        with self._lock:
+            self._reading.discard(stream)
+
+    def stop(self, reason: str) -> None:
+        """End every stream read now with ``reason`` as its request's final error (the
+        calls send it as their last response and end), and take no more stream requests."""
+        with self._lock:
+            self.stopping = reason
+            reading = list(self._reading)
+            self._reading.clear()
+        for stream in reading:
+            stream.cancel(reason)
 
     def take(self, method: str) -> None:
         """:raises Refused: RESOURCE_EXHAUSTED, ``limit`` streams are open."""
@@ -136,16 +192,32 @@ REPOSITORY_METHODS: dict[str, tuple[str, Any, Any, bool]] = {
 }  # fmt: skip
 
 
-def stream_response(infer_response: bytes) -> bytes:
+def _final_parameter(final: bool) -> bytes:
+    """ModelInferResponse's ``parameters`` entry ``triton_final_response: final`` in wire form,
+    appended to a serialized response (a map entry may come anywhere in a message)."""
+    answer = pb.ModelInferResponse()
+    answer.parameters[FINAL_RESPONSE].bool_param = final
+    return bytes(answer.SerializeToString())
+
+
+_FINAL = _final_parameter(True)
+_NOT_FINAL = _final_parameter(False)
+
+
+def stream_response(infer_response: bytes, final: bool | None = None) -> bytes:
     """A ModelStreamInferResponse carrying the serialized ModelInferResponse ``infer_response``
-    (written on the wire form: the response is not parsed again)."""
-    return b"".join((_INFER_RESPONSE_TAG, encode_varint(len(infer_response)), infer_response))
+    (written on the wire form: the response is not parsed again), with the response parameter
+    ``triton_final_response`` set to ``final`` unless it is None."""
+    extra = b"" if final is None else _FINAL if final else _NOT_FINAL
+    size = encode_varint(len(infer_response) + len(extra))
+    return b"".join((_INFER_RESPONSE_TAG, size, infer_response, extra))
 
 
 def stream_error(message: str, data: bytes) -> bytes:
     """A ModelStreamInferResponse for the request ``data`` that failed: ``error_message``, and the
     request's model, version and id in ``infer_response`` so that a client can tell which request
-    it answers (parsed again here: only failures pay for it)."""
+    it answers, with ``triton_final_response`` true (nothing more comes for that request). The
+    request is parsed again here: only failures pay for it."""
     answer = pb.ModelInferResponse()
     try:
         request = pb.ModelInferRequest.FromString(data)
@@ -155,15 +227,124 @@ def stream_error(message: str, data: bytes) -> bytes:
         answer = pb.ModelInferResponse(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         )
+    answer.parameters[FINAL_RESPONSE].bool_param = True
     reply = rpb.ModelStreamInferResponse(error_message=message, infer_response=answer.SerializeToString())
     return bytes(reply.SerializeToString())
+
+
+def empty_final(served: Any, request_id: str | None) -> bytes:
+    """The empty response that ends a request's responses when it asked for one
+    (``triton_enable_empty_final_response``): no outputs, ``triton_final_response`` true."""
+    answer = pb.ModelInferResponse(model_name=served.name, model_version=served.version, id=request_id or "")
+    return stream_response(answer.SerializeToString(), final=True)
+
+
+def _wants_empty_final(parameters: Mapping[str, Any]) -> bool:
+    value = parameters.get(EMPTY_FINAL_RESPONSE, False)
+    if not isinstance(value, bool):
+        raise ProtocolError(
+            f"request parameter {EMPTY_FINAL_RESPONSE!r} is a bool (bool_param), not {type(value).__name__}"
+        )
+    return value
+
+
+class _Reading:
+    """The served stream a ModelStreamInfer call reads now, closed from grpcio's thread when the
+    client cancels or goes away (``context.add_callback``), and by the server stopping (through
+    :class:`StreamSlots`)."""
+
+    __slots__ = ("_slots", "gone", "stream")
+
+    def __init__(self, slots: StreamSlots) -> None:
+        self._slots = slots
+        self.stream: ServedStream | None = None
+        #: The call has ended (the client cancelled or went away).
+        self.gone = False
+
+    def hold(self, stream: ServedStream) -> None:
+        self.stream = stream
+        self._slots.follow(stream)
+        if self.gone:
+            stream.close()
+
+    def release(self, stream: ServedStream) -> None:
+        self.stream = None
+        stream.close()
+        self._slots.forget(stream)
+
+    def call_ended(self) -> None:
+        self.gone = True
+        stream = self.stream
+        if stream is not None:
+            stream.close()  # the model's generator closes at once, or right after its current response
+
+
+def _decoupled(engine: Engine, call: InferCall) -> Any:
+    """The decoupled model ``call`` names, or None when it names another (answered as ModelInfer is)."""
+    request = call.request
+    if request is None:
+        assert call.error is not None
+        raise call.error
+    served = engine.get(call.model_name, request.model_version or None)
+    return served if getattr(served.model, "decoupled", False) else None
+
+
+def _streamed(engine: Engine, served: Any, call: InferCall, reading: _Reading) -> Iterator[bytes]:
+    """A decoupled model's responses to ``call``, each a ModelStreamInferResponse as it comes
+    (``triton_final_response`` false), then the empty final response when the request asks for
+    it; counted as one gRPC request, from its arrival to its last response."""
+    started = time.perf_counter()
+    failure: str | None = "client"  # until the stream opens; then the model's
+    try:
+        assert call.request is not None
+        decoded = call.request.decode(served.input_specs)
+        if decoded.shared_memory is not None:
+            raise ProtocolError(
+                f"model {served.name!r} is decoupled: its inputs and outputs travel in the stream's messages, "
+                "not in shared memory regions; send the tensors in the request"
+            )
+        options = decoded.options
+        if options is not None and options.classification:
+            raise ProtocolError(
+                f"model {served.name!r} is decoupled: the classification extension is not served on its streams; "
+                "request the outputs themselves"
+            )
+        wants_empty_final = _wants_empty_final(decoded.parameters)
+        requested = list(decoded.outputs) if decoded.outputs is not None else None
+        stream = engine.open_stream(served, decoded.inputs, requested, options)
+        failure = "model"
+        reading.hold(stream)
+        try:
+            for outputs in stream:
+                try:
+                    response = codec.serialize_model_infer_response(
+                        served.name, outputs, model_version=served.version, id=decoded.id
+                    )
+                except ProtocolError as e:  # an output the protocol cannot carry is the model's fault
+                    raise NeuropodError(f"its outputs cannot be sent: {e}") from e
+                yield stream_response(response, final=False)
+        finally:
+            reading.release(stream)
+        if reading.gone:
+            failure = "client"  # cancelled: nothing more is sent
+            return
+        if wants_empty_final:
+            yield empty_final(served, decoded.id)
+        failure = None
+    except GeneratorExit:  # the client went away while a response was being sent
+        failure = "client"
+        raise
+    finally:
+        engine.metrics.request(served.name, "grpc", time.perf_counter() - started, failure)
 
 
 def model_stream_infer(
     servicer: Servicer, slots: StreamSlots, *, expected_auth: bytes | None, access_log: bool
 ) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
-    """The ModelStreamInfer handler: each request through :meth:`Servicer.model_infer`, as a unary
-    ModelInfer runs (same checks, limits, metrics); its failure becomes that response's ``error_message``."""
+    """The ModelStreamInfer handler: a decoupled model's request through :func:`_streamed`, any
+    other model's through :meth:`Servicer.model_infer`, as a unary ModelInfer runs (same checks,
+    limits, metrics); a failure becomes that request's ``error_message``, and the stream goes on."""
+    engine = servicer.engine
 
     def stream(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
@@ -172,24 +353,36 @@ def model_stream_infer(
             slots.take("ModelStreamInfer")
         except Refused as e:
             context.abort(e.code, e.details)
+        reading = _Reading(slots)
         try:
+            context.add_callback(reading.call_ended)
             for data in requests:
                 started = time.perf_counter()
                 call = InferCall(data)
                 code = "OK"
                 try:
-                    answer = stream_response(servicer.model_infer(call, context))
+                    if slots.stopping is not None:
+                        raise StreamStoppedError(f"ModelStreamInfer takes no more requests: {slots.stopping}")
+                    served = _decoupled(engine, call)
+                    if served is None:
+                        yield stream_response(servicer.model_infer(call, context), final=True)
+                    else:
+                        yield from _streamed(engine, served, call, reading)
                 except Exception as e:  # noqa: BLE001 - reported in this response; the stream goes on
                     status, details = status_of(e, "ModelStreamInfer", call.model_name or "?")
                     code = status.name
-                    answer = stream_error(details, data)
+                    yield stream_error(details, data)
                 if access_log and access.isEnabledFor(logging.INFO):
                     access.info(
                         '%s "ModelStreamInfer %s" %s %.2fms', context.peer(), escape_log(call.model_name) or "-",
                         code, (time.perf_counter() - started) * 1000,
                     )  # fmt: skip
-                yield answer
+                if slots.stopping is not None or reading.gone:
+                    return  # the server is stopping: this request's final error was the stream's last word
         finally:
+            stream_now = reading.stream
+            if stream_now is not None:
+                reading.release(stream_now)
             slots.give_back()
 
     return stream
@@ -231,10 +424,13 @@ def handlers(
 
 
 __all__ = [
+    "EMPTY_FINAL_RESPONSE",
+    "FINAL_RESPONSE",
     "REPOSITORY_METHODS",
     "RepositoryServicer",
     "StreamSlots",
     "handlers",
+    "empty_final",
     "model_stream_infer",
     "stream_error",
     "stream_response",

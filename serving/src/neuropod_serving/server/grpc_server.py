@@ -139,6 +139,8 @@ def start_grpc_server(
         followers.append(grow)
 
     def forget() -> None:
+        # Streams read now end at once with an error saying so, not silently at the end of the grace period.
+        streams.stop("the server is stopping")
         health.shut_down()
         for follower in followers:
             with contextlib.suppress(ValueError):
@@ -176,7 +178,9 @@ class GrpcServer:
     def stop(self, grace: float | None = None) -> None:
         """Refuse new calls, give those running ``grace`` seconds (None: cancel them now), then stop the threads.
 
-        gRPC health says NOT_SERVING first, for every service, so that watchers see the server go.
+        gRPC health says NOT_SERVING first, for every service, so that watchers see the server go;
+        each ModelStreamInfer request in flight ends at once with an ``error_message`` saying the
+        server is stopping (its model's generator is closed), and its stream with it.
         """
         if self._on_stop is not None:
             self._on_stop()

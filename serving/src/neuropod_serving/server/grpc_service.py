@@ -26,7 +26,12 @@ request timeout expired       UNAVAILABLE (waited past its timeout; not run), or
 missing or wrong token        UNAUTHENTICATED (not on ServerLive/Ready)
 message over the limit        RESOURCE_EXHAUSTED (refused by grpcio)
 the model's queue is full     RESOURCE_EXHAUSTED, at once (retry later)
-too many streams open         RESOURCE_EXHAUSTED, at once
+too many streams open         RESOURCE_EXHAUSTED, at once (both the server's
+                              gRPC streams and a model's open streams)
+ModelInfer on a decoupled     UNIMPLEMENTED, in Triton's words ("ModelInfer RPC
+model                         doesn't support models with decoupled transaction
+                              policy") and saying to use ModelStreamInfer
+the server is stopping        UNAVAILABLE (a stream's request in flight)
 a package that fails to load  INVALID_ARGUMENT, naming the model and why
 the model failed              INTERNAL, naming the model; logged
 statistics asked of an        UNIMPLEMENTED, saying why (no ServerMetrics:
@@ -49,7 +54,13 @@ import neuropod_serving.server.extensions as extensions
 import neuropod_serving.server.shared_memory_api as shared_memory_api
 from neuropod.errors import NeuropodError, SpecError
 from neuropod_serving import __version__
-from neuropod_serving.errors import ModelBusyError, RequestTimeoutError, UnknownModelError
+from neuropod_serving.errors import (
+    DecoupledModelError,
+    ModelBusyError,
+    RequestTimeoutError,
+    StreamStoppedError,
+    UnknownModelError,
+)
 from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
@@ -70,6 +81,7 @@ _STATUS_OF_PROTOCOL_ERROR = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 
@@ -205,6 +217,11 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
             assert call.error is not None
             raise call.error
         served = self.engine.get(call.model_name, request.model_version or None)
+        if getattr(served.model, "decoupled", False):
+            raise DecoupledModelError(
+                served.name, "ModelInfer RPC",
+                "send its requests on ModelStreamInfer (tritonclient.grpc: start_stream, then async_stream_infer)",
+            )  # fmt: skip
         decoded = request.decode(served.input_specs)
         state.failure = "model"
         return served, decoded, list(decoded.outputs) if decoded.outputs is not None else None
@@ -313,6 +330,8 @@ def status_of(exc: Exception, method: str, model: str) -> tuple[grpc.StatusCode,
         return exc.code, exc.details
     if isinstance(exc, ModelBusyError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, StreamStoppedError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)  # as Triton answers once it is shutting down
     if isinstance(exc, RequestTimeoutError):
         # UNAVAILABLE as Triton answers an expired request timeout; the call's own deadline is DEADLINE_EXCEEDED.
         code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.call_deadline else grpc.StatusCode.UNAVAILABLE

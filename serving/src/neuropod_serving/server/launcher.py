@@ -22,13 +22,14 @@ from typing import Any, TextIO
 
 from neuropod.errors import NeuropodError, PluginNotInstalledError
 from neuropod.plugins import pip_install
-from neuropod_serving.defaults import DEFAULT_MAX_GRPC_STREAMS
+from neuropod_serving.defaults import DEFAULT_MAX_GRPC_STREAMS, DEFAULT_MAX_OPEN_STREAMS, DEFAULT_STREAM_BUFFER
 from neuropod_serving.server.admission import ModelLimits
 from neuropod_serving.server.batching import BatchPolicy
 from neuropod_serving.server.engine import Engine
 from neuropod_serving.server.metrics import ServerMetrics, WorkerRunWatch
 from neuropod_serving.server.registry import MODEL_VERSION, ModelRegistry
 from neuropod_serving.server.shm_regions import SharedMemoryRegistry
+from neuropod_serving.server.streams import StreamLimits
 
 
 def read_token(path: Path) -> str:
@@ -156,7 +157,13 @@ def serve_models(
     if getattr(args, "allow_client_shm", False):
         shared_memory = SharedMemoryRegistry()
     metrics = ServerMetrics()
-    engine = Engine(registry, batching=batching, metrics=metrics, limits=limits, shared_memory=shared_memory)
+    stream_limits = StreamLimits(
+        getattr(args, "max_open_streams", DEFAULT_MAX_OPEN_STREAMS), getattr(args, "stream_buffer", DEFAULT_STREAM_BUFFER)
+    )
+    engine = Engine(
+        registry, batching=batching, metrics=metrics, limits=limits, shared_memory=shared_memory,
+        stream_limits=stream_limits,
+    )  # fmt: skip
     if args.workers > 1 and not (group is not None and group.index != 0):  # one process of a group says it
 
         def run_time(name: str) -> tuple[int, float] | None:

@@ -24,6 +24,11 @@ into the message with :func:`model_config_message`.
   once (``--workers``, 1 in process), ``kind`` KIND_GPU (with ``gpus``) when
   the model runs on a GPU, else KIND_CPU.
 
+- ``model_transaction_policy``: ``{"decoupled": true}`` for a decoupled model
+  (its package's ``config.json`` says so: any number of responses per request,
+  served over gRPC ModelStreamInfer and the REST stream endpoints); left out
+  for any other model, as protobuf's JSON leaves out a default.
+
 The batching and instance settings are read from one place,
 :meth:`Engine.serving <neuropod_serving.server.engine.Engine.serving>`.
 """
@@ -124,6 +129,8 @@ def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
     }
     if batching is not None:
         config["dynamic_batching"] = {"max_queue_delay_microseconds": round(batching.max_queue_delay_s * 1e6)}
+    if getattr(model, "decoupled", False):
+        config["model_transaction_policy"] = {"decoupled": True}
     return config
 
 
@@ -160,4 +167,6 @@ def model_config_message(config: dict[str, Any]) -> triton_config_pb2.ModelConfi
         message.dynamic_batching.max_queue_delay_microseconds = config["dynamic_batching"][
             "max_queue_delay_microseconds"
         ]
+    if "model_transaction_policy" in config:
+        message.model_transaction_policy.decoupled = config["model_transaction_policy"]["decoupled"]
     return tc.ModelConfigResponse(config=message)
