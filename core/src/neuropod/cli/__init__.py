@@ -121,6 +121,9 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="an input tensor from a .npy file")
     s.add_argument("--output", "-o", action="append", default=[], metavar="NAME", help="only these outputs")
     s.add_argument("--output-dir", help="write each output to DIR/NAME.npy ('/' in a name as %%2F)")
+    s.add_argument("--stream", action="store_true",
+                   help="print each response as it arrives (a decoupled model answers with any number; others, "
+                   "once); with --output-dir, response N goes to DIR/N/NAME.npy. A decoupled model always streams")
     token_arg(s)
     resolution_args(s)
     s.set_defaults(func=cmd_infer)

@@ -106,17 +106,15 @@ def _output_file(out_dir: Path, name: str, model: str) -> Path:
 
 
 def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
-    import numpy as np
-
     from neuropod.loader import load_neuropod  # lazy: numpy, kept out of `neuropod --help`
 
     inputs = dict(_load_input(s) for s in args.input)
     out_dir = _output_dir(args.output_dir) if args.output_dir else None
     with load_neuropod(args.package, device=args.device, backend=args.backend, **remote_options(args)) as model:
+        if getattr(args, "stream", False) or getattr(model, "decoupled", False):
+            return _infer_stream(model, inputs, args.output or None, out_dir, out)
         outputs = model.infer(inputs, requested_outputs=args.output or None)
-        where = model.backend.location if model.backend.location.startswith("remote") else ""
-        print(f"Model {model.name!r} with {safe(model.backend.id)} on {model.device}"
-              + (f" ({safe(where)})" if where else ""), file=out)  # fmt: skip
+        print(_model_line(model), file=out)
         if out_dir is not None:
             # Every path is checked before the first file is written.
             targets = {name: _output_file(out_dir, name, model.name) for name in outputs}
@@ -124,6 +122,20 @@ def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
         for name, arr in outputs.items():
             print(f"  {safe(name)}: {fmt_array(arr)}", file=out)
         return 0
+    _save(outputs, targets, out)
+    return 0
+
+
+def _model_line(model: Any) -> str:
+    """``Model 'name' with BACKEND on DEVICE`` (and where a remote model runs)."""
+    where = model.backend.location if model.backend.location.startswith("remote") else ""
+    return f"Model {model.name!r} with {safe(model.backend.id)} on {model.device}" + (f" ({safe(where)})" if where else "")
+
+
+def _save(outputs: dict[str, Any], targets: dict[str, Path], out: TextIO) -> None:
+    """Write each output to its checked path (``.npy``; string outputs as numpy unicode)."""
+    import numpy as np  # lazy: kept out of `neuropod --help`
+
     for name, arr in outputs.items():
         if arr.dtype.kind == "O":
             arr = np.asarray(arr.tolist(), dtype=str)
@@ -132,4 +144,25 @@ def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
         except OSError as e:
             raise NeuropodError(f"Cannot write output {show(name)}: {describe_os_error(e)}") from None
         print(f"  wrote {safe(targets[name])}: {fmt_array(arr)}", file=out)
+
+
+def _infer_stream(model: Any, inputs: dict[str, Any], requested: list[str] | None, out_dir: Path | None,
+                  out: TextIO) -> int:  # fmt: skip
+    """``neuropod infer --stream``: each response printed (or written to ``DIR/N/``) as it
+    arrives, flushed, then how many came. An error after some responses is raised after them."""
+    print(f"{_model_line(model)}: responses as they arrive", file=out)
+    out.flush()
+    count = 0
+    with model.infer_stream(inputs, requested) as responses:
+        for outputs in responses:
+            count += 1
+            print(f"response {count}:", file=out)
+            if out_dir is None:
+                for name, arr in outputs.items():
+                    print(f"  {safe(name)}: {fmt_array(arr)}", file=out)
+            else:
+                folder = _output_dir(str(out_dir / str(count)))
+                _save(outputs, {name: _output_file(folder, name, model.name) for name in outputs}, out)
+            out.flush()
+    print(f"{count} response{'' if count == 1 else 's'}", file=out)
     return 0

@@ -1,4 +1,11 @@
-"""The gRPC transport of remote models: one grpcio channel per server."""
+"""The gRPC transport of remote models: one grpcio channel per server.
+
+Streams (``infer_stream``) go over ``ModelStreamInfer`` with Triton's decoupled semantics, one
+request per call: the request asks for an empty final response
+(``triton_enable_empty_final_response``), each response is read as it arrives, the one whose
+``triton_final_response`` parameter is true is the last, and an ``error_message`` ends the stream
+with a :class:`~neuropod.errors.RemoteError`.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +23,10 @@ from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 
 _SERVICE = "/inference.GRPCInferenceService/"
+#: The response parameter that marks a request's last response (Triton's decoupled semantics).
+FINAL_RESPONSE = "triton_final_response"
+#: The request parameter that asks for an empty final response when the last one was not marked.
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 # No size limits of our own (grpcio's default refuses answers over 4 MiB);
 # keep-alive pings find a dead connection while it is idle, without traffic
 # of ours; the server may refuse pings more often than its own policy allows,
@@ -60,6 +71,8 @@ class GrpcTransport:
         unary = self._channel.unary_unary
         # Requests and answers of ModelInfer are bytes: the codec writes and reads the wire form itself.
         self._infer = unary(_SERVICE + "ModelInfer")
+        # ModelStreamInfer: requests and answers as bytes too (see split_stream_response).
+        self._stream_infer = self._channel.stream_stream(_SERVICE + "ModelStreamInfer")
 
         def method(name: str, request: Any, response: Any) -> Any:
             return unary(_SERVICE + name, request_serializer=request.SerializeToString,
@@ -132,7 +145,137 @@ class GrpcTransport:
         except ProtocolError as e:
             raise remote_error(target, "protocol", str(e), call="infer") from None
 
+    def open_stream(
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> GrpcStream:  # fmt: skip
+        """Send one request on a new ModelStreamInfer call; its responses are read from the
+        returned stream (``timeout``: a deadline for the whole call)."""
+        target = self.target
+        try:
+            request = codec.build_model_infer_request(
+                target.model, inputs, outputs=requested, model_version=target.version,
+                parameters={**(parameters or {}), EMPTY_FINAL_RESPONSE: True},
+            ).SerializeToString()  # fmt: skip
+        except ProtocolError as e:
+            raise remote_error(target, "invalid_argument", f"the inputs cannot be sent: {e}", call="infer_stream") from None
+        # One request, then the request side is closed: the server ends the call after its last response.
+        call = self._stream_infer(iter((request,)), timeout=timeout, metadata=self._metadata)
+        return GrpcStream(self, call, timeout)
+
     def close(self) -> None:
         self._channel.close()
+
+
+class GrpcStream:
+    """The responses to one request of a ModelStreamInfer call, as they arrive: iterate it (each
+    item a dict of output arrays); :meth:`cancel` ends the call from any thread."""
+
+    def __init__(self, transport: GrpcTransport, call: Any, timeout: float | None) -> None:
+        self._transport = transport
+        self._call = call
+        self._timeout = timeout
+        self._cancelled = False
+        self._final = False
+        self._ended = False
+
+    def __iter__(self) -> GrpcStream:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray[Any, Any]]:
+        if self._ended:
+            raise StopIteration
+        target = self._transport.target
+        data = self._read()
+        if self._final:  # the last response was marked so: the server ends the call next
+            self._ended = True
+            self.cancel()
+            raise remote_error(target, "protocol", "the server sent a response after the one marked final",
+                               call="infer_stream")  # fmt: skip
+        try:
+            error, answer = split_stream_response(data)
+            if not error:
+                response = codec.deserialize_model_infer_response(answer)
+        except ProtocolError as e:
+            self._ended = True
+            self.cancel()
+            raise remote_error(target, "protocol", str(e), call="infer_stream") from None
+        if error:
+            self._ended = True
+            self.cancel()
+            raise remote_error(target, "internal", error, call="infer_stream")
+        if response.parameters.get(FINAL_RESPONSE) is True:
+            self._final = True
+            if not response.outputs:  # the empty final response: the end
+                return self.__next__()
+        return response.outputs
+
+    def _read(self) -> bytes:
+        """The call's next message; StopIteration at its end (or once cancelled)."""
+        try:
+            return bytes(next(self._call))
+        except StopIteration:
+            self._ended = True
+            raise
+        except grpc.RpcError as e:
+            self._ended = True
+            if self._cancelled:
+                raise StopIteration from None
+            raise self._transport._error(e, "infer_stream", self._timeout) from None
+
+    def cancel(self) -> None:
+        """End the call (the server stops the model's generator); a reader gets the end."""
+        self._cancelled = True
+        self._call.cancel()
+
+
+def split_stream_response(data: bytes) -> tuple[str, bytes]:
+    """A serialized ModelStreamInferResponse as ``(error_message, infer_response)``: read on the
+    wire form (two length-delimited fields), so that this client registers no message of its own
+    in protobuf's pool for it (tritonclient's would clash) and the response is parsed once.
+
+    :raises ProtocolError: the bytes are not such a message.
+    """
+    error = b""
+    answer = b""
+    pos, end = 0, len(data)
+    while pos < end:
+        key, pos = _varint(data, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 2:
+            size, pos = _varint(data, pos)
+            if pos + size > end:
+                raise ProtocolError("a ModelStreamInferResponse ends inside one of its fields")
+            value = data[pos : pos + size]
+            pos += size
+            if field == 1:
+                error = value
+            elif field == 2:
+                answer = value
+        elif wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ProtocolError(f"a ModelStreamInferResponse holds a field of wire type {wire}")
+    if pos > end:
+        raise ProtocolError("a ModelStreamInferResponse ends inside one of its fields")
+    try:
+        return error.decode("utf-8"), answer
+    except UnicodeDecodeError:
+        raise ProtocolError("a ModelStreamInferResponse's error_message is not UTF-8") from None
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ProtocolError("a ModelStreamInferResponse holds a malformed varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
 
 

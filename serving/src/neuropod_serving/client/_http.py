@@ -12,6 +12,11 @@ sending and every read included: a server that trickles its answer a byte at
 a time cannot hold a call past it.
 Tensors go as Triton's binary tensor extension when the server lists it
 (``neuropod serve``, Triton), as JSON otherwise (MLServer).
+
+Streams (``infer_stream``) POST to ``/v2/models/{m}[/versions/{v}]/infer_stream`` on a
+connection of their own and read its Server-Sent Events as they arrive: one ``data:`` event of
+an inference response's JSON per response, ``{"error": ...}`` for an error that ends the stream.
+Closing the stream closes the connection, which stops the model on the server.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from neuropod.errors import RemoteError
 from neuropod_serving.client._errors import HTTP_CODES, looks_like_tls, remote_error
 from neuropod_serving.client._target import Target
 from neuropod_serving.protocol import HEADER_LENGTH, ProtocolError, build_infer_request, parse_infer_response
+from neuropod_serving.protocol.events import EventReader, event_error
 
 # Bodies up to this size go out in the same send() as the head.
 _ONE_WRITE = 64 * 1024
@@ -46,6 +52,10 @@ FIRST_READ_BYTES = 16 << 20
 _SMALL = 64 * 1024
 # The first buffer of an answer without a Content-Length (chunked, or until the server closes).
 _UNKNOWN_LENGTH_FIRST = 64 * 1024
+# The most a stream's read takes at once (what has arrived, up to this).
+_STREAM_READ = 64 * 1024
+# The most of a refused stream's answer read for its message.
+_STREAM_ERROR_BYTES = 64 * 1024
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -328,12 +338,151 @@ class HttpTransport:
         except ProtocolError as e:
             raise remote_error(target, "protocol", str(e), call="infer") from None
 
+    def open_stream(
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> HttpStream:  # fmt: skip
+        """POST one request to the model's ``infer_stream`` route on a new connection and read the
+        answer's head; its events are read from the returned stream (``timeout``: a deadline for
+        the whole stream). A refusal (an HTTP error status) is a RemoteError, as for :meth:`infer`."""
+        target = self.target
+        binary = self.binary is not False
+        try:
+            # Inputs as binary data where the server takes it; outputs as JSON, the form events carry.
+            body = build_infer_request(inputs, binary=binary, outputs=requested, binary_outputs=False,
+                                       parameters=parameters)  # fmt: skip
+        except ProtocolError as e:
+            raise remote_error(target, "invalid_argument", f"the inputs cannot be sent: {e}", call="infer_stream") from None
+        if body.json_length is not None:
+            extra = f"Content-Type: application/octet-stream\r\n{HEADER_LENGTH}: {body.json_length}\r\n"
+        else:
+            extra = "Content-Type: application/json\r\n"
+        head = (
+            f"POST {self._model_path}/infer_stream HTTP/1.1\r\n{self._common}Accept: text/event-stream\r\n"
+            f"{extra}Content-Length: {len(body.content)}\r\n\r\n"
+        ).encode("latin-1")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn: _Connection | None = None
+        try:
+            conn = _Connection(target, self._context, self._server_name, deadline)
+            conn.sock.settimeout(_left(deadline))
+            conn.sock.sendall(head + body.content)
+            response = http.client.HTTPResponse(_Reading(_DeadlineReader(conn.sock, deadline)))  # type: ignore[arg-type]
+            response.begin()
+            if response.status != 200:
+                data = response.read(_STREAM_ERROR_BYTES)
+                raise self._status_error(response.status, data, "infer_stream")
+            kind = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
+            if kind != "text/event-stream":
+                raise remote_error(target, "protocol", f"the stream's answer is {kind or 'untyped'}, not "
+                                   "text/event-stream", call="infer_stream")  # fmt: skip
+        except BaseException as e:
+            if conn is not None:
+                conn.close()
+            if isinstance(e, (RemoteError, KeyboardInterrupt, SystemExit)):
+                raise
+            raise self._stream_error(e, timeout) from None
+        return HttpStream(self, conn, response, timeout)
+
+    def _stream_error(self, e: BaseException, timeout: float | None) -> RemoteError:
+        """A transport fault of a stream as the RemoteError :meth:`_request` gives for a call's."""
+        if isinstance(e, TimeoutError):
+            detail = "the deadline passed" if str(e) in ("", "timed out") else str(e)
+            return remote_error(self.target, "deadline_exceeded", detail, call="infer_stream", timeout=timeout)
+        if isinstance(e, ssl.SSLError):
+            return remote_error(self.target, "tls", str(e), call="infer_stream")
+        if isinstance(e, http.client.HTTPException) and not isinstance(e, http.client.RemoteDisconnected):
+            return remote_error(self.target, "protocol", f"{type(e).__name__}: {e}", call="infer_stream")
+        code = "tls" if looks_like_tls(str(e)) else "unavailable"
+        return remote_error(self.target, code, f"{type(e).__name__}: {e}", call="infer_stream")
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+
+class HttpStream:
+    """The Server-Sent Events of one ``infer_stream`` request, as they arrive: iterate it (each
+    item a dict of output arrays); :meth:`cancel` closes the connection from any thread."""
+
+    def __init__(self, transport: HttpTransport, conn: _Connection, response: http.client.HTTPResponse,
+                 timeout: float | None) -> None:  # fmt: skip
+        self._transport = transport
+        self._conn = conn
+        self._response = response
+        self._timeout = timeout
+        self._reader = EventReader()
+        self._ready: list[str] = []
+        self._cancelled = False
+        self._ended = False
+
+    def __iter__(self) -> HttpStream:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray[Any, Any]]:
+        target = self._transport.target
+        while not self._ready:
+            if self._ended:
+                raise StopIteration
+            try:
+                chunk = self._response.read1(_STREAM_READ)
+            except BaseException as e:
+                self._end()
+                if self._cancelled and isinstance(e, (OSError, ValueError, http.client.HTTPException)):
+                    raise StopIteration from None
+                if isinstance(e, (OSError, http.client.HTTPException)):
+                    raise self._transport._stream_error(e, self._timeout) from None
+                raise
+            if not chunk:
+                self._end()
+                if self._reader.incomplete and not self._cancelled:
+                    raise remote_error(target, "protocol", "the stream ended in the middle of an event",
+                                       call="infer_stream")  # fmt: skip
+                raise StopIteration
+            try:
+                self._ready = self._reader.feed(chunk)
+            except (ValueError, UnicodeDecodeError) as e:
+                self._end()
+                raise remote_error(target, "protocol", f"the stream's events cannot be read: {e}",
+                                   call="infer_stream") from None  # fmt: skip
+        data = self._ready.pop(0)
+        problem: ProtocolError | None = None
+        try:
+            outputs: dict[str, np.ndarray[Any, Any]] | None = parse_infer_response(data.encode("utf-8")).outputs
+        except ProtocolError as e:
+            outputs, problem = None, e
+        if outputs:
+            return outputs
+        # No outputs: the error that ends the stream, or an empty response.
+        try:
+            message = event_error(_json.loads(data))
+        except ValueError:
+            message = None
+        if message is not None:
+            self._end()
+            raise remote_error(target, "internal", message, call="infer_stream")
+        if outputs is None:
+            self._end()
+            raise remote_error(target, "protocol", f"an event is not an inference response: {problem}",
+                               call="infer_stream")  # fmt: skip
+        return outputs
+
+    def _end(self) -> None:
+        self._ended = True
+        self._ready = []
+        self._conn.close()
+
+    def cancel(self) -> None:
+        """Close the connection: the server stops the model; a reader gets the end."""
+        self._cancelled = True
+        try:
+            self._conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+        except OSError:
+            pass
+        self._conn.close()
 
 
 def _json_body(data: Any) -> Any:

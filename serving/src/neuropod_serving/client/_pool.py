@@ -11,6 +11,9 @@ after a backoff (50 ms, doubling, capped at 1 s and by the call's timeout);
 server did not run the call, or died running it, and inference has no side
 effects. Other errors (the model failed, bad inputs, a timeout) are raised at
 once: retrying would repeat them, or double the load of a slow server.
+A stream (``infer_stream``) is retried so until its first response arrives,
+and counts as outstanding on its server until it ends; a failure after that
+ends the stream (the responses already handed out cannot be taken back).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Transport(Protocol):
     def ready(self, timeout: float | None) -> bool: ...
     def server(self, timeout: float | None) -> dict[str, Any]: ...
     def infer(self, inputs: Any, requested: Any, timeout: float | None, parameters: Any = None) -> Any: ...
+    def open_stream(self, inputs: Any, requested: Any, timeout: float | None, parameters: Any = None) -> Any: ...
     def close(self) -> None: ...
 
 
@@ -97,6 +101,21 @@ class Pool:
 
     def call(self, fn: Callable[[Transport, float | None], _T], timeout: float | None) -> _T:
         """``fn(transport, remaining_timeout)`` on the best server, retried as the policy says."""
+        result, server = self._attempts(fn, timeout)
+        self._done(server, False)
+        return result
+
+    def open(self, fn: Callable[[Transport, float | None], _T], timeout: float | None) -> tuple[_T, Server]:
+        """:meth:`call` for a call that goes on after ``fn`` returns (a stream: ``fn`` opens it
+        and reads its first response, so a server found unavailable is retried as a call is):
+        the server counts the call as outstanding until :meth:`release`."""
+        return self._attempts(fn, timeout)
+
+    def release(self, server: Server, failed: bool = False) -> None:
+        """The end of a call :meth:`open` began on ``server`` (``failed``: it was found unavailable)."""
+        self._done(server, failed)
+
+    def _attempts(self, fn: Callable[[Transport, float | None], _T], timeout: float | None) -> tuple[_T, Server]:
         deadline = None if timeout is None else time.monotonic() + timeout
         tried: set[Server] = set()
         attempt = 0
@@ -124,8 +143,7 @@ class Pool:
             except BaseException:
                 self._done(server, False)
                 raise
-            self._done(server, False)
-            return result
+            return result, server
 
     def close(self) -> None:
         for server in self.servers:

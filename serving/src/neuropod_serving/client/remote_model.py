@@ -13,10 +13,12 @@ from neuropod.backend import Backend
 from neuropod.errors import NeuropodError, RemoteError, SpecError
 from neuropod.model import NeuropodModel
 from neuropod.spec import SpecValidator, TensorSpec
+from neuropod.streams import ResponseStream
 from neuropod_serving import __version__
 from neuropod_serving.client._errors import remote_error
 from neuropod_serving.client._pool import Pool, Transport
 from neuropod_serving.client._target import Target
+from neuropod_serving.client.remote_stream import RemoteResponseStream, StreamSource, one_answer, requested_only
 
 #: Seconds that loading (metadata and readiness calls) may take per server.
 CONNECT_TIMEOUT_S = 10.0
@@ -27,6 +29,8 @@ DEVICE_PARAMETER = "neuropod_device"
 #: ``"separate"`` for a package the original Neuropod wrote: spec symbols are bound within the
 #: inputs and within the outputs, not across both (see :class:`neuropod.spec.SpecValidator`).
 SYMBOLS_PARAMETER = "neuropod_symbols"
+#: True for a decoupled model (any number of responses a request: see :attr:`RemoteModel.decoupled`).
+DECOUPLED_PARAMETER = "neuropod_decoupled"
 
 
 class RemoteBackend(Backend):
@@ -46,9 +50,9 @@ class RemoteBackend(Backend):
 class RemoteModel(NeuropodModel):
     """A model served by one or more Open Inference Protocol servers.
 
-    The same ``infer``, ``inputs``, ``outputs``, ``name``, ``close()`` and
-    context manager as a local model, and thread-safe. Extra: ``infer(...,
-    timeout=)`` for one call, :attr:`urls`, :meth:`status`.
+    The same ``infer``, ``infer_stream``, ``decoupled``, ``inputs``, ``outputs``, ``name``,
+    ``close()`` and context manager as a local model, and thread-safe. Extra: ``infer(...,
+    timeout=)`` and ``infer_stream(..., timeout=)`` for one call, :attr:`urls`, :meth:`status`.
 
     Outputs are numpy arrays over the received message (no copy): from gRPC
     they are read-only (copy one to change it); from REST, writable.
@@ -96,6 +100,7 @@ class RemoteModel(NeuropodModel):
         self._validator.device_policy = self._device_policy()
         self._all_outputs = [s.name for s in outputs] or None
         self._bind_infer()
+        self._stream = None  # infer_stream sends the call itself (see RemoteModel.infer_stream)
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -104,6 +109,15 @@ class RemoteModel(NeuropodModel):
 
     def _no_device_tensors(self) -> str:
         return "a remote model's tensors travel to the server from host memory; pass numpy arrays (or CPU tensors)"
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether the model answers a request with any number of responses (zero or more), as
+        the server says (``neuropod serve`` does, with the model metadata parameter
+        ``neuropod_decoupled``): run it with :meth:`infer_stream` (its :meth:`infer` refuses).
+        False for a model of a server that does not say."""
+        flag = self._server_params.get(DECOUPLED_PARAMETER)
+        return flag is True or (isinstance(flag, str) and flag.lower() == "true")
 
     def _checked_infer(
         self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None, call_options: Any,
@@ -114,6 +128,11 @@ class RemoteModel(NeuropodModel):
         fit the spec are a RemoteError naming the server that sent them."""
         if self._closed:
             raise NeuropodError(f"Model {self.name!r} is closed")
+        if self.decoupled:
+            raise NeuropodError(
+                f"Model {self.name!r} is decoupled: it answers a request with any number of responses, so it "
+                "runs with infer_stream(inputs), which returns them as they come, not with infer"
+            )
         validator = self._validator
         if requested_outputs is not None:
             requested_outputs = validator.check_requested(requested_outputs)
@@ -125,6 +144,14 @@ class RemoteModel(NeuropodModel):
         else:
             parameters = None
         timeout = self._timeout if call_options is None else call_options
+        return self._send(checked, bindings, requested_outputs, timeout, parameters)
+
+    def _send(
+        self, checked: dict[str, np.ndarray], bindings: dict[str, tuple[int, str]], requested_outputs: list[str] | None,
+        timeout: float | None, parameters: Mapping[str, Any] | None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """One call of checked inputs on the pool's best server; its outputs checked against the spec."""
+        validator = self._validator
         # All outputs are named when the caller names none: some servers (MLServer's runtimes)
         # answer only a default output to a request that names none.
         requested = requested_outputs if requested_outputs is not None else self._all_outputs
@@ -190,6 +217,64 @@ class RemoteModel(NeuropodModel):
             check_seconds("timeout", timeout)
         return self._checked_infer(inputs, requested_outputs, timeout, output_device, parameters)
 
+    def infer_stream(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        requested_outputs: Sequence[str] | None = None,
+        *,
+        parameters: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> ResponseStream:
+        """Run the model on a server and return its responses as they arrive (see
+        :meth:`NeuropodModel.infer_stream`): a decoupled model's over gRPC ``ModelStreamInfer``
+        or REST ``infer_stream`` (Server-Sent Events), any other model's one answer from
+        :meth:`infer`. Inputs are checked now; the call is sent when the stream is first read.
+        ``close()`` (from any thread) cancels the call: the server stops the model's generator.
+
+        :param timeout: a deadline in seconds for the whole stream (None: none; the model's
+            ``timeout=`` bounds each ``infer``, not streams, which last as long as the model
+            answers).
+        :raises RemoteError: (from ``next``) the server could not be reached, refused the
+            request, failed (after the responses before the failure), or sent a response that
+            does not fit the spec; it names the URL.
+        """
+        if self._closed:
+            raise NeuropodError(f"Model {self.name!r} is closed")
+        if timeout is not None:
+            check_seconds("timeout", timeout)
+        validator = self._validator
+        requested = None if requested_outputs is None else validator.check_requested(requested_outputs)
+        if parameters:
+            check_parameters(parameters)
+        else:
+            parameters = None
+        checked, bindings = validator.check_inputs(inputs)
+        if not self.decoupled:
+            call_timeout = self._timeout if timeout is None else timeout
+            answer = one_answer(lambda: self._send(checked, bindings, requested, call_timeout, parameters))
+            return ResponseStream(answer, _as_is, self._stream_failed)
+        sent = requested if requested is not None else self._all_outputs
+
+        def opener(transport: Transport, remaining: float | None) -> Any:
+            return transport.open_stream(checked, sent, remaining, parameters)
+
+        def check(target: Target, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            outputs = requested_only(outputs, requested)
+            try:
+                validator.check_outputs(outputs, dict(bindings), None, False, partial=True)
+            except SpecError as e:
+                raise remote_error(target, "protocol", f"a response does not fit the model's spec: {e}",
+                                   call="infer_stream") from None  # fmt: skip
+            return outputs
+
+        return RemoteResponseStream(StreamSource(self._pool, opener, timeout, check), self._stream_failed)
+
+    def _stream_failed(self, e: Exception) -> RemoteError:
+        """The error for an unexpected exception while reading a stream (the caller chains ``e``)."""
+        url = self.urls[0]
+        return RemoteError(f"Remote model {', '.join(self.urls)}: the stream failed: {type(e).__name__}: {e}",
+                           url=url, code="unknown")  # fmt: skip
+
     def status(self, timeout: float = CONNECT_TIMEOUT_S) -> list[dict[str, Any]]:
         """Each server's state: ``url``, ``live``, ``ready``, the server's ``name`` and
         ``version``, and the model's ``backend`` and ``device`` there when it says;
@@ -221,6 +306,10 @@ class RemoteModel(NeuropodModel):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.backend.id} on {self.device}, {self.backend.location}"
         return f"<RemoteModel {self.name!r} ({self.platform or 'unknown platform'}) {state}>"
+
+
+def _as_is(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return outputs
 
 
 # --- loading -----------------------------------------------------------------

@@ -108,6 +108,9 @@ class ServedModel:
             # A package the original Neuropod wrote: its spec symbols hold within the inputs and
             # within the outputs separately, and a remote client must check its answers that way.
             self.metadata["parameters"]["neuropod_symbols"] = "separate"
+        if getattr(self.model, "decoupled", False):
+            # Any number of responses a request: a remote client runs it with infer_stream.
+            self.metadata["parameters"]["neuropod_decoupled"] = True
         self.input_specs = {s.name: s for s in self.model.inputs}
 
 

@@ -1,0 +1,252 @@
+"""Remote models' ``infer_stream`` against a real ``neuropod serve``, over gRPC (ModelStreamInfer)
+and REST (``infer_stream``'s Server-Sent Events), and ``neuropod infer --stream``.
+
+The decoupled model ``repeat`` (Triton's ``repeat_int32`` interface) yields one response per
+element of ``IN``; request parameters steer it: ``gate`` (a path: response i > 0 waits until
+``<gate>.<i>`` exists, so a test proves responses come as they are made), ``mark`` (a path its
+generator's ``finally`` appends ``closed`` to, so a test sees the server stop it).
+"""
+
+from __future__ import annotations
+
+import io
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("grpc")
+
+import neuropod
+from neuropod.cli import main
+from neuropod.errors import NeuropodError, RemoteError, SpecError
+from neuropod.testing import served
+
+from conftest import private_caches, python_package
+
+PROTOCOLS = ["grpc", "http"]
+
+REPEAT = '''
+import os, time
+import numpy as np
+
+
+def get_model(data_root):
+    def run(IN, DELAY, WAIT, parameters=None):
+        p = parameters or {}
+        try:
+            for i, v in enumerate(IN):
+                if i and p.get("gate"):
+                    deadline = time.monotonic() + 20
+                    while not os.path.exists(f"{p['gate']}.{i}") and time.monotonic() < deadline:
+                        time.sleep(0.002)
+                time.sleep(int(DELAY[i]) / 1e6)
+                if v < 0:
+                    raise ValueError(f"negative value {int(v)} at {i}")
+                yield {"OUT": np.array([v], np.int32), "IDX": np.array([i], np.uint32)}
+        finally:
+            if p.get("mark"):
+                with open(p["mark"], "a") as f:
+                    f.write("closed\\n")
+    return run
+'''
+
+DOUBLER = """
+def get_model(data_root):
+    return lambda x: {"y": x * 2}
+"""
+
+
+def _repeat_package(dest: Path) -> Path:
+    from neuropod.packagers import create_python_neuropod
+
+    src = dest.parent / "repeat_code"
+    (src / "repeat_model").mkdir(parents=True)
+    (src / "repeat_model" / "__init__.py").write_text(REPEAT)
+    path: Path = create_python_neuropod(
+        dest, "repeat", [], [{"python_root": src, "dirs_to_package": ["repeat_model"]}], "repeat_model", "get_model",
+        [{"name": "IN", "dtype": "int32", "shape": ("n",)}, {"name": "DELAY", "dtype": "uint32", "shape": ("n",)},
+         {"name": "WAIT", "dtype": "uint32", "shape": (1,)}],
+        [{"name": "OUT", "dtype": "int32", "shape": (1,)}, {"name": "IDX", "dtype": "uint32", "shape": (1,)}],
+        decoupled=True,
+    )  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    root = Path(tempfile.mkdtemp(prefix="neuropod-remote-stream-"))
+    with private_caches(root):
+        _repeat_package(root / "models" / "repeat")
+        python_package(root / "models" / "doubler", "doubler", DOUBLER)
+        with served(root / "models") as s:
+            yield s
+
+
+def _url(server: Any, protocol: str, model: str) -> str:
+    return f"grpc://{server.grpc}/{model}" if protocol == "grpc" else f"{server.http}/{model}"
+
+
+def _inputs(values: list[int], delay_us: int = 0) -> dict[str, np.ndarray]:
+    return {
+        "IN": np.array(values, np.int32),
+        "DELAY": np.full(len(values), delay_us, np.uint32),
+        "WAIT": np.zeros(1, np.uint32),
+    }
+
+
+def _wait_for(path: Path, text: str, seconds: float = 3.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture(params=PROTOCOLS)
+def repeat(request: pytest.FixtureRequest, server: Any) -> Iterator[Any]:
+    with neuropod.load_neuropod(_url(server, request.param, "repeat")) as model:
+        yield model
+
+
+def test_decoupled_model_streams_its_responses_in_order(repeat: Any) -> None:
+    assert repeat.decoupled
+    values = [7, 3, 11, 5]
+    with repeat.infer_stream(_inputs(values)) as responses:
+        got = list(responses)
+    assert [r["OUT"].tolist() for r in got] == [[v] for v in values]
+    assert [r["IDX"].tolist() for r in got] == [[i] for i in range(len(values))]
+    assert all(r["OUT"].dtype == np.int32 and r["IDX"].dtype == np.uint32 for r in got)
+    assert responses.done and responses.responses == len(values)
+    # No responses at all is a stream that ends at once.
+    assert list(repeat.infer_stream(_inputs([]))) == []
+
+
+def test_infer_on_a_decoupled_remote_model_says_to_stream(repeat: Any) -> None:
+    with pytest.raises(NeuropodError, match="infer_stream"):
+        repeat.infer(_inputs([1]))
+
+
+def test_responses_arrive_as_the_model_makes_them(repeat: Any, tmp_path: Path) -> None:
+    # Response i > 0 is made only once the test has seen response i - 1: a stream that held its
+    # responses back until the model ended would never end (the gate waits 20 s, the timeout 15).
+    gate = tmp_path / "gate"
+    with repeat.infer_stream(_inputs([4, 5, 6]), parameters={"gate": str(gate)}, timeout=15) as responses:
+        seen = []
+        for i, response in enumerate(responses):
+            seen.append(int(response["OUT"][0]))
+            Path(f"{gate}.{i + 1}").touch()
+    assert seen == [4, 5, 6]
+
+
+def test_requested_outputs_and_input_checks(repeat: Any) -> None:
+    got = list(repeat.infer_stream(_inputs([1, 2]), ["IDX"]))
+    assert [sorted(r) for r in got] == [["IDX"], ["IDX"]]
+    assert [r["IDX"].tolist() for r in got] == [[0], [1]]
+    with pytest.raises(SpecError, match="DELAY"):  # checked here, before anything is sent
+        repeat.infer_stream({"IN": np.zeros(2, np.int32), "DELAY": np.zeros(3, np.uint32), "WAIT": np.zeros(1, np.uint32)})
+    with pytest.raises(NeuropodError, match="NOPE"):
+        repeat.infer_stream(_inputs([1]), ["NOPE"])
+
+
+def test_close_stops_the_generator_on_the_server(repeat: Any, tmp_path: Path) -> None:
+    mark = tmp_path / "mark"
+    threads = threading.active_count()
+    responses = repeat.infer_stream(_inputs(list(range(100)), 50_000), parameters={"mark": str(mark)})
+    first = next(responses)
+    assert first["OUT"].tolist() == [0]
+    closed = time.monotonic()
+    responses.close()
+    assert responses.done
+    assert list(responses) == []
+    # The server saw the call end and closed the model's generator (its finally ran), within a second.
+    assert _wait_for(mark, "closed", 3.0), "the model's generator was not closed on the server"
+    assert time.monotonic() - closed < 2.0
+    deadline = time.monotonic() + 3
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert threading.active_count() <= threads, [t.name for t in threading.enumerate()]
+
+
+def test_close_from_another_thread_ends_a_blocked_read(repeat: Any, tmp_path: Path) -> None:
+    mark = tmp_path / "mark"
+    inputs = _inputs([1, 2, 3])
+    inputs["DELAY"][1:] = 700_000  # 0.7 s for each response after the first
+    responses = repeat.infer_stream(inputs, parameters={"mark": str(mark)})
+    assert next(responses)["OUT"].tolist() == [1]
+    ended = threading.Event()
+    seen: list[Any] = []
+
+    def read() -> None:
+        seen.extend(responses)  # blocks: the model is making its second response
+        ended.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.2)
+    assert not ended.is_set()
+    responses.close()
+    assert ended.wait(2.0), "close() did not end the blocked read"
+    reader.join(2)
+    assert seen == []
+    # The server closes the generator once the response it is making is ready.
+    assert _wait_for(mark, "closed", 3.0)
+
+
+def test_an_error_mid_stream_comes_after_the_responses_before_it(repeat: Any) -> None:
+    responses = repeat.infer_stream(_inputs([1, 2, -5, 4]))
+    assert [int(next(responses)["OUT"][0]) for _ in range(2)] == [1, 2]
+    with pytest.raises(RemoteError) as caught:
+        next(responses)
+    assert caught.value.code == "internal"
+    assert "negative value -5 at 2" in str(caught.value) and caught.value.url in repeat.urls
+    assert responses.done and list(responses) == []
+    # The server and the model carry on.
+    assert [int(r["OUT"][0]) for r in repeat.infer_stream(_inputs([9]))] == [9]
+
+
+def test_a_deadline_for_the_whole_stream(repeat: Any) -> None:
+    responses = repeat.infer_stream(_inputs(list(range(50)), 40_000), timeout=0.5)
+    got = []
+    with pytest.raises(RemoteError) as caught:
+        for r in responses:
+            got.append(int(r["OUT"][0]))
+    assert caught.value.code == "deadline_exceeded"
+    assert 1 <= len(got) < 50 and got == list(range(len(got)))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_an_ordinary_model_streams_its_one_answer(server: Any, protocol: str) -> None:
+    x = np.array([[1, 2], [3, 4]], np.float32)
+    with neuropod.load_neuropod(_url(server, protocol, "doubler")) as model:
+        assert not model.decoupled
+        got = list(model.infer_stream({"x": x}))
+        assert len(got) == 1
+        np.testing.assert_array_equal(got[0]["y"], x * 2)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_cli_infer_stream(server: Any, protocol: str, tmp_path: Path) -> None:
+    for name, value in _inputs([3, 1, 2]).items():
+        np.save(tmp_path / f"{name}.npy", value)
+    args = ["infer", _url(server, protocol, "repeat")] + [
+        a for name in ("IN", "DELAY", "WAIT") for a in ("-i", f"{name}={tmp_path / name}.npy")
+    ]
+    out = io.StringIO()
+    assert main([*args, "--stream"], out=out) == 0
+    text = out.getvalue()
+    assert "responses as they arrive" in text and text.rstrip().endswith("3 responses")
+    blocks = text.split("response ")[1:]
+    assert [b.split(":")[0] for b in blocks] == ["1", "2", "3"]
+    assert [b.split("OUT: int32 [1] [")[1][0] for b in blocks] == ["3", "1", "2"]
+    # A decoupled model streams without --stream; --output-dir writes response N to DIR/N/.
+    out = io.StringIO()
+    assert main([*args, "-o", "OUT", "--output-dir", str(tmp_path / "out")], out=out) == 0
+    assert [np.load(tmp_path / "out" / str(n) / "OUT.npy").tolist() for n in (1, 2, 3)] == [[3], [1], [2]]
+    assert not (tmp_path / "out" / "1" / "IDX.npy").exists()
