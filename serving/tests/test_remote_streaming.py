@@ -1,10 +1,8 @@
 """Remote models' ``infer_stream`` against a real ``neuropod serve``, over gRPC (ModelStreamInfer)
 and REST (``infer_stream``'s Server-Sent Events), and ``neuropod infer --stream``.
 
-The decoupled model ``repeat`` (Triton's ``repeat_int32`` interface) yields one response per
-element of ``IN``; request parameters steer it: ``gate`` (a path: response i > 0 waits until
-``<gate>.<i>`` exists, so a test proves responses come as they are made), ``mark`` (a path its
-generator's ``finally`` appends ``closed`` to, so a test sees the server stop it).
+The decoupled model is ``repeat`` (streaming_models.py: Triton's ``repeat_int32`` interface, steered
+by request parameters).
 """
 
 from __future__ import annotations
@@ -26,35 +24,11 @@ import neuropod
 from neuropod.cli import main
 from neuropod.errors import NeuropodError, RemoteError, SpecError
 from neuropod.testing import served
+from streaming_models import repeat_inputs, repeat_package, wait_for
 
 from conftest import private_caches, python_package
 
 PROTOCOLS = ["grpc", "http"]
-
-REPEAT = '''
-import os, time
-import numpy as np
-
-
-def get_model(data_root):
-    def run(IN, DELAY, WAIT, parameters=None):
-        p = parameters or {}
-        try:
-            for i, v in enumerate(IN):
-                if i and p.get("gate"):
-                    deadline = time.monotonic() + 20
-                    while not os.path.exists(f"{p['gate']}.{i}") and time.monotonic() < deadline:
-                        time.sleep(0.002)
-                time.sleep(int(DELAY[i]) / 1e6)
-                if v < 0:
-                    raise ValueError(f"negative value {int(v)} at {i}")
-                yield {"OUT": np.array([v], np.int32), "IDX": np.array([i], np.uint32)}
-        finally:
-            if p.get("mark"):
-                with open(p["mark"], "a") as f:
-                    f.write("closed\\n")
-    return run
-'''
 
 DOUBLER = """
 def get_model(data_root):
@@ -62,27 +36,11 @@ def get_model(data_root):
 """
 
 
-def _repeat_package(dest: Path) -> Path:
-    from neuropod.packagers import create_python_neuropod
-
-    src = dest.parent / "repeat_code"
-    (src / "repeat_model").mkdir(parents=True)
-    (src / "repeat_model" / "__init__.py").write_text(REPEAT)
-    path: Path = create_python_neuropod(
-        dest, "repeat", [], [{"python_root": src, "dirs_to_package": ["repeat_model"]}], "repeat_model", "get_model",
-        [{"name": "IN", "dtype": "int32", "shape": ("n",)}, {"name": "DELAY", "dtype": "uint32", "shape": ("n",)},
-         {"name": "WAIT", "dtype": "uint32", "shape": (1,)}],
-        [{"name": "OUT", "dtype": "int32", "shape": (1,)}, {"name": "IDX", "dtype": "uint32", "shape": (1,)}],
-        decoupled=True,
-    )  # fmt: skip
-    return path
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[Any]:
     root = Path(tempfile.mkdtemp(prefix="neuropod-remote-stream-"))
     with private_caches(root):
-        _repeat_package(root / "models" / "repeat")
+        repeat_package(root / "models" / "repeat")
         python_package(root / "models" / "doubler", "doubler", DOUBLER)
         with served(root / "models") as s:
             yield s
@@ -90,23 +48,6 @@ def server() -> Iterator[Any]:
 
 def _url(server: Any, protocol: str, model: str) -> str:
     return f"grpc://{server.grpc}/{model}" if protocol == "grpc" else f"{server.http}/{model}"
-
-
-def _inputs(values: list[int], delay_us: int = 0) -> dict[str, np.ndarray]:
-    return {
-        "IN": np.array(values, np.int32),
-        "DELAY": np.full(len(values), delay_us, np.uint32),
-        "WAIT": np.zeros(1, np.uint32),
-    }
-
-
-def _wait_for(path: Path, text: str, seconds: float = 3.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.fixture(params=PROTOCOLS)
@@ -118,26 +59,26 @@ def repeat(request: pytest.FixtureRequest, server: Any) -> Iterator[Any]:
 def test_decoupled_model_streams_its_responses_in_order(repeat: Any) -> None:
     assert repeat.decoupled
     values = [7, 3, 11, 5]
-    with repeat.infer_stream(_inputs(values)) as responses:
+    with repeat.infer_stream(repeat_inputs(values)) as responses:
         got = list(responses)
     assert [r["OUT"].tolist() for r in got] == [[v] for v in values]
     assert [r["IDX"].tolist() for r in got] == [[i] for i in range(len(values))]
     assert all(r["OUT"].dtype == np.int32 and r["IDX"].dtype == np.uint32 for r in got)
     assert responses.done and responses.responses == len(values)
     # No responses at all is a stream that ends at once.
-    assert list(repeat.infer_stream(_inputs([]))) == []
+    assert list(repeat.infer_stream(repeat_inputs([]))) == []
 
 
 def test_infer_on_a_decoupled_remote_model_says_to_stream(repeat: Any) -> None:
     with pytest.raises(NeuropodError, match="infer_stream"):
-        repeat.infer(_inputs([1]))
+        repeat.infer(repeat_inputs([1]))
 
 
 def test_responses_arrive_as_the_model_makes_them(repeat: Any, tmp_path: Path) -> None:
     # Response i > 0 is made only once the test has seen response i - 1: a stream that held its
     # responses back until the model ended would never end (the gate waits 20 s, the timeout 15).
     gate = tmp_path / "gate"
-    with repeat.infer_stream(_inputs([4, 5, 6]), parameters={"gate": str(gate)}, timeout=15) as responses:
+    with repeat.infer_stream(repeat_inputs([4, 5, 6]), parameters={"gate": str(gate)}, timeout=15) as responses:
         seen = []
         for i, response in enumerate(responses):
             seen.append(int(response["OUT"][0]))
@@ -146,19 +87,19 @@ def test_responses_arrive_as_the_model_makes_them(repeat: Any, tmp_path: Path) -
 
 
 def test_requested_outputs_and_input_checks(repeat: Any) -> None:
-    got = list(repeat.infer_stream(_inputs([1, 2]), ["IDX"]))
+    got = list(repeat.infer_stream(repeat_inputs([1, 2]), ["IDX"]))
     assert [sorted(r) for r in got] == [["IDX"], ["IDX"]]
     assert [r["IDX"].tolist() for r in got] == [[0], [1]]
     with pytest.raises(SpecError, match="DELAY"):  # checked here, before anything is sent
         repeat.infer_stream({"IN": np.zeros(2, np.int32), "DELAY": np.zeros(3, np.uint32), "WAIT": np.zeros(1, np.uint32)})
     with pytest.raises(NeuropodError, match="NOPE"):
-        repeat.infer_stream(_inputs([1]), ["NOPE"])
+        repeat.infer_stream(repeat_inputs([1]), ["NOPE"])
 
 
 def test_close_stops_the_generator_on_the_server(repeat: Any, tmp_path: Path) -> None:
     mark = tmp_path / "mark"
     threads = threading.active_count()
-    responses = repeat.infer_stream(_inputs(list(range(100)), 50_000), parameters={"mark": str(mark)})
+    responses = repeat.infer_stream(repeat_inputs(list(range(100)), 50_000), parameters={"mark": str(mark)})
     first = next(responses)
     assert first["OUT"].tolist() == [0]
     closed = time.monotonic()
@@ -166,7 +107,7 @@ def test_close_stops_the_generator_on_the_server(repeat: Any, tmp_path: Path) ->
     assert responses.done
     assert list(responses) == []
     # The server saw the call end and closed the model's generator (its finally ran), within a second.
-    assert _wait_for(mark, "closed", 3.0), "the model's generator was not closed on the server"
+    assert wait_for(mark, "closed", 3.0), "the model's generator was not closed on the server"
     assert time.monotonic() - closed < 2.0
     deadline = time.monotonic() + 3
     while threading.active_count() > threads and time.monotonic() < deadline:
@@ -176,7 +117,7 @@ def test_close_stops_the_generator_on_the_server(repeat: Any, tmp_path: Path) ->
 
 def test_close_from_another_thread_ends_a_blocked_read(repeat: Any, tmp_path: Path) -> None:
     mark = tmp_path / "mark"
-    inputs = _inputs([1, 2, 3])
+    inputs = repeat_inputs([1, 2, 3])
     inputs["DELAY"][1:] = 700_000  # 0.7 s for each response after the first
     responses = repeat.infer_stream(inputs, parameters={"mark": str(mark)})
     assert next(responses)["OUT"].tolist() == [1]
@@ -196,11 +137,11 @@ def test_close_from_another_thread_ends_a_blocked_read(repeat: Any, tmp_path: Pa
     reader.join(2)
     assert seen == []
     # The server closes the generator once the response it is making is ready.
-    assert _wait_for(mark, "closed", 3.0)
+    assert wait_for(mark, "closed", 3.0)
 
 
 def test_an_error_mid_stream_comes_after_the_responses_before_it(repeat: Any) -> None:
-    responses = repeat.infer_stream(_inputs([1, 2, -5, 4]))
+    responses = repeat.infer_stream(repeat_inputs([1, 2, -5, 4]))
     assert [int(next(responses)["OUT"][0]) for _ in range(2)] == [1, 2]
     with pytest.raises(RemoteError) as caught:
         next(responses)
@@ -208,11 +149,11 @@ def test_an_error_mid_stream_comes_after_the_responses_before_it(repeat: Any) ->
     assert "negative value -5 at 2" in str(caught.value) and caught.value.url in repeat.urls
     assert responses.done and list(responses) == []
     # The server and the model carry on.
-    assert [int(r["OUT"][0]) for r in repeat.infer_stream(_inputs([9]))] == [9]
+    assert [int(r["OUT"][0]) for r in repeat.infer_stream(repeat_inputs([9]))] == [9]
 
 
 def test_a_deadline_for_the_whole_stream(repeat: Any) -> None:
-    responses = repeat.infer_stream(_inputs(list(range(50)), 40_000), timeout=0.5)
+    responses = repeat.infer_stream(repeat_inputs(list(range(50)), 40_000), timeout=0.5)
     got = []
     with pytest.raises(RemoteError) as caught:
         for r in responses:
@@ -233,7 +174,7 @@ def test_an_ordinary_model_streams_its_one_answer(server: Any, protocol: str) ->
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_cli_infer_stream(server: Any, protocol: str, tmp_path: Path) -> None:
-    for name, value in _inputs([3, 1, 2]).items():
+    for name, value in repeat_inputs([3, 1, 2]).items():
         np.save(tmp_path / f"{name}.npy", value)
     args = ["infer", _url(server, protocol, "repeat")] + [
         a for name in ("IN", "DELAY", "WAIT") for a in ("-i", f"{name}={tmp_path / name}.npy")
