@@ -175,8 +175,14 @@ class ServerMetrics:
         """One response of a stream produced, ``seconds`` after the stream opened (``first``)
         or after the response before; ``index`` counts the stream's responses from 0. With
         ``failed``, the model failed (or broke its spec) where that response would have been:
-        counted in the statistics' ``response_stats`` only, not in the histograms."""
+        counted in the statistics' ``response_stats`` only, not in the histograms.
+
+        A stream waits for no run slot and no batch: at its first response (or its failure
+        before one) it is counted once in the queue histogram with 0 s, as Triton counts every
+        request's time in its queue (perf_analyzer reads that count to find the model)."""
         with self._lock:
+            if first:
+                _observe(self._queue_duration, model, LATENCY_BUCKETS, 0.0)
             if not failed:
                 _observe(self._first_response if first else self._response_gap, model, LATENCY_BUCKETS, seconds)
             if index is not None and index < RESPONSE_STATS_KEYS:
