@@ -49,6 +49,7 @@ from neuropod_serving.server.streams import Outputs, ServedStream
 ROUTES = frozenset({"infer_stream", "generate_stream", "generate"})
 STOPPING = "the server is stopping"
 
+_NOTHING: Message = {"type": "http.response.body", "body": b"", "more_body": True}
 _HEADERS = [
     (b"content-type", EVENT_STREAM.encode("ascii")),
     (b"cache-control", b"no-cache"),
@@ -266,6 +267,10 @@ class _Answer:
             self.started = True
             await self.send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
         await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
+        # An empty write returns once the connection's write buffer has drained (uvicorn's flow
+        # control), so the next batch is taken only then: responses made meanwhile wait in the
+        # stream's buffer, which holds the model back, not in this coroutine.
+        await self.send(_NOTHING)
 
     async def _end(self) -> None:
         if not self.started:  # no response at all: an empty stream
