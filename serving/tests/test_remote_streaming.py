@@ -8,6 +8,7 @@ by request parameters).
 from __future__ import annotations
 
 import io
+import shutil
 import tempfile
 import threading
 import time
@@ -29,6 +30,7 @@ from streaming_models import repeat_inputs, repeat_package, wait_for
 from conftest import private_caches, python_package
 
 PROTOCOLS = ["grpc", "http"]
+MAX_OPEN = 3  # streams of one model open at once on the test server
 
 DOUBLER = """
 def get_model(data_root):
@@ -37,13 +39,19 @@ def get_model(data_root):
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Any]:
+def models() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="neuropod-remote-stream-"))
     with private_caches(root):
         repeat_package(root / "models" / "repeat")
         python_package(root / "models" / "doubler", "doubler", DOUBLER)
-        with served(root / "models") as s:
-            yield s
+        yield root / "models"
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(models: Path) -> Iterator[Any]:
+    with served(models, options=["--max-open-streams", str(MAX_OPEN)]) as s:
+        yield s
 
 
 def _url(server: Any, protocol: str, model: str) -> str:
@@ -152,6 +160,28 @@ def test_an_error_mid_stream_comes_after_the_responses_before_it(repeat: Any) ->
     assert [int(r["OUT"][0]) for r in repeat.infer_stream(repeat_inputs([9]))] == [9]
 
 
+def test_a_model_with_its_most_streams_open_refuses_one_more(repeat: Any) -> None:
+    held = [repeat.infer_stream(repeat_inputs(list(range(100)), 50_000)) for _ in range(MAX_OPEN)]
+    try:
+        assert [int(next(s)["OUT"][0]) for s in held] == [0] * MAX_OPEN
+        with pytest.raises(RemoteError) as caught:
+            next(repeat.infer_stream(repeat_inputs([1])))
+        assert caught.value.code == "resource_exhausted"
+        assert f"--max-open-streams {MAX_OPEN}" in str(caught.value)
+    finally:
+        for s in held:
+            s.close()
+    # Closed streams give their places back (once the server has closed their generators).
+    deadline = time.monotonic() + 3
+    while True:
+        try:
+            assert [int(r["OUT"][0]) for r in repeat.infer_stream(repeat_inputs([5]))] == [5]
+            break
+        except RemoteError as e:
+            assert e.code == "resource_exhausted" and time.monotonic() < deadline
+            time.sleep(0.05)
+
+
 def test_a_deadline_for_the_whole_stream(repeat: Any) -> None:
     responses = repeat.infer_stream(repeat_inputs(list(range(50)), 40_000), timeout=0.5)
     got = []
@@ -191,3 +221,20 @@ def test_cli_infer_stream(server: Any, protocol: str, tmp_path: Path) -> None:
     assert main([*args, "-o", "OUT", "--output-dir", str(tmp_path / "out")], out=out) == 0
     assert [np.load(tmp_path / "out" / str(n) / "OUT.npy").tolist() for n in (1, 2, 3)] == [[3], [1], [2]]
     assert not (tmp_path / "out" / "1" / "IDX.npy").exists()
+
+
+def test_cli_infer_stream_of_local_models(models: Path, tmp_path: Path) -> None:
+    for name, value in repeat_inputs([6, 5]).items():
+        np.save(tmp_path / f"{name}.npy", value)
+    out = io.StringIO()
+    args = [a for name in ("IN", "DELAY", "WAIT") for a in ("-i", f"{name}={tmp_path / name}.npy")]
+    assert main(["infer", str(models / "repeat"), *args, "-o", "IDX"], out=out) == 0
+    text = out.getvalue()
+    assert "Model 'repeat' with python==" in text and text.rstrip().endswith("2 responses")
+    assert "IDX: uint32 [1] [1]" in text and "OUT" not in text
+    # --stream on an ordinary model: its one answer, as one response.
+    np.save(tmp_path / "x.npy", np.array([[1, 2]], np.float32))
+    out = io.StringIO()
+    assert main(["infer", str(models / "doubler"), "-i", f"x={tmp_path / 'x.npy'}", "--stream"], out=out) == 0
+    text = out.getvalue()
+    assert "response 1:\n  y: float32 [1, 2] [[2., 4.]]" in text and text.rstrip().endswith("1 response")

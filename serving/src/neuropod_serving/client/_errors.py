@@ -40,6 +40,21 @@ HTTP_CODES = {
 _TLS_WORDS = ("ssl", "tls", "certificate", "handshake")
 
 
+def stream_error_code(message: str) -> str:
+    """The code of an error a server reported inside a stream (gRPC ``ModelStreamInfer``'s
+    ``error_message``, a Server-Sent Events ``{"error": ...}`` event), which carries no status:
+    read from ``neuropod serve``'s wording. ``unavailable``: the server stopped the stream
+    (``stream of model 'm' ended: ...``); ``resource_exhausted``: the model has its most streams
+    open; ``internal``: the model failed (``model 'm' failed: ...``), and any other server's error."""
+    if (message.startswith("stream of model ") and " ended: " in message) or message.startswith(
+        "ModelStreamInfer takes no more requests"
+    ):
+        return "unavailable"
+    if "--max-open-streams" in message:
+        return "resource_exhausted"
+    return "internal"
+
+
 def looks_like_tls(text: str) -> bool:
     low = text.lower()
     return any(w in low for w in _TLS_WORDS)

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from neuropod.errors import RemoteError
-from neuropod_serving.client._errors import looks_like_tls, remote_error
+from neuropod_serving.client._errors import looks_like_tls, remote_error, stream_error_code
 from neuropod_serving.client._target import Target
 from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol import grpc_codec as codec
@@ -203,7 +203,7 @@ class GrpcStream:
         if error:
             self._ended = True
             self.cancel()
-            raise remote_error(target, "internal", error, call="infer_stream")
+            raise remote_error(target, stream_error_code(error), error, call="infer_stream")
         if response.parameters.get(FINAL_RESPONSE) is True:
             self._final = True
             if not response.outputs:  # the empty final response: the end

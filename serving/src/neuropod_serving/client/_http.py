@@ -35,7 +35,7 @@ import numpy as np
 
 from neuropod import _json
 from neuropod.errors import RemoteError
-from neuropod_serving.client._errors import HTTP_CODES, looks_like_tls, remote_error
+from neuropod_serving.client._errors import HTTP_CODES, looks_like_tls, remote_error, stream_error_code
 from neuropod_serving.client._target import Target
 from neuropod_serving.protocol import HEADER_LENGTH, ProtocolError, build_infer_request, parse_infer_response
 from neuropod_serving.protocol.events import EventReader, event_error
@@ -463,7 +463,7 @@ class HttpStream:
             message = None
         if message is not None:
             self._end()
-            raise remote_error(target, "internal", message, call="infer_stream")
+            raise remote_error(target, stream_error_code(message), message, call="infer_stream")
         if outputs is None:
             self._end()
             raise remote_error(target, "protocol", f"an event is not an inference response: {problem}",
