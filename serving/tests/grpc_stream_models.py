@@ -6,7 +6,7 @@
   uint32 [1] (its index). Its generator's ``finally`` appends ``IN[0]`` (or -1 for an empty
   request) as a line to a file, so a test sees which streams' generators were closed.
 - ``tricky``: ``K`` int32 [1], ``MODE`` int32 [1] -> ``OUT`` int32 [1]: ``K`` good responses
-  (0, 1, ...), then with MODE 0 it raises ``RuntimeError("boom after K")``, with MODE 1 it
+  (0, 1, ..., plus the request parameter ``offset`` when given), then with MODE 0 it raises ``RuntimeError("boom after K")``, with MODE 1 it
   yields a response whose ``OUT`` is float64 (off the spec).
 """
 
@@ -54,9 +54,10 @@ TRICKY_CODE = """
 import numpy as np
 
 def get_model(data_root):
-    def run(K, MODE):
+    def run(K, MODE, parameters=None):
+        offset = int((parameters or {}).get("offset", 0))
         for i in range(int(K[0])):
-            yield {"OUT": np.array([i], np.int32)}
+            yield {"OUT": np.array([offset + i], np.int32)}
         if int(MODE[0]) == 0:
             raise RuntimeError(f"boom after {int(K[0])}")
         yield {"OUT": np.array([1.5])}

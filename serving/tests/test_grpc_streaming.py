@@ -223,6 +223,17 @@ def test_error_responses_carry_the_request_id(server: StreamServer) -> None:
     assert answer.infer_response.parameters["triton_final_response"].bool_param is True
 
 
+def test_request_parameters_reach_the_model(client: Any) -> None:
+    answers = Answers(client)
+    try:
+        client.async_stream_infer("tricky", _tricky(2, 1), request_id="p", parameters={"offset": 40})
+        got = answers.take(3)
+    finally:
+        client.stop_stream()
+    assert [_out(r) for r, e, _ in got[:2]] == [[40], [41]]
+    assert got[2][1] is not None  # then MODE 1's response off the spec
+
+
 def test_model_infer_on_a_decoupled_model_is_refused_as_triton_refuses_it(client: Any) -> None:
     with pytest.raises(InferenceServerException) as info:
         client.infer("repeat_int32", repeat_inputs(grpcclient, [1, 2]))
