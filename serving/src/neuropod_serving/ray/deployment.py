@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -17,6 +17,7 @@ from neuropod_serving.errors import ProtocolError
 from neuropod_serving.ray._extra import ray, serve
 from neuropod_serving.ray.metrics import RayMetrics
 from neuropod_serving.ray.packages import PackageRef, fetch
+from neuropod_serving.ray.streaming import handle_stream, model_stream_infer
 from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry, ServedModel, create_app
 from neuropod_serving.server.grpc_service import METHODS, Servicer, authenticate, status_of
 
@@ -117,6 +118,16 @@ class NeuropodDeployment:
             "batched": self._engine.batched(model.name)[0],
         }
 
+    async def infer_stream(
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+        """The model's responses to ``inputs`` (numpy arrays) as it makes them, for Ray's streaming
+        handles: ``handle.options(stream=True).infer_stream.remote(inputs)`` (a decoupled model's
+        any number, any other model's one answer). Cancelling the call closes the model's generator."""
+        async for outputs in handle_stream(self._engine, inputs, requested_outputs, parameters):
+            yield outputs
+
     def __del__(self) -> None:
         engine = getattr(self, "_engine", None)
         if engine is not None:
@@ -173,6 +184,20 @@ class NeuropodDeployment:
 
     async def ModelConfig(self, request: bytes, grpc_context: Any) -> Any:
         return await self._rpc("ModelConfig", request, grpc_context)
+
+    async def ModelStreamInfer(self, requests: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        """The bidirectional stream (Ray's gRPC proxy hands its requests over as they come), answered
+        as neuropod serve answers it (see :mod:`~neuropod_serving.ray.streaming`)."""
+        try:
+            if self._expected_auth is not None:
+                authenticate(grpc_context, self._expected_auth)
+        except Exception as e:  # noqa: BLE001 - a refusal becomes the call's status
+            code, details = status_of(e, "ModelStreamInfer", "?")
+            grpc_context.set_code(code)
+            grpc_context.set_details(details)
+            return
+        async for answer in model_stream_infer(self._servicer, requests, grpc_context):
+            yield _Serialized(answer)
 
     async def ModelStatistics(self, request: bytes, grpc_context: Any) -> Any:
         # Answers UNIMPLEMENTED: a replica keeps no statistics (RayMetrics), and does not list them.
