@@ -7,6 +7,7 @@ by request parameters).
 
 from __future__ import annotations
 
+import gc
 import io
 import shutil
 import tempfile
@@ -117,10 +118,21 @@ def test_close_stops_the_generator_on_the_server(repeat: Any, tmp_path: Path) ->
     # The server saw the call end and closed the model's generator (its finally ran), within a second.
     assert wait_for(mark, "closed", 3.0), "the model's generator was not closed on the server"
     assert time.monotonic() - closed < 2.0
+    assert [s.outstanding for s in repeat._pool.servers] == [0]  # the pool counts the stream no more
     deadline = time.monotonic() + 3
     while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.02)
     assert threading.active_count() <= threads, [t.name for t in threading.enumerate()]
+
+
+def test_a_dropped_stream_is_cancelled(repeat: Any, tmp_path: Path) -> None:
+    mark = tmp_path / "mark"
+    responses = repeat.infer_stream(repeat_inputs(list(range(100)), 50_000), parameters={"mark": str(mark)})
+    assert next(responses)["OUT"].tolist() == [0]
+    del responses
+    gc.collect()
+    assert wait_for(mark, "closed", 3.0), "a stream dropped unclosed went on on the server"
+    assert [s.outstanding for s in repeat._pool.servers] == [0]
 
 
 def test_close_from_another_thread_ends_a_blocked_read(repeat: Any, tmp_path: Path) -> None:

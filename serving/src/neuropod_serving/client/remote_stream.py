@@ -126,6 +126,12 @@ class StreamSource:
         self.cancel()
         self._finish(False)
 
+    def __del__(self) -> None:
+        # A stream dropped unclosed: its call is cancelled (the server stops the model) and its
+        # server no longer counts it as outstanding.
+        if not self._done:
+            self.close()
+
 
 class RemoteResponseStream(ResponseStream):
     """A :class:`~neuropod.streams.ResponseStream` of a remote model's responses; :meth:`close`
