@@ -360,13 +360,15 @@ def tests_client_only(session: nox.Session) -> None:
 def tests_ray(session: nox.Session) -> None:
     """neuropod_serving.ray on local Ray clusters (serving/tests/ray_serve: two replicas driven by
     tritonclient and remote models, a simulated two-node cluster, a replica killed mid-stream,
-    autoscaling, the errors of `neuropod serve`, per-replica metrics; serving/tests/ray_config:
+    autoscaling, the errors of `neuropod serve`, per-replica metrics, a decoupled model streamed through a
+    streaming handle and both proxies; serving/tests/ray_config:
     `serve run` with the example config and `neuropod serve --ray`, each starting its own cluster,
     so each in its own pytest process). tritonclient pins protobuf < 7 and Ray needs 7: it runs
     from a venv of its own in this session's folder."""
-    # Ray pinned to the release tested. Not tritonclient: it would pull protobuf < 7.
+    # Ray pinned to the release tested. Not tritonclient: it would pull protobuf < 7. neuropod-python runs
+    # the streaming tests' decoupled model.
     session.install(f"{CORE}[test]", f"{SERVING}[ray]", "ray[serve]==2.60.0", f"{ROOT / 'plugins/neuropod-onnx'}",
-                    "onnx", f"onnxruntime=={ONNXRUNTIME_DEFAULT}")  # fmt: skip
+                    "onnx", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", f"{ROOT / 'plugins/neuropod-python'}")  # fmt: skip
     triton = Path(session.virtualenv.location) / "triton-venv"
     if not (triton / "bin" / "python").exists():
         session.run("python", "-m", "venv", str(triton))

@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 pytest.importorskip("grpc")
+pytest.importorskip("neuropod_python")  # the decoupled model's backend
 
 import grpc
 import ray
