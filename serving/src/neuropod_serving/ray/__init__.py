@@ -20,6 +20,11 @@ or, in Python::
     neuropod_ray.start(http_port=8000, grpc_port=9000)
     serve.run(neuropod_ray.build("adder.neuropod", num_replicas=2), name="adder", route_prefix="/")
 
+A decoupled package streams its responses through the replica as it makes
+them: REST ``infer_stream`` through Ray's HTTP proxy, gRPC ``ModelStreamInfer``
+through its gRPC proxy, and the deployment's ``infer_stream`` generator method
+for Ray's streaming handles (:mod:`neuropod_serving.ray.streaming`).
+
 Packages reach replicas through Ray's object store, not a shared file system:
 :func:`build` reads the package once, on the machine it runs on, and hands it
 to a small detached actor (:class:`PackageStore`) that keeps it in the object
