@@ -8,6 +8,10 @@ are checked against it before anything is sent (the same ``SpecError`` as a
 local model), tensors travel as raw bytes, and every transport or server
 fault is a :class:`~neuropod.errors.RemoteError` naming the URL.
 
+A decoupled model (the server says so: ``model.decoupled``) streams with
+``model.infer_stream(inputs)``: gRPC ``ModelStreamInfer`` or REST ``infer_stream``
+(Server-Sent Events), each response as it arrives (:mod:`.remote_stream`).
+
 No server is trusted: sizes an answer announces cost memory only as their
 bytes arrive, shapes must match the data sent with them, outputs are checked
 against the output spec (a misfit is a RemoteError naming the server, code
