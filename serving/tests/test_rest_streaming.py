@@ -520,48 +520,51 @@ def test_generate_of_an_ordinary_model_flattens_its_outputs(base: str) -> None:
 # -- the server stopping ----------------------------------------------------------------------
 
 
-def test_a_stopping_server_ends_open_streams_with_an_error_event(root: Path, trace: Path) -> None:
-    """uvicorn's graceful shutdown (neuropod serve's protocol), then Engine.close(): each ends an open stream at once."""
+@pytest.mark.parametrize("how", ["graceful", "cancelled", "engine"])
+def test_a_stopping_server_ends_open_streams_with_an_error_event(root: Path, trace: Path, how: str) -> None:
+    """Each way a server stops ends an open stream at once with an error event: uvicorn's graceful
+    shutdown with neuropod serve's protocol (graceful), with uvicorn's own protocol once its wait
+    for open responses runs out (cancelled), Engine.close() (engine)."""
     from neuropod_serving.server.http import OneWriteProtocol
 
     engine = _engine(root)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    protocol: Any = "httptools" if how == "cancelled" else OneWriteProtocol
+    config = uvicorn.Config(create_app(engine), log_level="warning", lifespan="off", http=protocol,
+                            timeout_graceful_shutdown=0.3)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
     try:
-        for how in ("uvicorn", "engine"):
-            trace.unlink(missing_ok=True)
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            config = uvicorn.Config(create_app(engine), log_level="warning", lifespan="off", http=OneWriteProtocol)
-            server = uvicorn.Server(config)
-            thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-            thread.start()
-            while not server.started:
-                assert thread.is_alive()
-                time.sleep(0.01)
-            url = f"http://127.0.0.1:{sock.getsockname()[1]}/v2/models/repeat/infer_stream"
-            body = _repeat_body(list(range(100)), delay_us=50_000, trace=trace)
-            events: list[Any] = []
-            with httpx.stream("POST", url, json=body, timeout=30) as r:
-                reader = EventReader()
-                for chunk in r.iter_raw():
-                    for data in reader.feed(chunk):
-                        events.append(json.loads(data))
-                        if len(events) == 1:
-                            stopped = time.monotonic()
-                            if how == "uvicorn":
-                                server.should_exit = True
-                            else:
-                                engine.close()
-            assert time.monotonic() - stopped < 2.0
-            assert len(events) >= 2 and all("outputs" in e for e in events[:-1])
-            message = event_error(events[-1])
-            assert message == "stream of model 'repeat' ended: the server is stopping", events[-1]
-            _wait_closed(trace)
-            server.should_exit = True
-            thread.join(10)
-            sock.close()
-            assert not thread.is_alive()
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v2/models/repeat/infer_stream"
+        body = _repeat_body(list(range(100)), delay_us=50_000, trace=trace)
+        events: list[Any] = []
+        stopped = 0.0
+        with httpx.stream("POST", url, json=body, timeout=30) as r:
+            reader = EventReader()
+            for chunk in r.iter_raw():
+                for data in reader.feed(chunk):
+                    events.append(json.loads(data))
+                    if len(events) == 1:
+                        stopped = time.monotonic()
+                        if how == "engine":
+                            engine.close()
+                        else:
+                            server.should_exit = True
+        assert time.monotonic() - stopped < 2.0
+        assert len(events) >= 2 and all("outputs" in e for e in events[:-1])
+        assert event_error(events[-1]) == "stream of model 'repeat' ended: the server is stopping", events[-1]
+        _wait_closed(trace)
     finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
         engine.close()
+    assert not thread.is_alive()
     assert engine.streams.count() == 0
 
 

@@ -187,14 +187,24 @@ class _Answer:
                 return await self._one()
             return await self._events()
         except asyncio.CancelledError:
-            # The server gave up waiting for the stream (graceful shutdown timed out): say so, if it can be said.
-            if self.started and not stream.closed:
-                stream.close()
-                try:
-                    await self._write(error_event(f"stream of model {self.served.name!r} ended: {STOPPING}"))
-                except Exception:  # noqa: BLE001 - the connection is going away too: nothing to tell
-                    pass
-            raise
+            # uvicorn cancels a response still going once its graceful shutdown stops waiting (with
+            # a protocol that has not ended the stream as the shutdown began: h11, or an
+            # embedder's): end it as a stopping server does, and let the task end answered (an
+            # exception here would only be logged, with the connection cut mid-stream).
+            stream.close()
+            message = f"stream of model {self.served.name!r} ended: {STOPPING}"
+            try:
+                if self.started:
+                    await self._write(error_event(message))
+                    await self._end()
+                else:
+                    await send_error(self.send, 503, message)
+            except Exception:  # noqa: BLE001 - the connection is going away too: nothing more to tell
+                pass
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            return "model"
         finally:
             self.scope.pop(ON_SHUTDOWN, None)
             stream.close()
