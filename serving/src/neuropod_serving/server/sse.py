@@ -201,9 +201,6 @@ class _Answer:
                     await send_error(self.send, 503, message)
             except Exception:  # noqa: BLE001 - the connection is going away too: nothing more to tell
                 pass
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
             return "model"
         finally:
             self.scope.pop(ON_SHUTDOWN, None)
