@@ -355,7 +355,8 @@ def model_stream_infer(
             context.abort(e.code, e.details)
         reading = _Reading(slots)
         try:
-            context.add_callback(reading.call_ended)
+            if not context.add_callback(reading.call_ended):
+                reading.call_ended()  # the call has ended already
             for data in requests:
                 started = time.perf_counter()
                 call = InferCall(data)
