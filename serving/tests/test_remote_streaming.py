@@ -235,15 +235,30 @@ def test_cli_infer_stream(server: Any, protocol: str, tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "1" / "IDX.npy").exists()
 
 
+class _Flushes(io.StringIO):
+    """Output that records how much had been written at each flush."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushed: list[int] = []
+
+    def flush(self) -> None:
+        self.flushed.append(len(self.getvalue()))
+
+
 def test_cli_infer_stream_of_local_models(models: Path, tmp_path: Path) -> None:
     for name, value in repeat_inputs([6, 5]).items():
         np.save(tmp_path / f"{name}.npy", value)
-    out = io.StringIO()
+    out = _Flushes()
     args = [a for name in ("IN", "DELAY", "WAIT") for a in ("-i", f"{name}={tmp_path / name}.npy")]
     assert main(["infer", str(models / "repeat"), *args, "-o", "IDX"], out=out) == 0
     text = out.getvalue()
     assert "Model 'repeat' with python==" in text and text.rstrip().endswith("2 responses")
     assert "IDX: uint32 [1] [1]" in text and "OUT" not in text
+    # Flushed after the first line and after each response, before the next is waited for.
+    assert [text[:n].rstrip().rsplit("\n", 1)[-1] for n in out.flushed[:3]] == [
+        text.splitlines()[0], "  IDX: uint32 [1] [0]", "  IDX: uint32 [1] [1]"
+    ]
     # --stream on an ordinary model: its one answer, as one response.
     np.save(tmp_path / "x.npy", np.array([[1, 2]], np.float32))
     out = io.StringIO()
