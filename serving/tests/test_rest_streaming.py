@@ -589,6 +589,32 @@ def test_event_reader_takes_chunks_split_anywhere() -> None:
     assert reader.incomplete
 
 
+def test_infer_events_are_the_codecs_inference_responses() -> None:
+    """The events' own encoder (numeric tensors straight from numpy) writes what the codec writes."""
+    from neuropod_serving.protocol import build_infer_response, parse_infer_response
+    from neuropod_serving.protocol.events import event
+    from neuropod_serving.server.sse import _InferEvents
+
+    responses = [
+        {"x": np.array([0.1, 2.5, -3], np.float32), "b": np.array([True, False]), "h": np.array([1.5], np.float16)},
+        {"n": np.array([np.nan, np.inf], np.float32), "s": np.array(["a", "\u00e9"], dtype=object)},
+        {"z": np.zeros((2, 0), np.int64), "d": np.ones((), np.float64), "big": np.array([2**63 + 5], np.uint64)},
+        {"be": np.array([1, 2], ">i4"), "m": np.arange(6, dtype=np.int8).reshape(2, 3)[:, ::2]},
+    ]
+    for request_id in (None, 'r"1'):
+        encode = _InferEvents("m", "2", request_id)
+        for _ in range(2):  # the second time from the forms it remembered
+            wire = encode(responses)
+            codec = [event(build_infer_response("m", r, model_version="2", id=request_id).content) for r in responses]
+            assert wire == b"".join(codec)
+    reader = EventReader()
+    for data, expected in zip(reader.feed(wire), responses, strict=True):
+        decoded = parse_infer_response(data.encode())
+        assert decoded.model_name == "m" and decoded.id == 'r"1'
+        for name, array in expected.items():
+            np.testing.assert_array_equal(decoded.outputs[name], array)
+
+
 @pytest.mark.parametrize(
     ("shape", "count", "expected"),
     [((1,), 1, [1]), ((None,), 4, [4]), (("n",), 0, [0]), ((None, 3), 6, [2, 3]), ((None, None), 5, [1, 5]),

@@ -20,13 +20,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Message, Receive, Scope, Send
 
 from neuropod.errors import NeuropodError
 from neuropod_serving.errors import DecoupledModelError, ProtocolError, StreamStoppedError
 from neuropod_serving.protocol import InferRequest, build_infer_response, parse_infer_request
+from neuropod_serving.protocol.bodies import ENCODER, orjson_module
+from neuropod_serving.protocol.datatypes import NATIVE_DTYPES
 from neuropod_serving.protocol.events import EVENT_STREAM, error_event, event
 from neuropod_serving.protocol.generate import generate_response, parse_generate_request
 from neuropod_serving.server.engine import Engine
@@ -173,7 +177,7 @@ class _Answer:
         self.send = send
         self.started = False  # the response's head went out
         self.encode: Callable[[list[Outputs]], bytes] = (
-            self._infer_events if route == "infer_stream" else self._generate_events
+            _InferEvents(served.name, served.version, request.id) if route == "infer_stream" else self._generate_events
         )
 
     async def run(self) -> str | None:
@@ -258,13 +262,6 @@ class _Answer:
         await send_body(self.send, 200, content, None)
         return None
 
-    def _infer_events(self, batch: list[Outputs]) -> bytes:
-        name, version, request_id = self.served.name, self.served.version, self.request_id
-        return b"".join(
-            event(build_infer_response(name, outputs, model_version=version, id=request_id).content)
-            for outputs in batch
-        )
-
     def _generate_events(self, batch: list[Outputs]) -> bytes:
         name, version, request_id = self.served.name, self.served.version, self.request_id
         return b"".join(event(generate_response(name, version, outputs, request_id)) for outputs in batch)
@@ -284,6 +281,71 @@ class _Answer:
             self.started = True
             await self.send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _InferEvents:
+    """The events of one ``infer_stream``: each response's inference response, the JSON ``/infer``
+    answers with. Numeric tensors are written by orjson straight from numpy, inside JSON made once
+    per output's name, dtype and shape (a stream's responses mostly repeat their forms); anything
+    else (text, NaN, no orjson) by the codec's :func:`build_infer_response`."""
+
+    __slots__ = ("_forms", "_head", "_id", "_name", "_orjson", "_version")
+
+    def __init__(self, name: str, version: str, request_id: str | None) -> None:
+        self._name, self._version, self._id = name, version, request_id
+        head: dict[str, Any] = {"model_name": name, "model_version": version}
+        if request_id is not None:
+            head["id"] = request_id
+        self._head = b"data: " + ENCODER.encode(head)[:-1].encode("utf-8") + b',"outputs":['
+        self._forms: dict[tuple[str, np.dtype[Any], tuple[int, ...]], bytes] = {}
+        self._orjson = orjson_module()
+
+    def __call__(self, batch: list[Outputs]) -> bytes:
+        parts = []
+        for outputs in batch:
+            fast = self._fast(outputs) if self._orjson is not None else None
+            if fast is None:
+                fast = event(
+                    build_infer_response(self._name, outputs, model_version=self._version, id=self._id).content
+                )
+            parts.append(fast)
+        return b"".join(parts)
+
+    def _fast(self, outputs: Outputs) -> bytes | None:
+        orjson = self._orjson
+        pieces = []
+        for name, array in outputs.items():
+            if type(array) is not np.ndarray:
+                return None
+            form = (name, array.dtype, array.shape)
+            prefix = self._forms.get(form)
+            if prefix is None:
+                datatype = _NUMERIC.get(array.dtype)
+                if datatype is None or type(name) is not str:
+                    return None
+                shape = ",".join(map(str, array.shape))
+                prefix = f'{{"name":{ENCODER.encode(name)},"datatype":"{datatype}","shape":[{shape}],"data":'.encode()
+                if len(self._forms) < _MAX_FORMS:
+                    self._forms[form] = prefix
+            try:
+                if array.dtype.kind == "f" and array.dtype.itemsize < 8:
+                    # As the codec writes them: the float64 digits of each value (orjson's own for
+                    # float32 are its shortest, another text of the same number).
+                    data = orjson.dumps(array.ravel().tolist())
+                else:
+                    data = orjson.dumps(array.ravel(), option=orjson.OPT_SERIALIZE_NUMPY)
+            except TypeError:  # orjson.JSONEncodeError: a dtype or byte order orjson does not write
+                return None
+            if array.dtype.kind == "f" and b"null" in data:  # NaN and infinities: the codec writes them
+                return None
+            pieces.append(prefix + data + b"}")
+        return self._head + b",".join(pieces) + b"]}\n\n"
+
+
+#: Numeric dtypes (this host's byte order) and their OIP datatypes.
+_NUMERIC: dict[np.dtype[Any], str] = {dtype: datatype for datatype, dtype in NATIVE_DTYPES.items()}
+#: Output forms remembered per stream (a model whose shapes vary still gets the right JSON, made each time).
+_MAX_FORMS = 64
 
 
 def _stream_failure(e: NeuropodError, model: str) -> tuple[int, str]:
