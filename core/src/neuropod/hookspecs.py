@@ -152,6 +152,11 @@ def infer_stream(
     core as a :class:`~neuropod.errors.BackendError`) to end the stream with an error; the
     responses already produced have been delivered.
 
+    The core reads the iterator one response per ``next`` of the caller's stream, so do the
+    work inside it (a generator), not in the hook itself. In a worker process (``use_ope=True``,
+    backend environments) the hook runs in the worker and each response crosses to the caller
+    when it is read: responses then hold numeric, bool or string arrays only.
+
     :param model: a handle returned by this plugin's :func:`load_model`.
     :param inputs: input name to numpy array.
     :param requested_outputs: output names wanted, or None for all.

@@ -16,6 +16,12 @@ Inputs are numpy views over the client's input block (strings decoded into
 the same kind of array the client passed); outputs are copied once into one
 block per call that the client maps, reused while the client has no array
 over it.
+
+Requests: ``"load"``, ``"infer"``; for a decoupled model ``"stream"`` (the
+inputs, as ``"infer"``: opens the model's generator and answers with its
+first response), ``"next"`` (the next response) and ``"cancel"`` (closes the
+generator). A response is an ``"item"`` (laid out as an ``"ok"`` answer), or
+``"end"``; an error ends the stream (the generator is closed first).
 """
 
 from __future__ import annotations

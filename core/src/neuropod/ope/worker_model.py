@@ -21,7 +21,8 @@ from neuropod.spec import DTYPES
 
 
 class WorkerModel(NeuropodModel):
-    """A model loaded in worker process(es): the same ``infer``, specs and errors.
+    """A model loaded in worker process(es): the same ``infer`` (and ``infer_stream``, whose
+    generator runs in a worker: see :mod:`neuropod.ope.streaming`), specs and errors.
 
     Extra: :meth:`empty` hands out input arrays in shared memory (filling one
     and passing it to ``infer`` costs no copy), :attr:`worker_pids`, :attr:`worker_run_time`.
