@@ -26,6 +26,11 @@ import neuropod
 from neuropod.cli import main
 from neuropod.errors import NeuropodError, RemoteError, SpecError
 from neuropod.testing import served
+from neuropod_serving.client._grpc import GrpcTransport, config_decoupled
+from neuropod_serving.client._http import HttpTransport
+from neuropod_serving.client._target import parse_url
+from neuropod_serving.protocol import ProtocolError
+from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 from streaming_models import repeat_inputs, repeat_package, wait_for
 
 from conftest import private_caches, python_package
@@ -202,6 +207,31 @@ def test_a_deadline_for_the_whole_stream(repeat: Any) -> None:
             got.append(int(r["OUT"][0]))
     assert caught.value.code == "deadline_exceeded"
     assert 1 <= len(got) < 50 and got == list(range(len(got)))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_model_configuration_says_which_models_are_decoupled(server: Any, protocol: str) -> None:
+    # What loading asks a server that does not send neuropod serve's metadata parameter (Triton):
+    # its model configuration's model_transaction_policy.
+    for model, expected in (("repeat", True), ("doubler", False)):
+        target = parse_url(_url(server, protocol, model))
+        transport = GrpcTransport(target) if protocol == "grpc" else HttpTransport(target)
+        try:
+            assert transport.decoupled(10) is expected
+        finally:
+            transport.close()
+
+
+def test_a_model_config_response_read_on_the_wire() -> None:
+    def config(**policy: Any) -> bytes:
+        fields = {"model_transaction_policy": tc.ModelTransactionPolicy(**policy)} if policy else {}
+        return bytes(tc.ModelConfigResponse(config=tc.ModelConfig(name="m", max_batch_size=8, **fields)).SerializeToString())
+
+    assert config_decoupled(config(decoupled=True)) is True
+    assert config_decoupled(config(decoupled=False)) is False
+    assert config_decoupled(config()) is False
+    with pytest.raises(ProtocolError, match="ModelConfigResponse"):
+        config_decoupled(b"\x0a\x05ab")  # a field longer than the message
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -21,6 +21,7 @@ from neuropod_serving.client._target import Target
 from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
+from neuropod_serving.protocol._wire import encode_varint
 
 _SERVICE = "/inference.GRPCInferenceService/"
 #: The response parameter that marks a request's last response (Triton's decoupled semantics).
@@ -73,6 +74,8 @@ class GrpcTransport:
         self._infer = unary(_SERVICE + "ModelInfer")
         # ModelStreamInfer: requests and answers as bytes too (see split_stream_response).
         self._stream_infer = self._channel.stream_stream(_SERVICE + "ModelStreamInfer")
+        # Triton's ModelConfig, bytes both ways too: only a decoupled policy is read from it (see decoupled).
+        self._model_config = unary(_SERVICE + "ModelConfig")
 
         def method(name: str, request: Any, response: Any) -> Any:
             return unary(_SERVICE + name, request_serializer=request.SerializeToString,
@@ -145,6 +148,16 @@ class GrpcTransport:
         except ProtocolError as e:
             raise remote_error(target, "protocol", str(e), call="infer") from None
 
+    def decoupled(self, timeout: float | None) -> bool | None:
+        """Whether the model's configuration (Triton's ModelConfig RPC) says it is decoupled; None
+        when the server does not answer it (not every server has the RPC)."""
+        target = self.target
+        request = _string_field(1, target.model) + (_string_field(2, target.version) if target.version else b"")
+        try:
+            return config_decoupled(self._model_config(request, timeout=timeout, metadata=self._metadata))
+        except (grpc.RpcError, ProtocolError):
+            return None
+
     def open_stream(
         self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None,
         parameters: Mapping[str, Any] | None = None,
@@ -165,6 +178,12 @@ class GrpcTransport:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def _string_field(field: int, value: str) -> bytes:
+    """A length-delimited field of a protobuf message on the wire form."""
+    raw = value.encode("utf-8")
+    return encode_varint(field << 3 | 2) + encode_varint(len(raw)) + raw
 
 
 class GrpcStream:
@@ -236,46 +255,65 @@ def split_stream_response(data: bytes) -> tuple[str, bytes]:
 
     :raises ProtocolError: the bytes are not such a message.
     """
-    error = b""
-    answer = b""
-    pos, end = 0, len(data)
-    while pos < end:
-        key, pos = _varint(data, pos)
-        field, wire = key >> 3, key & 7
-        if wire == 2:
-            size, pos = _varint(data, pos)
-            if pos + size > end:
-                raise ProtocolError("a ModelStreamInferResponse ends inside one of its fields")
-            value = data[pos : pos + size]
-            pos += size
-            if field == 1:
-                error = value
-            elif field == 2:
-                answer = value
-        elif wire == 0:
-            _, pos = _varint(data, pos)
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise ProtocolError(f"a ModelStreamInferResponse holds a field of wire type {wire}")
-    if pos > end:
-        raise ProtocolError("a ModelStreamInferResponse ends inside one of its fields")
+    fields = wire_fields(data, "ModelStreamInferResponse")
+    error, answer = fields.get(1, b""), fields.get(2, b"")
+    if not isinstance(error, bytes) or not isinstance(answer, bytes):
+        raise ProtocolError("a ModelStreamInferResponse's fields are not length-delimited")
     try:
         return error.decode("utf-8"), answer
     except UnicodeDecodeError:
         raise ProtocolError("a ModelStreamInferResponse's error_message is not UTF-8") from None
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def config_decoupled(data: bytes) -> bool:
+    """Whether a serialized ModelConfigResponse says ``model_transaction_policy { decoupled: true }``
+    (Triton's field numbers: config 1, model_transaction_policy 19, decoupled 1), read on the wire
+    form as :func:`split_stream_response` reads its message.
+
+    :raises ProtocolError: the bytes are not such a message.
+    """
+    config = wire_fields(data, "ModelConfigResponse").get(1, b"")
+    policy = wire_fields(config, "ModelConfig").get(19, b"") if isinstance(config, bytes) else b""
+    decoupled = wire_fields(policy, "ModelTransactionPolicy").get(1, 0) if isinstance(policy, bytes) else 0
+    return decoupled == 1
+
+
+def wire_fields(data: bytes, what: str) -> dict[int, bytes | int]:
+    """A protobuf message's fields on the wire form: field number -> its last value (the bytes of
+    a length-delimited field, the value of a varint; fixed-width fields skipped).
+
+    :raises ProtocolError: the bytes are not a message (``what`` names it).
+    """
+    fields: dict[int, bytes | int] = {}
+    pos, end = 0, len(data)
+    while pos < end:
+        key, pos = _varint(data, pos, what)
+        field, wire = key >> 3, key & 7
+        if wire == 2:
+            size, pos = _varint(data, pos, what)
+            if pos + size > end:
+                raise ProtocolError(f"a {what} ends inside one of its fields")
+            fields[field] = bytes(data[pos : pos + size])
+            pos += size
+        elif wire == 0:
+            fields[field], pos = _varint(data, pos, what)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ProtocolError(f"a {what} holds a field of wire type {wire}")
+    if pos > end:
+        raise ProtocolError(f"a {what} ends inside one of its fields")
+    return fields
+
+
+def _varint(data: bytes, pos: int, what: str) -> tuple[int, int]:
     value = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
-            raise ProtocolError("a ModelStreamInferResponse holds a malformed varint")
+            raise ProtocolError(f"a {what} holds a malformed varint")
         byte = data[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
             return value, pos
         shift += 7
-
-

@@ -297,6 +297,18 @@ class HttpTransport:
             raise remote_error(self.target, "protocol", "the model metadata is not a JSON object", call="model metadata")
         return body
 
+    def decoupled(self, timeout: float | None) -> bool | None:
+        """Whether the model's configuration (Triton's ``GET .../config``) says it is decoupled;
+        None when the server has no such route or does not answer it."""
+        try:
+            status, body = self._get(self._model_path + "/config", "model config", timeout, ok=(200, 400, 404, 501))
+        except RemoteError:
+            return None
+        if status != 200 or not isinstance(body, dict):
+            return None
+        policy = body.get("model_transaction_policy")
+        return isinstance(policy, dict) and policy.get("decoupled") is True
+
     def ready(self, timeout: float | None) -> bool:
         # 200 ready; Triton and neuropod answer 400 (and MLServer 404/503) for a model that is not.
         status, _ = self._get(self._model_path + "/ready", "model ready", timeout, ok=(200, 400, 503))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,7 +16,7 @@ from neuropod.spec import TensorSpec
 from neuropod_serving.client._http import HttpTransport
 from neuropod_serving.client._pool import Pool, Transport
 from neuropod_serving.client._target import SCHEMES, Target, is_loopback, parse_url
-from neuropod_serving.client.remote_model import CONNECT_TIMEOUT_S, RemoteModel
+from neuropod_serving.client.remote_model import BACKEND_PARAMETER, CONNECT_TIMEOUT_S, RemoteModel
 from neuropod_serving.protocol.metadata import specs_from_model_metadata
 
 #: Extra attempts of a call that found its server unavailable.
@@ -86,7 +87,12 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
     pool = Pool(transports, retries=retries)
     try:
         metadata, spec = _metadata(pool, check_ready=check_ready, timeout=connect_timeout)
-        return RemoteModel(targets, pool, metadata, spec, timeout=timeout)
+        params = metadata.get("parameters")
+        # neuropod serve says whether a model is decoupled in its metadata; other servers (Triton)
+        # in the model's configuration, asked here.
+        from_neuropod = isinstance(params, Mapping) and BACKEND_PARAMETER in params
+        decoupled = None if from_neuropod else _config_decoupled(pool, connect_timeout)
+        return RemoteModel(targets, pool, metadata, spec, timeout=timeout, decoupled=decoupled)
     except BaseException:
         pool.close()
         raise
@@ -191,6 +197,18 @@ def _metadata(
                 url=target.url, code="protocol",
             )  # fmt: skip
     return first, spec
+
+
+def _config_decoupled(pool: Pool, timeout: float | None) -> bool | None:
+    """Whether the model's configuration says it is decoupled, from the first server up that
+    answers; None when none has a model configuration to ask (MLServer)."""
+    now = time.monotonic()
+    for server in pool.servers:
+        if server.down_until <= now:
+            found = server.transport.decoupled(timeout)
+            if found is not None:
+                return found
+    return None
 
 
 def _spec(target: Target, metadata: Mapping[str, Any]) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:

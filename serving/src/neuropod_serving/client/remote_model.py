@@ -67,8 +67,10 @@ class RemoteModel(NeuropodModel):
         spec: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]],
         *,
         timeout: float | None,
+        decoupled: bool | None = None,
     ):
         inputs, outputs = spec
+        self._decoupled = decoupled
         self.package = None  # type: ignore[assignment]
         self.resolution = None  # type: ignore[assignment]
         self.urls: tuple[str, ...] = tuple(t.url for t in targets)
@@ -113,9 +115,12 @@ class RemoteModel(NeuropodModel):
     @property
     def decoupled(self) -> bool:
         """Whether the model answers a request with any number of responses (zero or more), as
-        the server says (``neuropod serve`` does, with the model metadata parameter
-        ``neuropod_decoupled``): run it with :meth:`infer_stream` (its :meth:`infer` refuses).
-        False for a model of a server that does not say."""
+        the server says (``neuropod serve`` with the model metadata parameter
+        ``neuropod_decoupled``; Triton in the model's configuration, its
+        ``model_transaction_policy``): run it with :meth:`infer_stream` (its :meth:`infer`
+        refuses). False for a model of a server that does not say."""
+        if self._decoupled is not None:
+            return self._decoupled
         flag = self._server_params.get(DECOUPLED_PARAMETER)
         return flag is True or (isinstance(flag, str) and flag.lower() == "true")
 
