@@ -29,7 +29,8 @@ Measured:
    figure is a stream's time over its responses, the median over the rounds;
    the ratio is the median of the rounds' ratios to the floor of the same
    protocol. Beside it, the server's CPU time per response (its process group,
-   from /proc) and the client's, so a client that cannot keep up would show.
+   from /proc, over all rounds) and the client's, so a client that cannot keep
+   up would show.
    Target: neuropod <= 1.3 x the floor, over gRPC and over SSE.
 2. Time to the first response of ``stream`` with COUNT 1 (it yields at once)
    against the latency of one unary call to ``unary`` (ModelInfer over gRPC,
@@ -66,6 +67,7 @@ from typing import Any
 import numpy as np
 
 import _common
+from neuropod_serving.server.launcher import GIL_SWITCH_S
 from stream_clients import GrpcClient, HttpClient, Timed, grpc_request, grpc_responses, rest_body, sse_responses
 
 HERE = Path(__file__).resolve().parent
@@ -78,6 +80,8 @@ FIRST_RESPONSE_TARGET = 1.2
 #: Microseconds between the responses of an open, unread stream (the memory measurement).
 SLOW_DELAY_US = 100_000
 FLOOR, NEUROPOD = "floor", "neuropod serve"
+#: The second gRPC floor: the same server at neuropod serve's GIL switch interval.
+FLOOR_GIL = f"floor, GIL switch {GIL_SWITCH_S * 1e6:g} us"
 PROTOCOLS = {"grpc": "gRPC ModelStreamInfer", "sse": "SSE infer_stream"}
 
 MODEL_CODE = """
@@ -240,10 +244,13 @@ def neuropod_server(packages: list[Path], tmp: Path, open_streams: int) -> Serve
 
 
 def floor_servers(tmp: Path) -> dict[str, Server]:
-    grpc, http = free_port(), free_port()
+    """The floors by protocol; "grpc_gil" is the gRPC floor at neuropod serve's GIL switch interval."""
+    grpc, grpc_gil, http = free_port(), free_port(), free_port()
     floor = [sys.executable, str(HERE / "stream_floor.py")]
+    gil = ["--gil-switch-us", f"{GIL_SWITCH_S * 1e6:g}"]
     return {
         "grpc": Server(f"{FLOOR} (grpcio)", 0, grpc, [*floor, "--grpc-port", str(grpc)], tmp / "floor-grpc.log"),
+        "grpc_gil": Server(FLOOR_GIL, 0, grpc_gil, [*floor, "--grpc-port", str(grpc_gil), *gil], tmp / "floor-gil.log"),
         "sse": Server(f"{FLOOR} (Starlette)", http, 0, [*floor, "--http-port", str(http)], tmp / "floor-sse.log"),
     }
 
@@ -321,8 +328,10 @@ class Cell:
     server: Server
     run: Callable[[], Timed]
     wall: list[float] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
-    client_cpu: list[float] = field(default_factory=list)
+    #: CPU seconds of the server's process group and of this process over every round, and the responses.
+    cpu: float = 0.0
+    client_cpu: float = 0.0
+    responses: int = 0
 
 
 def measure_round(cell: Cell, streams: int, responses: int) -> None:
@@ -333,8 +342,9 @@ def measure_round(cell: Cell, streams: int, responses: int) -> None:
         if t.responses != responses:
             raise RuntimeError(f"{cell.who} {cell.protocol}: a stream gave {t.responses} responses, not {responses}")
         walls.append(t.total / responses)
-    cell.cpu.append((group_cpu(cell.server) - cpu0) / (streams * responses))
-    cell.client_cpu.append((time.process_time() - me0) / (streams * responses))
+    cell.cpu += group_cpu(cell.server) - cpu0
+    cell.client_cpu += time.process_time() - me0
+    cell.responses += streams * responses
     cell.wall.append(statistics.median(walls))
 
 
@@ -348,29 +358,43 @@ def per_response(cells: list[Cell], rounds: int, streams: int, responses: int) -
             measure_round(cell, streams, responses)
 
 
+def _ratios(cell: Cell, floor: Cell) -> tuple[float, float]:
+    """``cell`` over ``floor``: the median of the rounds' wall ratios, and the ratio of CPU per response."""
+    wall = statistics.median(a / b for a, b in zip(cell.wall, floor.wall))
+    return wall, (cell.cpu / cell.responses) / (floor.cpu / floor.responses)
+
+
 def report_per_response(cells: list[Cell], responses: int) -> None:
-    print(f"\n1. Per-response cost, streams of {responses} responses (us per response; medians over rounds)")
-    print(f"   {'':<34} {'wall':>8} {'server CPU':>11} {'client CPU':>11} {'x floor':>8}")
+    print(f"\n1. Per-response cost, streams of {responses} responses, us per response "
+          "(wall: median over rounds; CPU: over all rounds)")  # fmt: skip
+    print(f"   {'':<48} {'wall':>8} {'server CPU':>11} {'client CPU':>11} {'x floor':>8}  (CPU)")
     for protocol, title in PROTOCOLS.items():
         floor = next((c for c in cells if c.protocol == protocol and c.who == FLOOR), None)
+        gil = next((c for c in cells if c.protocol == protocol and c.who == FLOOR_GIL), None)
         for cell in (c for c in cells if c.protocol == protocol):
-            wall, cpu, client = (statistics.median(x) * 1e6 for x in (cell.wall, cell.cpu, cell.client_cpu))
-            ratio = (
-                statistics.median(a / b for a, b in zip(cell.wall, floor.wall)) if floor and cell is not floor else None
-            )
-            cpu_ratio = (
-                statistics.median(cell.cpu) / statistics.median(floor.cpu) if floor and cell is not floor else None
-            )
-            shown = f"{ratio:8.2f}" if ratio is not None else f"{'':>8}"
-            print(f"   {title + ', ' + cell.who:<34} {wall:8.2f} {cpu:11.2f} {client:11.2f} {shown}")
-            key = f"stream.{protocol}.{'floor' if cell.who == FLOOR else 'neuropod'}"
+            wall = statistics.median(cell.wall) * 1e6
+            cpu, client = cell.cpu / cell.responses * 1e6, cell.client_cpu / cell.responses * 1e6
+            ratio = cpu_ratio = None
+            shown = ""
+            if floor is not None and cell is not floor:
+                ratio, cpu_ratio = _ratios(cell, floor)
+                shown = f"{ratio:8.2f}  ({cpu_ratio:.2f})"
+            print(f"   {title + ', ' + cell.who:<48} {wall:8.2f} {cpu:11.2f} {client:11.2f} {shown}")
+            kind = {FLOOR: "floor", FLOOR_GIL: "floor_gil"}.get(cell.who, "neuropod")
+            key = f"stream.{protocol}.{kind}"
             _common.record(f"{title}, {cell.who}: seconds per response", key, wall=wall / 1e6, server_cpu=cpu / 1e6,
                            client_cpu=client / 1e6, ratio=ratio, cpu_ratio=cpu_ratio, responses=responses,
                            method=f"median over {len(cell.wall)} rounds of the median stream")  # fmt: skip
-            if ratio is not None:
-                _common.verdict(f"{title}: per response <= {PER_RESPONSE_TARGET} x the floor", ratio <= PER_RESPONSE_TARGET,
-                                f"{ratio:.2f} x ({wall:.2f} us against the floor's {statistics.median(floor.wall) * 1e6:.2f} us; "
-                                f"server CPU {cpu_ratio:.2f} x)", key=f"{key}.ratio")  # fmt: skip
+            if cell.who != NEUROPOD or ratio is None or floor is None:
+                continue
+            _common.verdict(f"{title}: per response <= {PER_RESPONSE_TARGET} x the floor", ratio <= PER_RESPONSE_TARGET,
+                            f"{ratio:.2f} x ({wall:.2f} us against the floor's {statistics.median(floor.wall) * 1e6:.2f} us; "
+                            f"server CPU {cpu_ratio:.2f} x)", key=f"{key}.ratio")  # fmt: skip
+            if gil is not None:
+                same, same_cpu = _ratios(cell, gil)
+                print(f"   {'':<48} {'':>8} {'':>11} {'':>11} {same:8.2f}  ({same_cpu:.2f}) x the {FLOOR_GIL}")
+                _common.record(f"{title}, {NEUROPOD} against the {FLOOR_GIL}", f"{key}.against_floor_gil",
+                               ratio=same, cpu_ratio=same_cpu)  # fmt: skip
 
 
 # --- 2. time to the first response ------------------------------------------------
@@ -434,9 +458,9 @@ def report_memory(rows: list[tuple[str, str, dict[str, float]]], count: int) -> 
     print(
         f"\n3. Memory: {count} open streams whose clients read nothing (one response every {SLOW_DELAY_US // 1000} ms)"
     )
-    print(f"   {'':<34} {'idle MiB':>9} {'open MiB':>9} {'KiB/stream':>11} {'closed MiB':>11} {'threads':>16}")
+    print(f"   {'':<40} {'idle MiB':>9} {'open MiB':>9} {'KiB/stream':>11} {'closed MiB':>11} {'threads':>16}")
     for protocol, who, m in rows:
-        print(f"   {PROTOCOLS[protocol] + ', ' + who:<34} {m['idle'] / mb:9.1f} {m['open'] / mb:9.1f} "
+        print(f"   {PROTOCOLS[protocol] + ', ' + who:<40} {m['idle'] / mb:9.1f} {m['open'] / mb:9.1f} "
               f"{m['per_stream'] / 1024:11.1f} {m['after'] / mb:11.1f} "
               f"{m['threads_idle']:>4.0f} > {m['threads_open']:>4.0f} > {m['threads_after']:>4.0f}")  # fmt: skip
         _common.record(f"{PROTOCOLS[protocol]}, {who}: memory of {count} open streams",
@@ -491,7 +515,11 @@ def main() -> int:
         print(f"servers {'on core 0, clients on core 1 (taskset)' if pinned else 'NOT pinned (no taskset or one core)'}; "
               f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
 
-        for reason in (check_grpc(floors["grpc"], STREAM), check_sse(floors["sse"], STREAM)):
+        for reason in (
+            check_grpc(floors["grpc"], STREAM),
+            check_grpc(floors["grpc_gil"], STREAM),
+            check_sse(floors["sse"], STREAM),
+        ):
             if reason:
                 raise RuntimeError(f"the floor answered wrongly: {reason}")
         reasons = {"grpc": check_grpc(ours, STREAM), "sse": check_sse(ours, STREAM)}
@@ -501,15 +529,16 @@ def main() -> int:
                 skipped.append(f"{PROTOCOLS[protocol]}, neuropod serve: skipped: {reason}")
                 print(skipped[-1])
 
-        grpc_clients = {who: GrpcClient(s.grpc_port) for who, s in ((FLOOR, floors["grpc"]), (NEUROPOD, ours))}
+        grpc_servers = ((FLOOR, floors["grpc"]), (FLOOR_GIL, floors["grpc_gil"]), (NEUROPOD, ours))
+        grpc_clients = {who: GrpcClient(s.grpc_port) for who, s in grpc_servers}
         http_clients = {who: HttpClient(s.http_port) for who, s in ((FLOOR, floors["sse"]), (NEUROPOD, ours))}
         for c in (*grpc_clients.values(), *http_clients.values()):
             stack.callback(c.close)
         many_grpc = grpc_request(STREAM, args.responses)
         many_rest = rest_body(args.responses)
         cells = []
-        for who, server in ((FLOOR, floors["grpc"]), (NEUROPOD, ours)):
-            if who == FLOOR or ready["grpc"]:
+        for who, server in grpc_servers:
+            if who != NEUROPOD or ready["grpc"]:
                 cells.append(Cell("grpc", who, server, lambda c=grpc_clients[who]: c.one_stream(many_grpc)))
         for who, server in ((FLOOR, floors["sse"]), (NEUROPOD, ours)):
             if who == FLOOR or ready["sse"]:

@@ -17,7 +17,8 @@ least a server can do around it.
   ``ModelStreamInferResponse`` on the wire form (no second serialization);
   with the request parameter ``triton_enable_empty_final_response`` an empty
   response with ``triton_final_response`` true ends the request, as Triton's
-  decoupled models do.
+  decoupled models do. ``--gil-switch-us`` sets Python's GIL switch interval
+  (bench_stream.py runs a second gRPC floor at ``neuropod serve``'s).
 * SSE: one Starlette route on uvicorn (uvloop, httptools, no access log): the
   body parsed with orjson, then a ``StreamingResponse`` whose generator yields
   one ``data: {json}\\n\\n`` event per response, the JSON an OIP infer response
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -169,7 +171,12 @@ def main() -> None:
     parser.add_argument(
         "--grpc-threads", type=int, default=128, help="the gRPC server's threads: one per open stream (default 128)"
     )
+    parser.add_argument(
+        "--gil-switch-us", type=float, help="Python's GIL switch interval in microseconds (default: Python's, 5 ms)"
+    )
     args = parser.parse_args()
+    if args.gil_switch_us:
+        sys.setswitchinterval(args.gil_switch_us / 1e6)
     if args.grpc_port:
         serve_grpc(args.grpc_port, args.grpc_threads)
     else:
