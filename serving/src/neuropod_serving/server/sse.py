@@ -33,7 +33,7 @@ from neuropod_serving.protocol.bodies import ENCODER, orjson_module
 from neuropod_serving.protocol.datatypes import NATIVE_DTYPES
 from neuropod_serving.protocol.events import EVENT_STREAM, error_event, event
 from neuropod_serving.protocol.generate import generate_response, parse_generate_request
-from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.registry import ServedModel
 from neuropod_serving.server.rest_io import (
     HEADER_LENGTH_KEY,
@@ -97,7 +97,11 @@ class StreamRoutes:
                 if route == "generate" and not getattr(served.model, "decoupled", False):
                     # One answer from an ordinary model: through its batcher and run slots, as /infer.
                     failure = "model"
-                    outputs = await engine.infer(served, request.inputs, None, request.options)
+                    try:
+                        outputs = await engine.infer(served, request.inputs, None, request.options)
+                    except CLIENT_ERRORS:
+                        failure = "client"
+                        raise
                     failure = None
                     await send_body(
                         send, 200, generate_response(served.name, served.version, outputs, request.id), None
