@@ -4,6 +4,7 @@ generators chosen by the package's ``0/data/op.json``."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -317,3 +318,28 @@ def test_closing_the_model_ends_an_open_stream(site: Path) -> None:
         next(stream)
     stream.close()
     assert gone(pid)
+
+
+def test_ainfer_stream_for_asyncio(site: Path, use_ope: bool) -> None:
+    path = make(site, "repeat")
+
+    async def main(model: neuropod.NeuropodModel) -> None:
+        got = [r async for r in model.ainfer_stream(inputs([3, 4]), ["out"])]
+        assert plain(got) == [{"out": [3]}, {"out": [4]}]
+        async with model.ainfer_stream(inputs([5, 6, 7])) as stream:
+            assert plain([await stream.__anext__()]) == expected([5])
+        assert stream.stream.done
+        # A task cancelled while it waits for a response: the generator is closed after it.
+        slow = model.ainfer_stream(inputs([1, 2, 3], delay=0.2))
+        assert plain([await slow.__anext__()]) == expected([1])
+        task = asyncio.ensure_future(slow.__anext__())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.to_thread(wait_for, lambda: log(path)[-1:] == ["finally"], 2.0)
+        assert plain(model.infer_stream(inputs([8]))) == expected([8])
+
+    with neuropod.load_neuropod(path, use_ope=use_ope) as model:
+        asyncio.run(main(model))
+    assert log(path).count("finally") == 4

@@ -17,7 +17,7 @@ from neuropod.errors import BackendError, NeuropodError, NoBackendError
 from neuropod.package import Package
 from neuropod.resolve import Resolution
 from neuropod.spec import SpecValidator, TensorSpec
-from neuropod.streams import ResponseStream, cannot_stream
+from neuropod.streams import AsyncResponseStream, ResponseStream, cannot_stream
 from neuropod.tensors import TensorFacts
 
 
@@ -312,6 +312,20 @@ class NeuropodModel:
         if source is None or isinstance(source, Mapping) or not hasattr(source, "__next__"):
             source = iter(_not_an_iterator(self, source))
         return ResponseStream(source, functools.partial(self._checked_response, bindings, requested), self._run_failed)
+
+    def ainfer_stream(
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None, *,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> AsyncResponseStream:  # fmt: skip
+        """:meth:`infer_stream` for asyncio code: ``async for response in model.ainfer_stream(inputs)``.
+
+        The same checks (inputs now, each response as it comes) and errors; each response is
+        read on a thread of the event loop's default executor, so the loop does not wait for
+        the model. Close it with ``await stream.aclose()`` or ``async with``.
+
+        :returns: a :class:`~neuropod.streams.AsyncResponseStream`.
+        """
+        return AsyncResponseStream(self.infer_stream(inputs, requested_outputs, parameters=parameters))
 
     def _one_response(
         self, inputs: dict[str, Any], bindings: dict[str, tuple[int, str]], requested: list[str] | None,

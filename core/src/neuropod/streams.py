@@ -128,6 +128,52 @@ class ResponseStream:
         return f"<ResponseStream {state}, {self.responses} response(s) so far>"
 
 
+class AsyncResponseStream:
+    """A :class:`ResponseStream` for asyncio code: ``async for response in stream``.
+
+    Each response is read on a thread of the event loop's default executor, so the loop never
+    waits for the model. ``await stream.aclose()`` (or leaving ``async with``) closes it; so
+    does cancelling a task that is waiting for a response (the model's generator is then
+    closed as soon as the response it is working on is ready, and that response is dropped).
+    """
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: ResponseStream) -> None:
+        #: The stream read underneath (its ``done`` and ``responses`` hold here too).
+        self.stream = stream
+
+    def __aiter__(self) -> AsyncResponseStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        import asyncio  # lazy: asyncio, kept out of loading a model (only async callers need it, and have it)
+
+        try:
+            item: dict[str, Any] | None = await asyncio.get_running_loop().run_in_executor(None, next, self.stream, None)
+        except asyncio.CancelledError:
+            self.stream.close()  # the thread still reading finishes its response, then closes the generator
+            raise
+        if item is None:  # a response is a dict, never None
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        """Stop the stream, as :meth:`ResponseStream.close` does, without blocking the event loop."""
+        import asyncio  # lazy: as in __anext__
+
+        await asyncio.get_running_loop().run_in_executor(None, self.stream.close)
+
+    async def __aenter__(self) -> AsyncResponseStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<Async{repr(self.stream)[1:]}"
+
+
 def cannot_stream(model: str, backend: Backend) -> NeuropodError:
     """The error for decoupled model ``model`` on a backend whose plugin has no ``infer_stream``
     hook: it cannot run there (raised at load, in this process or in a worker)."""
@@ -139,4 +185,4 @@ def cannot_stream(model: str, backend: Backend) -> NeuropodError:
     )
 
 
-__all__ = ["ResponseStream", "cannot_stream"]
+__all__ = ["AsyncResponseStream", "ResponseStream", "cannot_stream"]
