@@ -425,6 +425,17 @@ def test_too_many_open_streams_is_429_and_closing_one_makes_room(base: str, engi
         assert status == 200 and events[0]["outputs"][0]["data"] == [4]
 
 
+def test_stream_routes_need_the_bearer_token(engine: Engine) -> None:
+    with serve_in_thread(create_app(engine, auth_token="s3cret")) as port:
+        for route, body in (("infer_stream", _repeat_body([1])), ("generate", {"text_input": "a", "max_tokens": 1})):
+            url = f"http://127.0.0.1:{port}/v2/models/{'repeat' if route == 'infer_stream' else 'textgen'}/{route}"
+            r = httpx.post(url, json=body)
+            assert r.status_code == 401 and "Bearer" in r.json()["error"]
+            r = httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200, r.text
+        assert r.json()["text_output"] == "a"
+
+
 # -- flow control ----------------------------------------------------------------------------
 
 
