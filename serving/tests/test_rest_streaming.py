@@ -33,6 +33,7 @@ from neuropod_serving.errors import ProtocolError  # noqa: E402
 from neuropod_serving.protocol.events import EventReader, error_event, event_error  # noqa: E402
 from neuropod_serving.protocol.generate import input_shape  # noqa: E402
 from neuropod_serving.server import Engine, ModelRegistry, create_app  # noqa: E402
+from neuropod_serving.server.metrics import ServerMetrics  # noqa: E402
 from neuropod_serving.server.streams import StreamLimits  # noqa: E402
 
 from conftest import private_caches, serve_in_thread  # noqa: E402
@@ -133,9 +134,8 @@ def root() -> Iterator[Path]:
 
 
 def _engine(root: Path) -> Engine:
-    return Engine(
-        ModelRegistry.load([root / "models"]), stream_limits=StreamLimits(max_open=MAX_OPEN, buffered=BUFFERED)
-    )
+    limits = StreamLimits(max_open=MAX_OPEN, buffered=BUFFERED)
+    return Engine(ModelRegistry.load([root / "models"]), metrics=ServerMetrics(), stream_limits=limits)
 
 
 @pytest.fixture(scope="module")
@@ -434,6 +434,29 @@ def test_stream_routes_need_the_bearer_token(engine: Engine) -> None:
             r = httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret"})
             assert r.status_code == 200, r.text
         assert r.json()["text_output"] == "a"
+
+
+def test_streams_are_counted_in_the_metrics(base: str) -> None:
+    def sample(metrics: str, name: str, **labels: str) -> float:
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in metrics.splitlines():
+            if line.startswith(f"{name}{{") and line[len(name) + 1 : line.index("}")] == want:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    metrics_url = base.replace("/v2/models", "/metrics")
+    before = httpx.get(metrics_url).text
+    assert _stream(f"{base}/repeat/infer_stream", _repeat_body([1, 2]))[0] == 200
+    assert _stream(f"{base}/repeat/infer_stream", _repeat_body([1, -1]))[0] == 200  # failed after a response
+    assert httpx.post(f"{base}/repeat/infer_stream", json={"inputs": []}).status_code == 400
+    after = httpx.get(metrics_url).text
+    for name, labels, more in [
+        ("neuropod_requests_total", {"model": "repeat", "protocol": "rest"}, 3),
+        ("neuropod_request_failures_total", {"model": "repeat", "protocol": "rest", "reason": "model"}, 1),
+        ("neuropod_request_failures_total", {"model": "repeat", "protocol": "rest", "reason": "client"}, 1),
+        ("neuropod_stream_first_response_seconds_count", {"model": "repeat"}, 2),
+    ]:
+        assert sample(after, name, **labels) - sample(before, name, **labels) == more, (name, labels)
 
 
 # -- flow control ----------------------------------------------------------------------------
