@@ -313,7 +313,22 @@ def test_closing_the_model_ends_an_open_stream(site: Path) -> None:
     (pid,) = model.worker_pids
     stream = model.infer_stream(inputs([1, 2, 3]))
     next(stream)
+    # Another thread waits for the worker the stream holds; closing the model answers it too.
+    errors: list[BaseException] = []
+
+    def wait_for_the_worker() -> None:
+        try:
+            model.infer_stream(inputs([4])).__next__()
+        except BaseException as e:  # noqa: BLE001 - kept for the assertion below
+            errors.append(e)
+
+    waiting = threading.Thread(target=wait_for_the_worker)
+    waiting.start()
+    time.sleep(0.05)
     model.close()
+    waiting.join(5)
+    assert not waiting.is_alive() and len(errors) == 1
+    assert isinstance(errors[0], NeuropodError) and "is closed" in str(errors[0])
     with pytest.raises(neuropod.errors.WorkerError, match="closed"):
         next(stream)
     stream.close()

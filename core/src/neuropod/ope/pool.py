@@ -75,8 +75,8 @@ class WorkerPool:
         #: Calls the workers answered, and the seconds their backend spent in ``infer`` for them.
         self.runs = 0
         self.run_s = 0.0
-        #: Workers held by open streams, by the thread that opened each (see :meth:`take`).
-        self.streams_held: dict[int, int] = {}
+        #: Workers held by open streams, each with the thread that took it (see :meth:`take`).
+        self.stream_workers: dict[WorkerProcess, int] = {}
         self.workers = [WorkerProcess(self) for _ in range(workers)]
         self.idle: queue.SimpleQueue[WorkerProcess] = queue.SimpleQueue()
         try:
@@ -122,7 +122,7 @@ class WorkerPool:
         self._check_usable()
         if not self.forgotten.empty():
             self._collect()
-        if self.streams_held:
+        if self.stream_workers:
             self._check_not_waiting_on_self()
         worker = self.idle.get()
         try:
@@ -150,9 +150,24 @@ class WorkerPool:
             worker._teardown()
         self.idle.put(worker)
 
+    def take_for_stream(self) -> WorkerProcess:
+        """:meth:`take`, for a stream that holds the worker until :meth:`stream_ended`."""
+        worker = self.take()
+        with self.lock:
+            self.stream_workers[worker] = threading.get_ident()
+        return worker
+
+    def stream_ended(self, worker: WorkerProcess) -> None:
+        """A stream gives back the worker it held."""
+        with self.lock:
+            self.stream_workers.pop(worker, None)
+        self.give_back(worker)
+
     def _check_not_waiting_on_self(self) -> None:
         """Refuse a call that would wait for ever: every worker is held by a stream this thread reads."""
-        held = self.streams_held.get(threading.get_ident(), 0)
+        me = threading.get_ident()
+        with self.lock:
+            held = sum(1 for thread in self.stream_workers.values() if thread == me)
         if held >= len(self.workers):
             raise NeuropodError(
                 f"Every worker of model {self.name!r} ({held}) is held by a stream this thread has open and "
@@ -220,6 +235,10 @@ class WorkerPool:
         deadline = time.monotonic() + _STOP_WAIT
         for w in idle:
             w._teardown(deadline)
+        with self.lock:
+            # Workers that open streams hold may never be given back (a stream nobody reads): a call
+            # waiting for a worker must not wait for them.
+            idle += [w for w in self.stream_workers if w not in idle]
         for w in idle:
             self.idle.put(w)  # a call that passed the closed check before close() must not wait forever
         with self.lock:

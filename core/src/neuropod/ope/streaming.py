@@ -12,12 +12,11 @@ the model's other workers, or wait for it.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from neuropod.errors import NeuropodError
+from neuropod.errors import NeuropodError, WorkerError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,29 +26,21 @@ if TYPE_CHECKING:
 
 
 class _Held:
-    """The worker a stream holds, and the thread that took it; given back exactly once."""
+    """The worker a stream holds; given back exactly once."""
 
-    __slots__ = ("pool", "thread", "worker")
+    __slots__ = ("pool", "worker")
 
     def __init__(self, pool: WorkerPool, worker: WorkerProcess | None):
         self.pool = pool
         self.worker = worker
-        self.thread = threading.get_ident()
 
     def give_back(self, *, abandoned: bool = False) -> None:
         worker, self.worker = self.worker, None
         if worker is None:
             return
-        pool = self.pool
         if abandoned:  # from garbage collection: ask the worker to end the stream, read its answer later
             worker.abandon_stream()
-        with pool.lock:
-            left = pool.streams_held.get(self.thread, 0) - 1
-            if left > 0:
-                pool.streams_held[self.thread] = left
-            else:
-                pool.streams_held.pop(self.thread, None)
-        pool.give_back(worker)
+        self.pool.stream_ended(worker)
 
     def abandon(self) -> None:
         self.give_back(abandoned=True)
@@ -88,6 +79,8 @@ class WorkerStream:
                 worker = held.worker
                 if worker is None:
                     raise StopIteration
+                if held.pool.closed:
+                    raise WorkerError(f"Model {held.pool.name!r} was closed while this stream was open")
                 response = worker.next_response()
         except StopIteration:
             raise
@@ -103,10 +96,7 @@ class WorkerStream:
         return response
 
     def _take(self, pool: WorkerPool) -> _Held:
-        worker = pool.take()
-        held = self._held = _Held(pool, worker)
-        with pool.lock:
-            pool.streams_held[held.thread] = pool.streams_held.get(held.thread, 0) + 1
+        held = self._held = _Held(pool, pool.take_for_stream())
         # A stream dropped while it holds the worker gives it back (and ends the model's generator).
         # Not at interpreter exit: the workers end with this process then.
         weakref.finalize(self, held.abandon).atexit = False
