@@ -42,6 +42,11 @@ Measured:
    then with ``--open-streams`` streams open whose clients read nothing (the
    model yields one response every 100 ms), then after they are closed; per
    stream, and the server's threads.
+4. Backpressure: ``--fast-streams`` unread streams of a model yielding as fast
+   as it can: the server's RSS and CPU share once the buffers on the way have
+   filled (a model held back by its reader waits: no CPU, no memory growth),
+   and the client's own RSS growth (a grpcio client that does not read still
+   receives into its own memory).
 """
 
 from __future__ import annotations
@@ -62,7 +67,6 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -425,32 +429,77 @@ def first_response(label: str, stream: Callable[[], Timed], unary: Callable[[], 
 # --- 3. memory of open streams -------------------------------------------------------
 
 
+def unread(server: Server, protocol: str, model: str, count: int, delay_us: int) -> Callable[[], None]:
+    """Open ``count`` streams of 10**7 responses, ``delay_us`` apart, whose client reads nothing; what closes them."""
+    if protocol == "grpc":
+        client = GrpcClient(server.grpc_port)
+        request = grpc_request(model, 10**7, delay_us)
+        calls = [client.stream(iter((request,)), timeout=600) for _ in range(count)]
+
+        def close() -> None:
+            for call in calls:
+                call.cancel()
+            client.close()
+
+        return close
+    body = rest_body(10**7, delay_us)
+    sockets = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", server.http_port))
+        sock.sendall((f"POST {SSE_PATH.format(model)} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)  # fmt: skip
+        sockets.append(sock)
+
+    def close_sockets() -> None:
+        for sock in sockets:
+            sock.close()
+
+    return close_sockets
+
+
 def open_streams(server: Server, protocol: str, model: str, count: int, settle: float) -> dict[str, float]:
     """RSS idle, with ``count`` unread slow streams open, and after they are closed."""
     idle, idle_threads = group_memory(server)
-    held: list[Any] = []
-    if protocol == "grpc":
-        client = GrpcClient(server.grpc_port)
-        request = grpc_request(model, 10**6, SLOW_DELAY_US)
-        held = [client.stream(iter((request,)), timeout=600) for _ in range(count)]
-    else:
-        body = rest_body(10**6, SLOW_DELAY_US)
-        for _ in range(count):
-            c = HttpClient(server.http_port)
-            sock = c._connect()
-            sock.sendall((f"POST {SSE_PATH.format(model)} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                          f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)  # fmt: skip
-            held.append(c)
+    close = unread(server, protocol, model, count, SLOW_DELAY_US)
     time.sleep(settle)
     busy, busy_threads = group_memory(server)
-    for h in held:
-        (h.cancel if protocol == "grpc" else h.close)()
-    if protocol == "grpc":
-        client.close()
+    close()
     time.sleep(settle)
     after, after_threads = group_memory(server)
     return {"idle": idle, "open": busy, "after": after, "per_stream": (busy - idle) / count, "threads_idle": idle_threads,
             "threads_open": busy_threads, "threads_after": after_threads}  # fmt: skip
+
+
+def _own_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def backpressure(server: Server, protocol: str, model: str, count: int, wait: float) -> dict[str, float]:
+    """``count`` unread streams of a model yielding as fast as it can: the server's RSS before, after
+    ``wait`` seconds (the buffers on the way filled) and ``wait`` seconds later, its CPU share over
+    those last seconds (0 when the model waits), and what the client's own memory grew meanwhile."""
+    before = group_memory(server)[0]
+    close = unread(server, protocol, model, count, 0)
+    time.sleep(wait)
+    filled, cpu, own = group_memory(server)[0], group_cpu(server), _own_rss()
+    time.sleep(wait)
+    later, cpu_share, own_growth = group_memory(server)[0], (group_cpu(server) - cpu) / wait, _own_rss() - own
+    close()
+    time.sleep(1.0)
+    return {"before": before, "filled": filled, "later": later, "cpu_share": cpu_share, "client_growth": own_growth}
+
+
+def report_backpressure(rows: list[tuple[str, str, dict[str, float]]], count: int, wait: float) -> None:
+    mb = 1 << 20
+    print(f"\n4. Backpressure: {count} unread streams of a model yielding as fast as it can; server RSS before, "
+          f"after {wait:g} s and {wait:g} s later, its CPU share over those last seconds, the client's RSS growth then")  # fmt: skip
+    print(f"   {'':<40} {'before':>8} {'filled':>8} {'later':>8} {'CPU share':>10} {'client +MiB':>12}")
+    for protocol, who, m in rows:
+        print(f"   {PROTOCOLS[protocol] + ', ' + who:<40} {m['before'] / mb:8.1f} {m['filled'] / mb:8.1f} "
+              f"{m['later'] / mb:8.1f} {m['cpu_share']:10.2f} {m['client_growth'] / mb:12.1f}")  # fmt: skip
+        _common.record(f"{PROTOCOLS[protocol]}, {who}: {count} unread streams of a fast model",
+                       f"stream.backpressure.{protocol}.{'floor' if who == FLOOR else 'neuropod'}", streams=count, **m)  # fmt: skip
 
 
 def report_memory(rows: list[tuple[str, str, dict[str, float]]], count: int) -> None:
@@ -483,6 +532,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=3, help="streams per server and round (default 3)")
     parser.add_argument("--calls", type=int, default=600, help="pairs of calls for the first response (default 600)")
     parser.add_argument("--open-streams", type=int, default=100, help="open streams for the memory (default 100)")
+    parser.add_argument("--fast-streams", type=int, default=10, help="unread streams of a fast model (default 10)")
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: 3 rounds of 2 streams, 100 pairs, 20 open streams"
     )
@@ -574,6 +624,12 @@ def main() -> int:
                 if who == FLOOR or ready[protocol]:
                     memory.append((protocol, who, open_streams(server, protocol, STREAM, args.open_streams, 2.0)))
         report_memory(memory, args.open_streams)
+        pressed = []
+        for protocol in PROTOCOLS:
+            for who, server in ((FLOOR, floors[protocol]), (NEUROPOD, ours)):
+                if who == FLOOR or ready[protocol]:
+                    pressed.append((protocol, who, backpressure(server, protocol, STREAM, args.fast_streams, 3.0)))
+        report_backpressure(pressed, args.fast_streams, 3.0)
         load = os.getloadavg()
         print(f"\nload average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
         for line in skipped:
