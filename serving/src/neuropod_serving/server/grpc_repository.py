@@ -50,8 +50,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -239,13 +239,58 @@ def empty_final(served: Any, request_id: str | None) -> bytes:
     return stream_response(answer.SerializeToString(), final=True)
 
 
-def _wants_empty_final(parameters: Mapping[str, Any]) -> bool:
-    value = parameters.get(EMPTY_FINAL_RESPONSE, False)
-    if not isinstance(value, bool):
+class StreamRequest(NamedTuple):
+    """A decoupled model's ModelStreamInfer request, decoded and checked (:func:`stream_request`)."""
+
+    inputs: dict[str, Any]
+    #: The outputs asked for, None: all.
+    requested: list[str] | None
+    options: Any
+    id: str | None
+    #: The request asks for the empty final response after the model's last (``triton_enable_empty_final_response``).
+    empty_final: bool
+
+
+def stream_request(served: Any, call: InferCall) -> StreamRequest:
+    """``call`` decoded for ``served``, a decoupled model: what :meth:`Engine.open_stream` takes.
+
+    :raises ProtocolError: the request does not fit (its tensors; shared memory, classification
+        or a non-bool ``triton_enable_empty_final_response``, which a stream does not take).
+    """
+    assert call.request is not None
+    decoded = call.request.decode(served.input_specs)
+    if decoded.shared_memory is not None:
         raise ProtocolError(
-            f"request parameter {EMPTY_FINAL_RESPONSE!r} is a bool (bool_param), not {type(value).__name__}"
+            f"model {served.name!r} is decoupled: its inputs and outputs travel in the stream's messages, "
+            "not in shared memory regions; send the tensors in the request"
         )
-    return value
+    options = decoded.options
+    if options is not None and options.classification:
+        raise ProtocolError(
+            f"model {served.name!r} is decoupled: the classification extension is not served on its streams; "
+            "request the outputs themselves"
+        )
+    empty_final = decoded.parameters.get(EMPTY_FINAL_RESPONSE, False)
+    if not isinstance(empty_final, bool):
+        raise ProtocolError(
+            f"request parameter {EMPTY_FINAL_RESPONSE!r} is a bool (bool_param), not {type(empty_final).__name__}"
+        )
+    requested = list(decoded.outputs) if decoded.outputs is not None else None
+    return StreamRequest(decoded.inputs, requested, options, decoded.id, empty_final)
+
+
+def stream_answer(served: Any, outputs: dict[str, Any], request_id: str | None) -> bytes:
+    """One response of a decoupled model as a ModelStreamInferResponse (``triton_final_response`` false).
+
+    :raises NeuropodError: an output the protocol cannot carry (the model's fault, not the request's).
+    """
+    try:
+        response = codec.serialize_model_infer_response(
+            served.name, outputs, model_version=served.version, id=request_id
+        )
+    except ProtocolError as e:
+        raise NeuropodError(f"its outputs cannot be sent: {e}") from e
+    return stream_response(response, final=False)
 
 
 class _Reading:
@@ -296,40 +341,20 @@ def _streamed(engine: Engine, served: Any, call: InferCall, reading: _Reading) -
     started = time.perf_counter()
     failure: str | None = "client"  # until the stream opens; then the model's
     try:
-        assert call.request is not None
-        decoded = call.request.decode(served.input_specs)
-        if decoded.shared_memory is not None:
-            raise ProtocolError(
-                f"model {served.name!r} is decoupled: its inputs and outputs travel in the stream's messages, "
-                "not in shared memory regions; send the tensors in the request"
-            )
-        options = decoded.options
-        if options is not None and options.classification:
-            raise ProtocolError(
-                f"model {served.name!r} is decoupled: the classification extension is not served on its streams; "
-                "request the outputs themselves"
-            )
-        wants_empty_final = _wants_empty_final(decoded.parameters)
-        requested = list(decoded.outputs) if decoded.outputs is not None else None
-        stream = engine.open_stream(served, decoded.inputs, requested, options)
+        request = stream_request(served, call)
+        stream = engine.open_stream(served, request.inputs, request.requested, request.options)
         failure = "model"
         reading.hold(stream)
         try:
             for outputs in stream:
-                try:
-                    response = codec.serialize_model_infer_response(
-                        served.name, outputs, model_version=served.version, id=decoded.id
-                    )
-                except ProtocolError as e:  # an output the protocol cannot carry is the model's fault
-                    raise NeuropodError(f"its outputs cannot be sent: {e}") from e
-                yield stream_response(response, final=False)
+                yield stream_answer(served, outputs, request.id)
         finally:
             reading.release(stream)
         if reading.gone:
             failure = "client"  # cancelled: nothing more is sent
             return
-        if wants_empty_final:
-            yield empty_final(served, decoded.id)
+        if request.empty_final:
+            yield empty_final(served, request.id)
         failure = None
     except GeneratorExit:  # the client went away while a response was being sent
         failure = "client"
@@ -429,10 +454,13 @@ __all__ = [
     "FINAL_RESPONSE",
     "REPOSITORY_METHODS",
     "RepositoryServicer",
+    "StreamRequest",
     "StreamSlots",
     "handlers",
     "empty_final",
     "model_stream_infer",
+    "stream_answer",
     "stream_error",
+    "stream_request",
     "stream_response",
 ]
