@@ -92,6 +92,7 @@ class Worker:
         #: The backend's ``infer_stream`` (a decoupled model), and the open stream's iterator.
         self.infer_stream: Any = None
         self.stream: Any = None
+        self.stream_wanted: list[str] | None = None
         self.backend_id = "?"
 
     def load(self, protocol: int, package_path: str, backend_id: str, device: str, options: dict[str, Any]) -> tuple[Any, ...]:
@@ -144,7 +145,7 @@ class Worker:
         arrays = self._inputs(message, fds)
         if self.infer_stream is None:
             raise NeuropodError(f"Model {self.name!r} is not decoupled: it answers with infer, not infer_stream")
-        wanted = list(requested) if requested is not None else None
+        wanted = self.stream_wanted = list(requested) if requested is not None else None
         self.stream = self.infer_stream(self.model, arrays, wanted, extra[0] if extra else None)
         if self.stream is None or isinstance(self.stream, Mapping) or not hasattr(self.stream, "__next__"):
             got, self.stream = type(self.stream).__name__, None
@@ -167,6 +168,9 @@ class Worker:
                     f"Backend {self.backend_id} gave a response of {type(outputs).__name__} for model "
                     f"{self.name!r}, not a dict of output name to numpy array"
                 )
+            wanted = self.stream_wanted
+            if wanted is not None:  # only what the client keeps crosses
+                outputs = {name: outputs[name] for name in wanted if name in outputs}
             reply, out_fds = self._reply(outputs, free)
         except StopIteration:
             self.stream = None
