@@ -105,8 +105,8 @@ def test_each_response_as_the_model_makes_it(server: StreamServer, client: Any) 
     assert [r.as_numpy("IDX").tolist() for r in results[:3]] == [[0], [1], [2]]
     assert [_final(r) for r in results] == [False, False, False, True]
     assert results[3].as_numpy("OUT") is None and not results[3].get_response().outputs  # the empty final response
-    assert got[1][2] - got[0][2] >= 0.25, "the first response waited for the second"
-    assert got[0][2] < got[1][2] - 0.2
+    # The second was made 300 ms after the first: the first arrived well before it (not held back for it).
+    assert got[1][2] - got[0][2] >= 0.15, "the first response waited for the second"
     _streams_closed(server)
 
 
