@@ -3,6 +3,7 @@ in this process and in a worker process."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -113,3 +114,19 @@ def test_test_data_that_differ_from_the_joined_responses_are_refused(tmp_path: P
     with pytest.raises(NeuropodError, match="'OUT'"):
         _package(tmp_path, test_input_data=_inputs([1, 2]),
                  test_expected_out={"OUT": np.array([1, 3], np.int32)})  # fmt: skip
+
+
+def test_a_decoupled_model_streams_from_its_lock_environment(tmp_path: Path, neuropod_home: Path) -> None:
+    path = _package(tmp_path)
+    lock = "six==1.16.0\n"  # the lock of the requirements tests: one environment for both
+    (path / "0" / "requirements.lock").write_text(lock)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["0/requirements.lock"] = hashlib.sha256(lock.encode()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    log = tmp_path / "finally.log"
+    with neuropod.load_neuropod(path) as model:
+        assert model.backend.location.startswith("env:lock-")
+        assert _plain(model.infer_stream(_inputs([3, 1]), parameters={"word": "t"})) == _expected([3, 1], "t")
+        with model.infer_stream(_inputs([1, 2, 3]), parameters={"log": str(log)}) as stream:
+            assert _plain([next(stream)]) == _expected([1])
+        assert log.read_text() == "finally\n"
