@@ -24,6 +24,7 @@ from neuropod import plugins
 from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.package import parse_config, write_package
 from neuropod.testdata import run_test_data
+from neuropod.testing import run_in_threads
 
 from _ope_toy import TOY, gone
 
@@ -277,6 +278,17 @@ def test_a_stream_holds_its_worker_and_gives_it_back(site: Path) -> None:
         reader.join(5)
         assert got == expected([7])
         assert model.worker_pids == [pid], "the same worker throughout"
+
+
+def test_streams_from_several_threads_share_the_workers(site: Path) -> None:
+    with neuropod.load_neuropod(make(site, "repeat"), use_ope=True, workers=2) as model:
+
+        def work(n: int) -> None:
+            for r in range(5):
+                values = [n * 100 + r * 10 + i for i in range(n + 1)]
+                assert plain(model.infer_stream(inputs(values))) == expected(values)
+
+        run_in_threads(work, 4)
 
 
 def test_a_stream_dropped_unread_gives_its_worker_back(site: Path) -> None:
