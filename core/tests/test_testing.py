@@ -18,8 +18,9 @@ from neuropod.testing import BackendConformance, hooks_covered
 HOOKS = {name for name, f in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(f, "neuropod_spec")}
 
 
-def test_the_hooks_are_the_four_of_the_design() -> None:
-    assert {"supported_versions", "device_caps", "load_model", "infer"} == HOOKS
+def test_the_hooks_are_those_of_the_design() -> None:
+    """The four every backend implements, and the optional ``infer_stream`` (decoupled models)."""
+    assert {"supported_versions", "device_caps", "load_model", "infer", "infer_stream"} == HOOKS
 
 
 def test_every_hook_is_exercised_by_the_suite() -> None:

@@ -396,6 +396,30 @@ class BackendConformance:
         with self._load(path) as model:
             self._assert_copies(model.infer(inputs), inputs)
 
+    @covers("infer_stream", runs_model=True)
+    def test_streams(self, tmp_path: Path) -> None:
+        """``infer_stream`` works on every backend: an ordinary model answers with its one response.
+        A decoupled package loads only where the plugin implements the ``infer_stream`` hook; on any
+        other backend it is refused when it is packaged (its check loads it), naming the hook."""
+        dtype = self._first_dtype()
+        ins, outs = self._pair_spec(dtype, ["a", "b"])
+        path = self.make_package(tmp_path, "streamed", ins, outs)
+        inputs = self._inputs(dtype, ["a", "b"])
+        with self._load(path) as model:
+            assert not model.decoupled
+            with model.infer_stream(inputs) as stream:
+                responses = list(stream)
+            assert len(responses) == 1
+            self._assert_copies(responses[0], inputs)
+            (only_b,) = list(model.infer_stream(inputs, requested_outputs=["out_b"]))
+            assert set(only_b) == {"out_b"}
+        streams = any(impl.plugin_name == self._ep_name for impl in plugins.get_plugin_manager().hook.infer_stream.get_hookimpls())
+        if streams:
+            return  # a decoupled model of this backend is the backend's own to build and test
+        with pytest.raises(NeuropodError, match="infer_stream"):
+            self.make_package(tmp_path, "decoupled", ins, outs, decoupled=True)
+        assert not (tmp_path / "decoupled").exists()
+
 
 class HostTensor:
     """Another framework's tensor in host memory, as the DLPack protocol shows it (numpy's memory behind it)."""
