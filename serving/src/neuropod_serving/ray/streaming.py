@@ -26,11 +26,16 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from neuropod.errors import NeuropodError
-from neuropod_serving.errors import ProtocolError
-from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol.options import request_options
 from neuropod_serving.server import Engine
-from neuropod_serving.server.grpc_repository import EMPTY_FINAL_RESPONSE, empty_final, stream_error, stream_response
+from neuropod_serving.server.grpc_repository import (
+    decoupled_model,
+    empty_final,
+    stream_answer,
+    stream_error,
+    stream_request,
+    stream_response,
+)
 from neuropod_serving.server.grpc_service import InferCall, Servicer, status_of
 from neuropod_serving.server.streams import ServedStream
 
@@ -75,12 +80,8 @@ async def model_stream_infer(servicer: Servicer, requests: AsyncIterator[bytes],
     async for data in requests:
         call = InferCall(bytes(data))
         try:
-            request = call.request
-            if request is None:
-                assert call.error is not None
-                raise call.error
-            served = engine.get(call.model_name, request.model_version or None)
-            if not getattr(served.model, "decoupled", False):
+            served = decoupled_model(engine, call)
+            if served is None:
                 yield stream_response(await servicer.model_infer_async(call, context), final=True)
                 continue
             async for answer in _streamed(engine, served, call):
@@ -96,36 +97,13 @@ async def _streamed(engine: Engine, served: Any, call: InferCall) -> AsyncIterat
     started = time.perf_counter()
     failure: str | None = "client"  # until the stream opens; then the model's
     try:
-        assert call.request is not None
-        decoded = call.request.decode(served.input_specs)
-        if decoded.shared_memory is not None:
-            raise ProtocolError(
-                f"model {served.name!r} is decoupled: its inputs and outputs travel in the stream's messages, "
-                "not in shared memory regions; send the tensors in the request"
-            )
-        options = decoded.options
-        if options is not None and options.classification:
-            raise ProtocolError(
-                f"model {served.name!r} is decoupled: the classification extension is not served on its streams; "
-                "request the outputs themselves"
-            )
-        wants_empty_final = decoded.parameters.get(EMPTY_FINAL_RESPONSE, False)
-        if not isinstance(wants_empty_final, bool):
-            raise ProtocolError(f"request parameter {EMPTY_FINAL_RESPONSE!r} is a bool (bool_param), not "
-                                f"{type(wants_empty_final).__name__}")  # fmt: skip
-        requested = list(decoded.outputs) if decoded.outputs is not None else None
-        stream = engine.open_stream(served, decoded.inputs, requested, options)
+        request = stream_request(served, call)
+        stream = engine.open_stream(served, request.inputs, request.requested, request.options)
         failure = "model"
         async for outputs in _responses(stream):
-            try:
-                response = codec.serialize_model_infer_response(
-                    served.name, outputs, model_version=served.version, id=decoded.id
-                )
-            except ProtocolError as e:  # an output the protocol cannot carry is the model's fault
-                raise NeuropodError(f"its outputs cannot be sent: {e}") from e
-            yield stream_response(response, final=False)
-        if wants_empty_final:
-            yield empty_final(served, decoded.id)
+            yield stream_answer(served, outputs, request.id)
+        if request.empty_final:
+            yield empty_final(served, request.id)
         failure = None
     finally:
         engine.metrics.request(served.name, "grpc", time.perf_counter() - started, failure)

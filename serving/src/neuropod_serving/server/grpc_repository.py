@@ -324,8 +324,11 @@ class _Reading:
             stream.close()  # the model's generator closes at once, or right after its current response
 
 
-def _decoupled(engine: Engine, call: InferCall) -> Any:
-    """The decoupled model ``call`` names, or None when it names another (answered as ModelInfer is)."""
+def decoupled_model(engine: Engine, call: InferCall) -> Any:
+    """The decoupled model ``call`` names, or None when it names another (answered as ModelInfer is).
+
+    :raises ProtocolError: the request could not be read; as :meth:`Engine.get` for the model.
+    """
     request = call.request
     if request is None:
         assert call.error is not None
@@ -389,7 +392,7 @@ def model_stream_infer(
                 try:
                     if slots.stopping is not None:
                         raise StreamStoppedError(f"ModelStreamInfer takes no more requests: {slots.stopping}")
-                    served = _decoupled(engine, call)
+                    served = decoupled_model(engine, call)
                     if served is None:
                         yield stream_response(servicer.model_infer(call, context), final=True)
                     else:
@@ -456,8 +459,9 @@ __all__ = [
     "RepositoryServicer",
     "StreamRequest",
     "StreamSlots",
-    "handlers",
+    "decoupled_model",
     "empty_final",
+    "handlers",
     "model_stream_infer",
     "stream_answer",
     "stream_error",
