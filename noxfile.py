@@ -556,10 +556,11 @@ def triton_examples(session: nox.Session) -> None:
     """Triton's own Python client examples, unchanged, against neuropod serve: one run per example and
     protocol, PASS/FAIL/SKIP (about 1 min; not part of CI). Give the examples' checkout:
     nox -s triton_examples -- --examples /path/to/triton-inference-server/client"""
+    # neuropod-python: repeat_int32, the decoupled model of simple_grpc_custom_repeat.py.
     # pillow and attrdict: image_client.py's imports (attrdict for its HTTP variant).
-    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
-                    f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", "tritonclient[http,grpc]>=2.73", "pillow",
-                    "attrdict")  # fmt: skip
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{ROOT / 'plugins/neuropod-python'}",
+                    f"{SERVING}[server]", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx",
+                    "tritonclient[http,grpc]>=2.73", "pillow", "attrdict")  # fmt: skip
     session.run("python", "bench/triton_examples.py", *session.posargs)
 
 

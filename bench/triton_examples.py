@@ -19,7 +19,12 @@ data types, shapes and batching they expect:
 * ``densenet_onnx``: FP32 ``data_0`` [3, 224, 224] (NCHW) -> ``fc6_1``
   [1000, 1, 1] with class labels, unbatched, as Triton's image example model
   (a small graph, not DenseNet: the examples check shapes and the protocol,
-  not the classes).
+  not the classes);
+* ``repeat_int32``: a decoupled Python-backend package with the interface of
+  Triton's ``repeat`` example backend: INT32 ``IN`` [n], UINT32 ``DELAY`` [n]
+  (microseconds before each response), UINT32 ``WAIT`` [1] (after the last)
+  -> one response per element of ``IN``: ``OUT`` INT32 [1] (the element),
+  ``IDX`` UINT32 [1] (its index).
 
 It starts one ``neuropod serve`` over that repository (on 8000/8001 when they
 are free, as ``memory_growth_test.py`` hard-codes them, else on free ports;
@@ -55,7 +60,6 @@ from typing import Any
 
 #: Why runs of features neuropod serve does not have are skipped.
 SEQUENCE = "needs a sequence-batched (stateful) model; neuropod serve has no sequence batching"
-DECOUPLED = "needs a decoupled model (several responses a request); neuropod serve answers one a request"
 ENSEMBLE = "needs a Triton ensemble (image preprocessing model chained to a classifier); not served"
 #: Why runs that fail are expected to: checks of Triton itself or of Triton's test repository.
 TRITON_NAME = "checks that the server's name is 'triton'; neuropod serve's is 'neuropod'"
@@ -103,7 +107,7 @@ def plan() -> list[Run]:
         runs.append(Run(f"simple_grpc_{name}_client.py" if not health else "simple_grpc_health_metadata.py", "grpc",
                         ["-u", "{grpc}"], known=TRITON_NAME if health else ""))  # fmt: skip
     runs.append(Run("simple_grpc_cudashm_client.py", "grpc", ["-u", "{grpc}"], needs_gpu=True))
-    runs.append(Run("simple_grpc_custom_repeat.py", "grpc", ["-u", "{grpc}"], skip=DECOUPLED))
+    runs.append(Run("simple_grpc_custom_repeat.py", "grpc", ["-u", "{grpc}"]))
     for name in ("aio_sequence_stream", "sequence_stream", "sequence_sync"):
         runs.append(Run(f"simple_grpc_{name}_infer_client.py", "grpc", ["-u", "{grpc}"], skip=SEQUENCE))
     for name in ("aio_infer", "async_infer", "health_metadata", "infer", "shm", "shm_string", "string_infer"):
@@ -114,6 +118,8 @@ def plan() -> list[Run]:
     runs.append(Run("simple_http_sequence_sync_infer_client.py", "http", ["-u", "{http}"], skip=SEQUENCE))
     runs.append(Run("simple_grpc_model_control.py", "grpc", ["-u", "{grpc}"],
                     known=TRITON_REPO.format(n=8) + NO_FILE_LOADS))  # fmt: skip
+    # The repository here holds seven models (build_models), the number this one checks for: it passes
+    # as long as that stays so, and says why it fails otherwise.
     runs.append(Run("simple_http_model_control.py", "http", ["-u", "{http}"], known=TRITON_REPO.format(n=7)))
     return runs
 
@@ -135,6 +141,36 @@ def _onnx(nodes: list[Any], inputs: list[Any], outputs: list[Any], inits: list[A
 
 def _spec(entries: list[tuple[str, str, list[Any]]]) -> list[dict[str, Any]]:
     return [{"name": n, "dtype": t, "shape": s} for n, t, s in entries]
+
+
+#: ``repeat_int32``'s code: a generator, one response per element of ``IN`` (a decoupled model).
+REPEAT_INT32 = """
+import time
+
+import numpy as np
+
+
+def get_model(data_root):
+    def repeat(IN, DELAY, WAIT):
+        for i, value in enumerate(IN):
+            time.sleep(int(DELAY[i]) / 1e6)
+            yield {"OUT": np.array([value], np.int32), "IDX": np.array([i], np.uint32)}
+        time.sleep(int(WAIT[0]) / 1e6)
+
+    return repeat
+"""
+
+
+def build_repeat_int32(dest: Path) -> None:
+    """``repeat_int32`` as a decoupled Python-backend package at ``dest`` (its code written in a temporary folder)."""
+    from neuropod.packagers import create_python_neuropod
+
+    with tempfile.TemporaryDirectory(prefix="repeat-int32-code-") as code:
+        (Path(code) / "repeat_int32_model.py").write_text(REPEAT_INT32)
+        create_python_neuropod(dest, "repeat_int32", [], [{"python_root": code, "dirs_to_package": [""]}],
+                               "repeat_int32_model", "get_model",
+                               _spec([("IN", "int32", ["n"]), ("DELAY", "uint32", ["n"]), ("WAIT", "uint32", [1])]),
+                               _spec([("OUT", "int32", [1]), ("IDX", "uint32", [1])]), decoupled=True)  # fmt: skip
 
 
 def build_models(repo: Path) -> list[str]:
@@ -198,7 +234,10 @@ def build_models(repo: Path) -> list[str]:
     package("densenet_onnx", image_nodes, [("data_0", "float32", [3, 224, 224])],
             [("fc6_1", "float32", [1000, 1, 1])], {"data_0": T.FLOAT, "fc6_1": T.FLOAT}, inits,
             output_labels={"fc6_1": [f"CLASS_{i}" for i in range(1000)]})  # fmt: skip
-    return ["simple", "simple_int8", "simple_string", "simple_identity", "custom_identity_int32", "densenet_onnx"]
+    build_repeat_int32(repo / "repeat_int32")
+    # Seven models: simple_http_model_control.py checks that the repository holds exactly seven.
+    return ["simple", "simple_int8", "simple_string", "simple_identity", "custom_identity_int32", "densenet_onnx",
+            "repeat_int32"]  # fmt: skip
 
 
 #: What Triton's densenet_onnx ``config.pbtxt`` says that a package does not: the input's layout.
