@@ -21,7 +21,7 @@ from neuropod_serving.client._target import Target
 from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
-from neuropod_serving.protocol._wire import encode_varint
+from neuropod_serving.protocol._wire import encode_varint, wire_fields
 
 _SERVICE = "/inference.GRPCInferenceService/"
 #: The response parameter that marks a request's last response (Triton's decoupled semantics).
@@ -276,44 +276,3 @@ def config_decoupled(data: bytes) -> bool:
     policy = wire_fields(config, "ModelConfig").get(19, b"") if isinstance(config, bytes) else b""
     decoupled = wire_fields(policy, "ModelTransactionPolicy").get(1, 0) if isinstance(policy, bytes) else 0
     return decoupled == 1
-
-
-def wire_fields(data: bytes, what: str) -> dict[int, bytes | int]:
-    """A protobuf message's fields on the wire form: field number -> its last value (the bytes of
-    a length-delimited field, the value of a varint; fixed-width fields skipped).
-
-    :raises ProtocolError: the bytes are not a message (``what`` names it).
-    """
-    fields: dict[int, bytes | int] = {}
-    pos, end = 0, len(data)
-    while pos < end:
-        key, pos = _varint(data, pos, what)
-        field, wire = key >> 3, key & 7
-        if wire == 2:
-            size, pos = _varint(data, pos, what)
-            if pos + size > end:
-                raise ProtocolError(f"a {what} ends inside one of its fields")
-            fields[field] = bytes(data[pos : pos + size])
-            pos += size
-        elif wire == 0:
-            fields[field], pos = _varint(data, pos, what)
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise ProtocolError(f"a {what} holds a field of wire type {wire}")
-    if pos > end:
-        raise ProtocolError(f"a {what} ends inside one of its fields")
-    return fields
-
-
-def _varint(data: bytes, pos: int, what: str) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ProtocolError(f"a {what} holds a malformed varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7

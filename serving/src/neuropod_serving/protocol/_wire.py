@@ -26,7 +26,7 @@ WIRE_THRESHOLD = 64 * 1024
 _WIRE_LENGTH_DELIMITED = 2
 
 
-def _varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
+def _varint(data: bytes | memoryview, pos: int, end: int, what: str = "gRPC message") -> tuple[int, int]:
     result = 0
     shift = 0
     while pos < end:
@@ -38,7 +38,7 @@ def _varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
         shift += 7
         if shift > 63:
             break
-    raise ProtocolError("the gRPC message is malformed: a varint is truncated or longer than 10 bytes")
+    raise ProtocolError(f"the {what} is malformed: a varint is truncated or longer than 10 bytes")
 
 
 def encode_varint(value: int) -> bytes:
@@ -110,4 +110,32 @@ def split_raw(data: bytes, field: int) -> tuple[bytes, list[memoryview]]:
     return b"".join(rest), raws
 
 
-__all__ = ["WIRE_THRESHOLD", "append_raw", "encode_varint", "split_raw"]
+def wire_fields(data: bytes, what: str) -> dict[int, bytes | int]:
+    """A protobuf message's fields on the wire form: field number -> its last value (the bytes of
+    a length-delimited field, the value of a varint; fixed-width fields skipped).
+
+    :raises ProtocolError: the bytes are not a message (``what`` names it).
+    """
+    fields: dict[int, bytes | int] = {}
+    pos, end = 0, len(data)
+    while pos < end:
+        key, pos = _varint(data, pos, end, what)
+        field, wire = key >> 3, key & 7
+        if wire == _WIRE_LENGTH_DELIMITED:
+            size, pos = _varint(data, pos, end, what)
+            if pos + size > end:
+                raise ProtocolError(f"a {what} ends inside one of its fields")
+            fields[field] = bytes(data[pos : pos + size])
+            pos += size
+        elif wire == 0:
+            fields[field], pos = _varint(data, pos, end, what)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ProtocolError(f"a {what} holds a field of wire type {wire}")
+    if pos > end:
+        raise ProtocolError(f"a {what} ends inside one of its fields")
+    return fields
+
+
+__all__ = ["WIRE_THRESHOLD", "append_raw", "encode_varint", "split_raw", "wire_fields"]
