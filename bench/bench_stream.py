@@ -1,7 +1,7 @@
 """Streams from ``neuropod serve`` against a bare gRPC stream and a bare SSE endpoint, in one run.
 
     python bench/bench_stream.py [--responses 1000] [--rounds 9] [--streams 3] [--calls 600]
-        [--open-streams 100] [--json out.json] [--quick]
+        [--open-streams 100] [--fast-streams 10] [--json out.json] [--quick] [--strict]
 
 Servers, each a process of its own pinned to CPU core 0 (taskset); this process,
 every client, pinned to core 1:
@@ -15,7 +15,9 @@ every client, pinned to core 1:
   ModelStreamInfer with the same responses as ModelStreamInferResponse messages
   (built from numpy arrays, serialized), and a Starlette route on uvicorn
   writing them as ``data: {json}`` Server-Sent Events (orjson). No model, no
-  checks: what a server cannot do with less.
+  checks: what a server cannot do with less. A second gRPC floor runs at
+  ``neuropod serve``'s GIL switch interval (``launcher.GIL_SWITCH_S``, 0.1 ms
+  against Python's 5 ms), which costs a grpcio stream CPU per response.
 
 Clients (stream_clients.py), the same for a floor and for neuropod serve: a bare
 grpcio stub (bytes in and out, the end found by ``triton_final_response`` in
