@@ -329,26 +329,33 @@ class HttpTransport:
         self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None,
         parameters: Mapping[str, Any] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:  # fmt: skip
-        target = self.target
-        binary = self.binary is not False
-        try:
-            body = build_infer_request(
-                inputs, binary=binary, outputs=requested, binary_outputs=binary, parameters=parameters
-            )
-        except ProtocolError as e:
-            raise remote_error(target, "invalid_argument", f"the inputs cannot be sent: {e}", call="infer") from None
-        if body.json_length is not None:
-            extra = f"Content-Type: application/octet-stream\r\n{HEADER_LENGTH}: {body.json_length}\r\n"
-        else:
-            extra = "Content-Type: application/json\r\n"
-        head = f"{self._infer_head}{extra}Content-Length: {len(body.content)}\r\n\r\n".encode("latin-1")
-        status, headers, data = self._request(head, body.content, "infer", timeout)
+        content, extra = self._request_body(inputs, requested, parameters, self.binary is not False, "infer")
+        head = f"{self._infer_head}{extra}Content-Length: {len(content)}\r\n\r\n".encode("latin-1")
+        status, headers, data = self._request(head, content, "infer", timeout)
         if status != 200:
             raise self._status_error(status, data, "infer")
         try:
             return parse_infer_response(data, headers.get(HEADER_LENGTH)).outputs
         except ProtocolError as e:
-            raise remote_error(target, "protocol", str(e), call="infer") from None
+            raise remote_error(self.target, "protocol", str(e), call="infer") from None
+
+    def _request_body(
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None,
+        parameters: Mapping[str, Any] | None, binary_outputs: bool, call: str,
+    ) -> tuple[bytes, str]:  # fmt: skip
+        """An infer request's body (inputs as binary data where the server takes it) and its
+        Content-Type header line (with the JSON header's length when binary data follows it).
+
+        :raises RemoteError: an input the protocol cannot carry (``invalid_argument``).
+        """
+        try:
+            body = build_infer_request(inputs, binary=self.binary is not False, outputs=requested,
+                                       binary_outputs=binary_outputs, parameters=parameters)  # fmt: skip
+        except ProtocolError as e:
+            raise remote_error(self.target, "invalid_argument", f"the inputs cannot be sent: {e}", call=call) from None
+        if body.json_length is not None:
+            return body.content, f"Content-Type: application/octet-stream\r\n{HEADER_LENGTH}: {body.json_length}\r\n"
+        return body.content, "Content-Type: application/json\r\n"
 
     def open_stream(
         self, inputs: Mapping[str, np.ndarray[Any, Any]], requested: Sequence[str] | None, timeout: float | None,
@@ -358,27 +365,18 @@ class HttpTransport:
         answer's head; its events are read from the returned stream (``timeout``: a deadline for
         the whole stream). A refusal (an HTTP error status) is a RemoteError, as for :meth:`infer`."""
         target = self.target
-        binary = self.binary is not False
-        try:
-            # Inputs as binary data where the server takes it; outputs as JSON, the form events carry.
-            body = build_infer_request(inputs, binary=binary, outputs=requested, binary_outputs=False,
-                                       parameters=parameters)  # fmt: skip
-        except ProtocolError as e:
-            raise remote_error(target, "invalid_argument", f"the inputs cannot be sent: {e}", call="infer_stream") from None
-        if body.json_length is not None:
-            extra = f"Content-Type: application/octet-stream\r\n{HEADER_LENGTH}: {body.json_length}\r\n"
-        else:
-            extra = "Content-Type: application/json\r\n"
+        # Outputs as JSON, the form events carry.
+        content, extra = self._request_body(inputs, requested, parameters, False, "infer_stream")
         head = (
             f"POST {self._model_path}/infer_stream HTTP/1.1\r\n{self._common}Accept: text/event-stream\r\n"
-            f"{extra}Content-Length: {len(body.content)}\r\n\r\n"
+            f"{extra}Content-Length: {len(content)}\r\n\r\n"
         ).encode("latin-1")
         deadline = None if timeout is None else time.monotonic() + timeout
         conn: _Connection | None = None
         try:
             conn = _Connection(target, self._context, self._server_name, deadline)
             conn.sock.settimeout(_left(deadline))
-            conn.sock.sendall(head + body.content)
+            conn.sock.sendall(head + content)
             response = http.client.HTTPResponse(_Reading(_DeadlineReader(conn.sock, deadline)))  # type: ignore[arg-type]
             response.begin()
             if response.status != 200:
