@@ -42,15 +42,14 @@ from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from neuropod_serving.server.model_config import model_config
 from neuropod_serving.server.registry import ServedModel
 from neuropod_serving.server.rest_io import (
-    HEADER_LENGTH_KEY,
     INLINE_BODY_BYTES,
     Disconnected,
     TooLarge,
     add_chunk,
     answer_to,
     check_declared,
-    inflated,
-    receive_body,
+    request_body,
+    request_head,
     send_body,
     send_error,
 )
@@ -154,19 +153,9 @@ class _RawInfer:
         try:
             s = engine.get(name, version)
             refuse_decoupled(s)
-            declared = header_length = encoding = accept = None
-            for key, value in scope["headers"]:
-                if key == b"content-length":
-                    declared = value.decode("latin-1")
-                elif key == HEADER_LENGTH_KEY:
-                    header_length = value.decode("latin-1")
-                elif key == b"content-encoding":
-                    encoding = value
-                elif key == b"accept-encoding":
-                    accept = value
-            body: bytes | bytearray = await receive_body(receive, declared, self.limit)
-            if encoding is not None:
-                body = await inflated(body, encoding, self.limit)
+            head = request_head(scope)
+            header_length = head.header_length
+            body = await request_body(receive, head, self.limit)
             if header_length is not None:
                 # Binary tensors are decoded as views of the body: of a bytearray they are
                 # writable, which a model may assume (one copy of the body instead of a copy
@@ -203,8 +192,8 @@ class _RawInfer:
                     if small
                     else await run_in_threadpool(shared_memory_api.rest_body, held, s, decoded, outputs)
                 )
-            if accept is not None and len(content) >= COMPRESS_FROM:
-                response_encoding = chosen(accept)
+            if head.accept is not None and len(content) >= COMPRESS_FROM:
+                response_encoding = chosen(head.accept)
                 if response_encoding is not None:
                     content = (
                         compressed(content, response_encoding)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import NamedTuple
 
 from starlette.concurrency import run_in_threadpool
-from starlette.types import Receive, Send
+from starlette.types import Receive, Scope, Send
 
 from neuropod.errors import NeuropodError, SpecError
 from neuropod_serving.errors import ModelBusyError, ProtocolError, RequestTimeoutError, UnknownModelError
@@ -140,6 +141,46 @@ async def receive_body(receive: Receive, declared: str | None, limit: int) -> by
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+class RequestHead(NamedTuple):
+    """What the bare ASGI routes read of a request's headers (each as sent, None when absent)."""
+
+    #: Content-Length.
+    declared: str | None
+    #: Inference-Header-Content-Length: the body is that many bytes of JSON, then binary tensors.
+    header_length: str | None
+    #: Content-Encoding.
+    encoding: bytes | None
+    #: Accept-Encoding.
+    accept: bytes | None
+
+
+def request_head(scope: Scope) -> RequestHead:
+    """The headers of a bare ASGI request that say how to read its body and answer it."""
+    declared = header_length = encoding = accept = None
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            declared = value.decode("latin-1")
+        elif key == HEADER_LENGTH_KEY:
+            header_length = value.decode("latin-1")
+        elif key == b"content-encoding":
+            encoding = value
+        elif key == b"accept-encoding":
+            accept = value
+    return RequestHead(declared, header_length, encoding, accept)
+
+
+async def request_body(receive: Receive, head: RequestHead, limit: int) -> bytes | bytearray:
+    """The whole body of a bare ASGI request, inflated when it came compressed; 413 past ``limit``
+    bytes, sent or inflated.
+
+    :raises Disconnected: the client went away first.
+    """
+    body: bytes | bytearray = await receive_body(receive, head.declared, limit)
+    if head.encoding is not None:
+        body = await inflated(body, head.encoding, limit)
+    return body
+
+
 async def inflated(body: bytes | bytearray, encoding: bytes, limit: int) -> bytes | bytearray:
     """``body`` as sent with Content-Encoding ``encoding``, inflated within ``limit`` (413 past it)."""
     # Bounded by the same limit once decompressed (compression.py): a zip bomb is a 413.
@@ -154,6 +195,7 @@ __all__ = [
     "INLINE_BODY_BYTES",
     "ON_SHUTDOWN",
     "Disconnected",
+    "RequestHead",
     "TooLarge",
     "add_chunk",
     "answer_to",
@@ -161,6 +203,8 @@ __all__ = [
     "inflated",
     "failure",
     "receive_body",
+    "request_body",
+    "request_head",
     "send_body",
     "send_error",
 ]

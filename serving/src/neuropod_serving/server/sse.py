@@ -36,14 +36,13 @@ from neuropod_serving.protocol.generate import generate_response, parse_generate
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.registry import ServedModel
 from neuropod_serving.server.rest_io import (
-    HEADER_LENGTH_KEY,
     INLINE_BODY_BYTES,
     ON_SHUTDOWN,
     Disconnected,
     answer_to,
-    inflated,
     log,
-    receive_body,
+    request_body,
+    request_head,
     send_body,
     send_error,
 )
@@ -119,17 +118,9 @@ class StreamRoutes:
                 engine.metrics.request(name, "rest", time.perf_counter() - started, failure)
 
     async def _request(self, scope: Scope, receive: Receive, served: ServedModel, route: str) -> InferRequest:
-        declared = header_length = encoding = None
-        for key, value in scope["headers"]:
-            if key == b"content-length":
-                declared = value.decode("latin-1")
-            elif key == HEADER_LENGTH_KEY:
-                header_length = value.decode("latin-1")
-            elif key == b"content-encoding":
-                encoding = value
-        body: bytes | bytearray = await receive_body(receive, declared, self.limit)
-        if encoding is not None:
-            body = await inflated(body, encoding, self.limit)
+        head = request_head(scope)
+        header_length = head.header_length
+        body = await request_body(receive, head, self.limit)
         if route != "infer_stream":
             if header_length is not None:
                 raise ProtocolError(f"a {route} request is one JSON object; it takes no binary tensors")
