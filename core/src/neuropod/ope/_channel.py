@@ -377,3 +377,18 @@ def dtype_of(text: str) -> np.dtype[Any]:
             raise ValueError(f"dtype {text!r} cannot cross to or from a worker")
         _DTYPES[text] = dtype
     return dtype
+
+
+def get_tensors(blocks: Any, entries: Any, copy: bool) -> dict[str, np.ndarray]:
+    """The tensors ``entries`` place in ``blocks`` (each ``(name, block id, offset, dtype .str,
+    shape)``; ``blocks[id].whole`` the block's bytes): a string tensor copied out
+    (:func:`get_strings`), any other a view of its block, or a copy with ``copy``."""
+    result = {}
+    for name, block_id, offset, dt, shape in entries:
+        whole = blocks[block_id].whole
+        if dt in STRING_KINDS:
+            result[name] = get_strings(whole, offset, dt, tuple(shape))
+        else:
+            array = np.ndarray(tuple(shape), dtype_of(dt), buffer=whole, offset=offset)
+            result[name] = array.copy() if copy else array
+    return result

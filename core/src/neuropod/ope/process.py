@@ -31,6 +31,7 @@ from neuropod.ope._channel import (
     aligned,
     dtype_of,
     get_strings,
+    get_tensors,
     limit_error,
     put_strings,
     string_bytes,
@@ -258,19 +259,27 @@ class WorkerProcess:
             + (f"\nEnd of the worker's stderr:\n{tail}" if tail else "\nThe worker wrote nothing to stderr.")
         )
 
+    def _receive(self, channel: Channel, timeout: float | None, what: str) -> tuple[Any, list[int]]:
+        """The worker's next message and the descriptors it sent; a worker that does not ``what``
+        within ``timeout``, dies, or sends what cannot be taken is a WorkerError (killed but for death)."""
+        try:
+            return channel.recv(timeout)
+        except TimeoutError:
+            raise self._failure(f"did not {what} within {timeout:g} s", kill=True) from None
+        except ChannelClosed:
+            raise self._failure("died") from None
+        except DescriptorsLost as e:
+            raise self._failure(f"sent shared memory this process could not take: {e}", kill=True) from None
+
     def _request(self, message: tuple[Any, ...], fds: list[int], timeout: float | None) -> tuple[Any, ...]:
         channel = self.channel
         if channel is None:
             raise WorkerError(f"The worker for model {self.pool.name!r} is not running")
         try:
             channel.send(message, fds)
-            reply, reply_fds = channel.recv(timeout)
-        except TimeoutError:
-            raise self._failure(f"did not answer within {timeout:g} s", kill=True) from None
         except ChannelClosed:
             raise self._failure("died") from None
-        except DescriptorsLost as e:
-            raise self._failure(f"sent shared memory this process could not take: {e}", kill=True) from None
+        reply, reply_fds = self._receive(channel, timeout, "answer")
         tag = reply[0]
         if tag == "error":
             for fd in reply_fds:
@@ -441,15 +450,7 @@ class WorkerProcess:
         channel = self.channel
         if channel is None:
             return
-        timeout = self.pool.timeout
-        try:
-            _, fds = channel.recv(timeout)
-        except TimeoutError:
-            raise self._failure(f"did not end a stream within {timeout:g} s", kill=True) from None
-        except ChannelClosed:
-            raise self._failure("died") from None
-        except DescriptorsLost as e:
-            raise self._failure(f"sent shared memory this process could not take: {e}", kill=True) from None
+        _, fds = self._receive(channel, self.pool.timeout, "end a stream")
         for fd in fds:
             os.close(fd)
 
@@ -461,14 +462,7 @@ class WorkerProcess:
         _, outputs, created, dropped = reply
         if created or dropped:
             self._new_out_blocks(created, dropped)
-        result = {}
-        for name, block_id, offset, dt, shape in outputs:
-            whole = self.out_blocks[block_id].whole
-            if dt in STRING_KINDS:
-                result[name] = get_strings(whole, offset, dt, tuple(shape))
-            else:
-                result[name] = np.ndarray(tuple(shape), dtype_of(dt), buffer=whole, offset=offset).copy()
-        return result
+        return get_tensors(self.out_blocks, outputs, copy=True)
 
     def _new_out_blocks(self, created: list[tuple[int, int]], dropped: list[int]) -> None:
         fds, self._reply_fds = self._reply_fds, []

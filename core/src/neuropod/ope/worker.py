@@ -51,8 +51,7 @@ from neuropod.ope._channel import (
     ChannelClosed,
     DescriptorsLost,
     aligned,
-    dtype_of,
-    get_strings,
+    get_tensors,
     put_strings,
     string_bytes,
     string_size,
@@ -210,13 +209,7 @@ class Worker:
         if inputs is None:  # the client refilled last call's places in its block: same views
             arrays = self.last_inputs
         else:
-            arrays = {}
-            for name, block_id, offset, dt, shape in inputs:
-                whole = self.in_blocks[block_id].whole
-                if dt in STRING_KINDS:
-                    arrays[name] = get_strings(whole, offset, dt, tuple(shape))
-                else:
-                    arrays[name] = np.ndarray(tuple(shape), dtype_of(dt), buffer=whole, offset=offset)
+            arrays = get_tensors(self.in_blocks, inputs, copy=False)
             self.last_inputs = arrays
         return arrays
 
