@@ -130,13 +130,7 @@ def infer(
 ) -> Any:
     """Call the model's function with the inputs as keyword arguments, and the request's
     ``parameters`` as the keyword ``parameters`` when the function takes it (else not at all)."""
-    try:
-        if parameters is not None and model.takes_parameters:
-            outputs = model.fn(**inputs, parameters=dict(parameters))
-        else:
-            outputs = model.fn(**inputs)
-    except Exception as e:
-        raise BackendError(_raised(model.name, e)) from e
+    outputs = _call(model, inputs, parameters)
     if type(outputs) is dict and requested_outputs is None:
         ndarray = model.ndarray  # numpy is not imported here: discovery must not import it
         for value in outputs.values():
@@ -166,13 +160,7 @@ def _responses(
 ) -> Iterator[dict[str, np.ndarray]]:
     """The model's responses as numpy dicts; its exception as a BackendError with its traceback.
     Closing this closes the model's own generator (its ``finally`` runs)."""
-    try:
-        if parameters is not None and model.takes_parameters:
-            produced = model.fn(**inputs, parameters=dict(parameters))
-        else:
-            produced = model.fn(**inputs)
-    except Exception as e:
-        raise BackendError(_raised(model.name, e)) from e
+    produced = _call(model, inputs, parameters)
     if isinstance(produced, Mapping) or not hasattr(produced, "__iter__"):
         raise BackendError(
             f"Model {model.name!r} is decoupled, so its function must be a generator that yields dicts of "
@@ -194,9 +182,20 @@ def _responses(
             closer()
 
 
+def _call(model: Any, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | None) -> Any:
+    """The model's function called with the inputs as keyword arguments, and ``parameters`` as the
+    keyword ``parameters`` when the function takes it; its exception as a BackendError."""
+    try:
+        if parameters is not None and model.takes_parameters:
+            return model.fn(**inputs, parameters=dict(parameters))
+        return model.fn(**inputs)
+    except Exception as e:
+        raise BackendError(_raised(model.name, e)) from e
+
+
 def _raised(name: str, e: BaseException) -> str:
     """The model's exception with its traceback, from the model's own frames on."""
-    tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # skip infer's own frame
+    tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # skip _call's own frame
     text = "".join(traceback.format_exception(type(e), e, tb)).rstrip()
     return f"Model {name!r} raised {type(e).__name__}: {e}\nThe model's traceback:\n{text}"
 
