@@ -4,9 +4,9 @@ Each fault is measured where it bites: the client process's peak memory
 against answers that claim sizes they do not send, the wall time of a call
 against a server that trickles its answer, the error's words against wrong
 outputs, the warnings of a token sent without TLS, and a process that has
-imported tritonclient.grpc. The liars are a raw-socket HTTP/1.1 server and a
-grpcio server with generic handlers (answers built from the protocol's own
-messages), both in threads of the test process.
+imported tritonclient.grpc. The liars (liars.py) are a raw-socket HTTP/1.1
+server and a grpcio server with generic handlers (answers built from the
+protocol's own messages), both in threads of the test process.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,8 @@ from neuropod_serving.client import PlainTextTokenWarning
 from neuropod_serving.client._target import is_loopback
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 
+from liars import FakeGrpc, FakeHttp, Steps, http_message
+
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="measures memory with ru_maxrss (KiB on Linux)"
 )
@@ -50,19 +51,13 @@ METADATA = {
     "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
     "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
 }  # fmt: skip
-# What a fake server sends: bytes, or a pause in seconds between them.
-Steps = list[bytes | float]
 
 
 # --- a lying REST server -------------------------------------------------------
 
 
-def _http(status: str, body: bytes, headers: str = "") -> bytes:
-    return f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\n{headers}\r\n".encode("latin-1") + body
-
-
 def _json_answer(outputs: list[dict[str, Any]]) -> bytes:
-    return _http(
+    return http_message(
         "200 OK", json.dumps({"model_name": "m", "outputs": outputs}).encode(), "Content-Type: application/json\r\n"
     )
 
@@ -79,73 +74,6 @@ def _ok_answer() -> bytes:
     return _json_answer([{"name": "y", "datatype": "FP32", "shape": [2, 2], "data": X.ravel().tolist()}])
 
 
-class FakeHttp:
-    """A raw-socket HTTP/1.1 server. GETs get a correct server and model metadata; ``POST
-    /v2/models/NAME/infer`` gets ``infer(NAME)``: what to send, then the connection closes."""
-
-    def __init__(self, infer: Callable[[str], Steps], host: str = "127.0.0.1") -> None:
-        self.infer = infer
-        self.listener = socket.create_server((host, 0))
-        self.base = f"http://{host}:{self.listener.getsockname()[1]}"
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def url(self, model: str) -> str:
-        return f"{self.base}/{model}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        buf = b""
-        try:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    buf += chunk
-                head, buf = buf.split(b"\r\n\r\n", 1)
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ")
-                length = next((int(v) for k, _, v in (line.partition(":") for line in lines[1:])
-                               if k.lower() == "content-length"), 0)  # fmt: skip
-                while len(buf) < length:
-                    buf += conn.recv(65536)
-                buf = buf[length:]
-                parts = path.split("/")  # /v2/models/NAME[/ready|/infer]
-                if method == "POST":
-                    for step in self.infer(parts[3]):
-                        if isinstance(step, float):
-                            time.sleep(step)
-                        else:
-                            conn.sendall(step)
-                    return
-                if path == "/v2":
-                    conn.sendall(_http("200 OK", json.dumps({"name": "liar", "version": "1",
-                                                             "extensions": ["binary_tensor_data"]}).encode()))  # fmt: skip
-                elif path.endswith("/ready"):
-                    conn.sendall(_http("200 OK", b""))
-                else:
-                    conn.sendall(_http("200 OK", json.dumps({**METADATA, "name": parts[3]}).encode()))
-        except OSError:
-            return
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self.listener.close()
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-
-
 # --- a lying gRPC server -------------------------------------------------------
 
 
@@ -157,43 +85,6 @@ def _grpc_answer(outputs: list[tuple[str, str, list[int]]], raws: list[bytes]) -
     return response.SerializeToString()
 
 
-class FakeGrpc:
-    """A grpcio server with generic handlers: correct metadata and readiness; ``ModelInfer`` for
-    model NAME answers ``infer(NAME)`` (bytes of a ModelInferResponse, sent as they are)."""
-
-    def __init__(self, infer: Callable[[str], bytes], host: str = "127.0.0.1") -> None:
-        def metadata(request: bytes, context: Any) -> bytes:
-            name = pb.ModelMetadataRequest.FromString(request).name
-            response = pb.ModelMetadataResponse(name=name, versions=["1"], platform="liar")
-            for key in ("inputs", "outputs"):
-                for t in METADATA[key]:  # type: ignore[attr-defined]
-                    getattr(response, key).add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
-            return response.SerializeToString()
-
-        def model_infer(request: bytes, context: Any) -> bytes:
-            return infer(pb.ModelInferRequest.FromString(request).model_name)
-
-        handlers = {
-            "ModelMetadata": grpc.unary_unary_rpc_method_handler(metadata),
-            "ModelReady": grpc.unary_unary_rpc_method_handler(
-                lambda request, context: pb.ModelReadyResponse(ready=True).SerializeToString()
-            ),
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer),
-        }
-        self.server = grpc.server(futures.ThreadPoolExecutor(4))
-        self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("inference.GRPCInferenceService", handlers),)
-        )
-        self.base = f"grpc://{host}:{self.server.add_insecure_port(f'{host}:0')}"
-        self.server.start()
-
-    def url(self, model: str) -> str:
-        return f"{self.base}/{model}"
-
-    def close(self) -> None:
-        self.server.stop(0)
-
-
 def _ok_grpc() -> bytes:
     return _grpc_answer([("y", "FP32", [2, 2])], [X.tobytes()])
 
@@ -201,7 +92,13 @@ def _ok_grpc() -> bytes:
 @contextlib.contextmanager
 def _servers(http_infer: Callable[[str], Steps], grpc_infer: Callable[[str], bytes],
              host: str = "127.0.0.1") -> Iterator[dict[str, Any]]:  # fmt: skip
-    fakes: dict[str, Any] = {"http": FakeHttp(http_infer, host), "grpc": FakeGrpc(grpc_infer, host)}
+    def model_infer(request: bytes, context: Any) -> bytes:
+        return grpc_infer(pb.ModelInferRequest.FromString(request).model_name)
+
+    fakes: dict[str, Any] = {
+        "http": FakeHttp(http_infer, METADATA, host),
+        "grpc": FakeGrpc({"ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer)}, METADATA, host),
+    }
     try:
         yield fakes
     finally:
@@ -421,7 +318,7 @@ WRONG: dict[str, tuple[Steps, bytes, str]] = {
     "extra": ([_json_answer([{"name": "y", "datatype": "FP32", "shape": [2, 2], "data": [1, 2, 3, 4]},
                              {"name": "z", "datatype": "FP32", "shape": [1], "data": [1]}])],
               _grpc_answer([("y", "FP32", [2, 2]), ("z", "FP32", [1])], [Y, Y[:4]]), "'z'"),
-    "malformed": ([_http("200 OK", b"{\"outputs\": [", "Content-Type: application/json\r\n")],
+    "malformed": ([http_message("200 OK", b"{\"outputs\": [", "Content-Type: application/json\r\n")],
                   b"\xff\xff\xff\xff not a message", "Open Inference Protocol"),
 }  # fmt: skip
 
