@@ -48,6 +48,7 @@ inference) without a thread.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -293,6 +294,44 @@ def stream_answer(served: Any, outputs: dict[str, Any], request_id: str | None) 
     return stream_response(response, final=False)
 
 
+class _SwitchInterval:
+    """Python's GIL switch interval raised to :attr:`SECONDS` while any decoupled model's gRPC
+    stream sends responses, and put back when the last one ends.
+
+    ``neuropod serve`` runs at 0.1 ms (``launcher.GIL_SWITCH_S``: unary gRPC calls get the GIL
+    back sooner), but grpcio hands each response of a stream between the thread running the call
+    and its completion-queue thread, several switches a response, and at 0.1 ms each costs more
+    CPU: a 1,000-response stream costs about 1.5 times what it does at 2 ms or more
+    (``bench/bench_stream.py``). While streams are open, unary calls run at this interval too.
+    """
+
+    #: The interval while a stream sends (seconds); never lowered below what it already is.
+    SECONDS = 0.002
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._saved = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._open == 0:
+                self._saved = sys.getswitchinterval()
+                if self._saved < self.SECONDS:
+                    sys.setswitchinterval(self.SECONDS)
+            self._open += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                sys.setswitchinterval(self._saved)
+
+
+#: The one switch interval guard of this process's gRPC streams.
+STREAMING_SWITCH = _SwitchInterval()
+
+
 class _Reading:
     """The served stream a ModelStreamInfer call reads now, closed from grpcio's thread when the
     client cancels or goes away (``context.add_callback``), and by the server stopping (through
@@ -349,8 +388,9 @@ def _streamed(engine: Engine, served: Any, call: InferCall, reading: _Reading) -
         failure = "model"
         reading.hold(stream)
         try:
-            for outputs in stream:
-                yield stream_answer(served, outputs, request.id)
+            with STREAMING_SWITCH:
+                for outputs in stream:
+                    yield stream_answer(served, outputs, request.id)
         finally:
             reading.release(stream)
         if reading.gone:
