@@ -7,6 +7,7 @@ from serving/tests/conftest.py, which the other serving tests import helpers fro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,28 @@ def run_triton(tmp: Path, calls: list[dict[str, Any]], arrays: dict[str, np.ndar
 
 
 # -- Ray ---------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serve_cluster(http_port: int, grpc_port: int, **init: Any) -> Iterator[None]:
+    """A fresh local Ray cluster (``ray.init(**init)``, no dashboard; another module's cluster in
+    this process is shut down first) with Serve's proxies on ``http_port`` and ``grpc_port``; Serve
+    and the cluster shut down after."""
+    import ray
+    from ray import serve
+
+    from neuropod_serving import ray as neuropod_ray
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+    ray.init(include_dashboard=False, **init)
+    try:
+        neuropod_ray.start(http_port=http_port, grpc_port=grpc_port)
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def replica_states(app: str) -> dict[str, int]:

@@ -28,7 +28,6 @@ pytest.importorskip("ray.serve")
 pytest.importorskip("onnxruntime")
 
 import grpc
-import ray
 from ray import serve
 
 import neuropod
@@ -53,6 +52,7 @@ from ray_support import (
     rest_outputs,
     run_triton,
     scrape,
+    serve_cluster,
     wait_running,
 )
 
@@ -79,24 +79,18 @@ def served() -> Iterator[Served]:
     with private_caches(root):  # before ray.init: Ray's workers inherit the environment
         package = adder_package(root / "adder.neuropod")
         ports = Served(root, package, free_port_below_ephemeral(), free_port_below_ephemeral(), free_port_below_ephemeral())
-        if ray.is_initialized():  # another module's cluster in this process
-            serve.shutdown()
-            ray.shutdown()
-        ray.init(
-            num_cpus=2, include_dashboard=False, _metrics_export_port=ports.metrics_port,
-            # Application metrics reach the export port within a second (Ray's default is 10 s).
-            _system_config={"metrics_report_interval_ms": 1000},
-        )  # fmt: skip
         try:
-            neuropod_ray.start(http_port=ports.http_port, grpc_port=ports.grpc_port)
-            app = neuropod_ray.build(
-                package, num_replicas=2, ray_actor_options={"num_cpus": 0.5}, max_request_bytes=LIMIT
-            )
-            serve.run(app, name=APP, route_prefix="/")
-            yield ports
+            with serve_cluster(
+                ports.http_port, ports.grpc_port, num_cpus=2, _metrics_export_port=ports.metrics_port,
+                # Application metrics reach the export port within a second (Ray's default is 10 s).
+                _system_config={"metrics_report_interval_ms": 1000},
+            ):  # fmt: skip
+                app = neuropod_ray.build(
+                    package, num_replicas=2, ray_actor_options={"num_cpus": 0.5}, max_request_bytes=LIMIT
+                )
+                serve.run(app, name=APP, route_prefix="/")
+                yield ports
         finally:
-            serve.shutdown()
-            ray.shutdown()
             shutil.rmtree(root, ignore_errors=True)
 
 

@@ -23,7 +23,6 @@ pytest.importorskip("grpc")
 pytest.importorskip("neuropod_python")  # the decoupled model's backend
 
 import grpc
-import ray
 from ray import serve
 
 import neuropod
@@ -33,6 +32,9 @@ from neuropod_serving.client._grpc import split_stream_response
 from neuropod_serving.protocol import grpc_codec as codec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # serving/tests: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ray_support import serve_cluster
+
 from streaming_models import repeat_inputs, repeat_package, wait_for
 
 from conftest import free_port_below_ephemeral, private_caches
@@ -53,17 +55,11 @@ def served() -> Iterator[Served]:
     with private_caches(root):  # before ray.init: Ray's workers inherit the environment
         package = repeat_package(root / "models" / "repeat")
         ports = Served(root, free_port_below_ephemeral(), free_port_below_ephemeral())
-        if ray.is_initialized():  # another module's cluster in this process
-            serve.shutdown()
-            ray.shutdown()
-        ray.init(num_cpus=1, include_dashboard=False)
         try:
-            neuropod_ray.start(http_port=ports.http_port, grpc_port=ports.grpc_port)
-            serve.run(neuropod_ray.build(package, ray_actor_options={"num_cpus": 0.5}), name=APP, route_prefix="/")
-            yield ports
+            with serve_cluster(ports.http_port, ports.grpc_port, num_cpus=1):
+                serve.run(neuropod_ray.build(package, ray_actor_options={"num_cpus": 0.5}), name=APP, route_prefix="/")
+                yield ports
         finally:
-            serve.shutdown()
-            ray.shutdown()
             shutil.rmtree(root, ignore_errors=True)
 
 
