@@ -1,10 +1,8 @@
 """Decoupled python packages for the gRPC streaming tests (test_grpc_streaming*.py), and a server over them.
 
-- ``repeat_int32``: Triton's ``repeat_int32`` interface. Inputs ``IN`` int32 [n], ``DELAY``
-  uint32 [n] (microseconds before each response), ``WAIT`` uint32 [1] (microseconds after the
-  last); one response per element of ``IN``: ``OUT`` int32 [1] (the element) and ``IDX``
-  uint32 [1] (its index). Its generator's ``finally`` appends ``IN[0]`` (or -1 for an empty
-  request) as a line to a file, so a test sees which streams' generators were closed.
+- ``repeat_int32``: streaming_models.py's ``repeat`` (Triton's ``repeat_int32`` interface) under
+  that name, packaged with a closed log: its generator's ``finally`` appends ``IN[0]`` (or -1 for
+  an empty request) as a line to a file, so a test sees which streams' generators were closed.
 - ``tricky``: ``K`` int32 [1], ``MODE`` int32 [1] -> ``OUT`` int32 [1]: ``K`` good responses
   (0, 1, ..., plus the request parameter ``offset`` when given), then with MODE 0 it raises ``RuntimeError("boom after K")``, with MODE 1 it
   yields a response whose ``OUT`` is float64 (off the spec).
@@ -28,27 +26,9 @@ from neuropod_serving.server import Engine, ModelRegistry
 from neuropod_serving.server.grpc_server import GrpcServer, start_grpc_server
 from neuropod_serving.server.metrics import ServerMetrics
 from neuropod_serving.server.streams import StreamLimits
+from streaming_models import repeat_package
 
 from conftest import private_caches, python_package
-
-REPEAT_CODE = """
-import time
-import numpy as np
-
-CLOSED_LOG = {log!r}
-
-def get_model(data_root):
-    def run(IN, DELAY, WAIT):
-        try:
-            for i, v in enumerate(IN):
-                time.sleep(int(DELAY[i]) / 1e6)
-                yield {{"OUT": np.array([v], np.int32), "IDX": np.array([i], np.uint32)}}
-            time.sleep(int(WAIT[0]) / 1e6)
-        finally:
-            with open(CLOSED_LOG, "a") as f:
-                f.write(f"{{int(IN[0]) if len(IN) else -1}}\\n")
-    return run
-"""
 
 TRICKY_CODE = """
 import numpy as np
@@ -79,15 +59,6 @@ def _decoupled_package(dest: Path, name: str, code: str, inputs: list[Any], outp
         inputs, outputs, decoupled=True,
     )  # fmt: skip
     return path
-
-
-def repeat_package(dest: Path, closed_log: Path) -> Path:
-    return _decoupled_package(
-        dest, "repeat_int32", REPEAT_CODE.format(log=str(closed_log)),
-        [{"name": "IN", "dtype": "int32", "shape": ["n"]}, {"name": "DELAY", "dtype": "uint32", "shape": ["n"]},
-         {"name": "WAIT", "dtype": "uint32", "shape": [1]}],
-        [{"name": "OUT", "dtype": "int32", "shape": [1]}, {"name": "IDX", "dtype": "uint32", "shape": [1]}],
-    )  # fmt: skip
 
 
 def tricky_package(dest: Path) -> Path:
@@ -131,7 +102,7 @@ def stream_server(max_open: int = 3) -> Iterator[StreamServer]:
     with private_caches(root):
         closed_log = root / "closed.txt"
         paths = [
-            repeat_package(root / "models" / "repeat_int32", closed_log),
+            repeat_package(root / "models" / "repeat_int32", "repeat_int32", closed_log),
             tricky_package(root / "models" / "tricky"),
             python_package(root / "models" / "echo", "echo", ECHO_CODE),
         ]
