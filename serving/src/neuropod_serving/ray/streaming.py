@@ -31,9 +31,9 @@ from neuropod_serving.server import Engine
 from neuropod_serving.server.grpc_repository import (
     decoupled_model,
     empty_final,
+    open_stream_request,
     stream_answer,
     stream_error,
-    stream_request,
     stream_response,
 )
 from neuropod_serving.server.grpc_service import InferCall, Servicer, status_of
@@ -97,8 +97,7 @@ async def _streamed(engine: Engine, served: Any, call: InferCall) -> AsyncIterat
     started = time.perf_counter()
     failure: str | None = "client"  # until the stream opens; then the model's
     try:
-        request = stream_request(served, call)
-        stream = engine.open_stream(served, request.inputs, request.requested, request.options)
+        request, stream = open_stream_request(engine, served, call)
         failure = "model"
         async for outputs in _responses(stream):
             yield stream_answer(served, outputs, request.id)

@@ -280,6 +280,16 @@ def stream_request(served: Any, call: InferCall) -> StreamRequest:
     return StreamRequest(decoded.inputs, requested, options, decoded.id, empty_final)
 
 
+def open_stream_request(engine: Engine, served: Any, call: InferCall) -> tuple[StreamRequest, ServedStream]:
+    """``call`` decoded for ``served`` (:func:`stream_request`) and its stream opened
+    (:meth:`Engine.open_stream`): a failure here is the client's, every later one the model's.
+
+    :raises ProtocolError: as :func:`stream_request`; as :meth:`Engine.open_stream` (spec, busy model).
+    """
+    request = stream_request(served, call)
+    return request, engine.open_stream(served, request.inputs, request.requested, request.options)
+
+
 def stream_answer(served: Any, outputs: dict[str, Any], request_id: str | None) -> bytes:
     """One response of a decoupled model as a ModelStreamInferResponse (``triton_final_response`` false).
 
@@ -383,8 +393,7 @@ def _streamed(engine: Engine, served: Any, call: InferCall, reading: _Reading) -
     started = time.perf_counter()
     failure: str | None = "client"  # until the stream opens; then the model's
     try:
-        request = stream_request(served, call)
-        stream = engine.open_stream(served, request.inputs, request.requested, request.options)
+        request, stream = open_stream_request(engine, served, call)
         failure = "model"
         reading.hold(stream)
         try:
@@ -503,6 +512,7 @@ __all__ = [
     "empty_final",
     "handlers",
     "model_stream_infer",
+    "open_stream_request",
     "stream_answer",
     "stream_error",
     "stream_request",
