@@ -16,8 +16,10 @@ every client, pinned to core 1:
   (built from numpy arrays, serialized), and a Starlette route on uvicorn
   writing them as ``data: {json}`` Server-Sent Events (orjson). No model, no
   checks: what a server cannot do with less. A second gRPC floor runs at
-  ``neuropod serve``'s GIL switch interval (``launcher.GIL_SWITCH_S``, 0.1 ms
-  against Python's 5 ms), which costs a grpcio stream CPU per response.
+  ``neuropod serve``'s base GIL switch interval (``launcher.GIL_SWITCH_S``,
+  0.1 ms against Python's 5 ms; neuropod serve raises it to 2 ms while a
+  decoupled model's gRPC stream sends), to show what that interval costs a
+  grpcio stream per response.
 
 Clients (stream_clients.py), the same for a floor and for neuropod serve: a bare
 grpcio stub (bytes in and out, the end found by ``triton_final_response`` in
