@@ -376,7 +376,10 @@ def test_time_to_first_response_and_between_responses(server: StreamServer, clie
     first = "neuropod_stream_first_response_seconds"
     gap = "neuropod_stream_response_gap_seconds"
     before = {f"{k}_{s}": _sample(server, f"{k}_{s}", "repeat_int32") for k in (first, gap) for s in ("count", "sum")}
-    stats_before = client.get_inference_statistics("repeat_int32").model_stats[0].response_stats
+    counts_before = client.get_inference_statistics("repeat_int32").model_stats[0]
+    inferences_before, executions_before = counts_before.inference_count, counts_before.execution_count
+    compute_before = counts_before.inference_stats.compute_infer.ns
+    stats_before = counts_before.response_stats
     index_2_before = stats_before["2"].success.count if "2" in stats_before else 0
     tricky_before = client.get_inference_statistics("tricky").model_stats[0].response_stats
     fail_before = tricky_before["3"].fail.count if "3" in tricky_before else 0
@@ -392,7 +395,13 @@ def test_time_to_first_response_and_between_responses(server: StreamServer, clie
     assert _sample(server, f"{gap}_count", "repeat_int32") - before[f"{gap}_count"] == 3
     assert _sample(server, f"{first}_sum", "repeat_int32") - before[f"{first}_sum"] >= 0.02
     assert _sample(server, f"{gap}_sum", "repeat_int32") - before[f"{gap}_sum"] >= 0.09
-    stats = client.get_inference_statistics("repeat_int32").model_stats[0].response_stats
+    model_stats = client.get_inference_statistics("repeat_int32").model_stats[0]
+    # Each request is one inference and one execution of the model, however many responses it made.
+    assert model_stats.inference_count - inferences_before == 2
+    assert model_stats.execution_count - executions_before == 2
+    # The model's time making the responses (the DELAY before each: 110 ms in all), its waits left out.
+    assert model_stats.inference_stats.compute_infer.ns - compute_before >= 100_000_000
+    stats = model_stats.response_stats
     assert stats["2"].success.count - index_2_before == 1 and stats["2"].compute_infer.ns >= 30_000_000
     tricky = client.get_inference_statistics("tricky").model_stats[0].response_stats
     assert tricky["3"].fail.count - fail_before == 1

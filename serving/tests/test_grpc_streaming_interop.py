@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,9 @@ def test_perf_analyzer_streaming(server: StreamServer, tmp_path: Path) -> None:
         pytest.skip(f"perf_analyzer cannot run here ({proc.returncode}): {(proc.stderr or proc.stdout)[-500:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Detected decoupled model" in proc.stdout  # from the model configuration's transaction policy
+    # The server-side breakdown: each request counted once, its compute the generator's time.
+    counts = re.findall(r"Inference count: (\d+)", proc.stdout)
+    assert counts and int(counts[-1]) > 0, proc.stdout[-3000:]
     [row] = list(csv.DictReader(io.StringIO(out.read_text())))
     assert float(row["Inferences/Second"]) > 0
     assert float(row["Response Throughput"]) == pytest.approx(8 * float(row["Inferences/Second"]), rel=0.05)

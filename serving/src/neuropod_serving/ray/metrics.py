@@ -109,5 +109,8 @@ class RayMetrics:
         if not failed:
             (self._first_response if first else self._response_gap).observe(seconds, self._model(model))
 
+    def stream_ended(self, model: str, seconds: float) -> None:
+        self._compute.observe(seconds, self._model(model))  # one run of the model, as ran() records one
+
     def loaded(self, count: int) -> None:
         self._loaded.set(count, self._tags)

@@ -117,7 +117,9 @@ class ModelLifecycle:
         self.workers = max(1, int(registry.load_options.get("workers", 1)))
         self.limits = limits if limits is not None else ModelLimits()
         #: Open streams of decoupled models (any model's, read by the stream front ends), and their limits.
-        self.streams = OpenStreams(stream_limits, getattr(self.metrics, "streamed", None))
+        self.streams = OpenStreams(
+            stream_limits, getattr(self.metrics, "streamed", None), getattr(self.metrics, "stream_ended", None)
+        )
         #: Runs of one model at once (unbatched).
         self.max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * self.workers)
         #: How a model is served unless a repository load's config says otherwise (:attr:`ServedModel.settings`).

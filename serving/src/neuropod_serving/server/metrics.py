@@ -189,6 +189,14 @@ class ServerMetrics:
                 stats = self._stats.get(model) or self._new_stats(model)
                 stats.response(index, seconds, failed)
 
+    def stream_ended(self, model: str, seconds: float) -> None:
+        """A stream that made at least one response has ended: ``seconds`` in the model making
+        them. Counted as one run of the model (the compute histogram; Triton's statistics'
+        ``inference_count``, ``execution_count`` and ``compute_infer``), as Triton counts a
+        decoupled model's request once however many responses it sends."""
+        with self._lock:
+            _observe(self._compute_duration, model, LATENCY_BUCKETS, seconds)
+
     def loaded(self, count: int) -> None:
         """How many models are loaded now."""
         self._loaded = count
@@ -379,6 +387,8 @@ class Recorder(Protocol):
 
     def streamed(self, model: str, seconds: float, first: bool, index: int | None = None, failed: bool = False) -> None: ...
 
+    def stream_ended(self, model: str, seconds: float) -> None: ...
+
     def loaded(self, count: int) -> None: ...
 
 
@@ -407,6 +417,9 @@ class NoMetrics:
         pass
 
     def streamed(self, model: str, seconds: float, first: bool, index: int | None = None, failed: bool = False) -> None:
+        pass
+
+    def stream_ended(self, model: str, seconds: float) -> None:
         pass
 
     def loaded(self, count: int) -> None:

@@ -73,9 +73,15 @@ class OpenStreams:
         :meth:`ServerMetrics.streamed <neuropod_serving.server.metrics.ServerMetrics.streamed>` takes these.
     """
 
-    def __init__(self, limits: StreamLimits | None = None, on_response: Callable[..., None] | None = None):
+    def __init__(
+        self, limits: StreamLimits | None = None, on_response: Callable[..., None] | None = None,
+        on_end: Callable[[str, float], None] | None = None,
+    ):  # fmt: skip
         self.limits = limits if limits is not None else StreamLimits()
         self.on_response = on_response
+        #: Called with ``(model, seconds)`` once per stream that produced a response, when it
+        #: closes: the seconds the model spent making its responses (its run, as a unary run's).
+        self.on_end = on_end
         self._lock = threading.Lock()
         self._by_model: dict[str, int] = {}
         self._open: set[ServedStream] = set()
@@ -158,6 +164,8 @@ class ServedStream:
         self.opened = self._last = time.perf_counter()
         #: Responses produced so far.
         self.produced = 0
+        #: Seconds spent in the model's ``next`` (waits for a slow reader left out).
+        self.model_s = 0.0
         #: Why the server ended the stream (its final error), or None.
         self._error: StreamStoppedError | None = None
         self._closed = False
@@ -186,22 +194,26 @@ class ServedStream:
     def _next(self) -> Outputs:
         """The model's next response, timed; at the end, StopIteration, or the error the server
         ended the stream with. Leaves the stream open (the producer's buffer may hold responses)."""
+        began = time.perf_counter()
         try:
             item = next(self._responses)
         except StopIteration:
+            self.model_s += time.perf_counter() - began
             if self._error is not None:
                 raise self._error from None
             raise
         except NeuropodError:  # the model failed, or its response broke the spec
+            self.model_s += time.perf_counter() - began
             report = self._on_response
             if report is not None:
                 report(self.model, time.perf_counter() - self._last, self.produced == 0, self.produced, failed=True)
             raise
-        self._timed()
+        self._timed(began)
         return item
 
-    def _timed(self) -> None:
+    def _timed(self, began: float) -> None:
         now = time.perf_counter()
+        self.model_s += now - began
         index = self.produced
         self.produced = index + 1
         report = self._on_response
@@ -313,7 +325,10 @@ class ServedStream:
         self._responses.close()
         if waiter is not None:
             self._wake(waiter)
-        self._owner._closed(self)
+        owner = self._owner
+        owner._closed(self)
+        if owner.on_end is not None and self.produced:
+            owner.on_end(self.model, self.model_s)
 
     @property
     def closed(self) -> bool:
