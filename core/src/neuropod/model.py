@@ -331,16 +331,12 @@ class NeuropodModel:
         self, inputs: dict[str, Any], bindings: dict[str, tuple[int, str]], requested: list[str] | None,
         parameters: Mapping[str, Any] | None,
     ) -> Any:  # fmt: skip
-        """An ordinary model's one answer, as a stream's only response (run when it is read)."""
-        try:
-            if parameters:
-                outputs = self._run_with_parameters(inputs, requested, None, parameters)
-            else:
-                outputs = self._run(inputs, requested, None)
-        except NeuropodError:
-            raise
-        except Exception as e:
-            raise self._run_failed(e) from e
+        """An ordinary model's one answer, as a stream's only response (run when it is read; the
+        stream turns a framework's exception into :meth:`_run_failed`'s error, as :meth:`infer` does)."""
+        if parameters:
+            outputs = self._run_with_parameters(inputs, requested, None, parameters)
+        else:
+            outputs = self._run(inputs, requested, None)
         yield self._checked_outputs(outputs, bindings, requested, None)
 
     def _checked_response(
