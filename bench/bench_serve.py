@@ -93,6 +93,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from _servers import log_tail, stop_group, wait_ready
 from neuropod.packagers import create_onnx_neuropod
 from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response
 
@@ -261,52 +262,19 @@ class Server:
             )  # fmt: skip
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
         urls = [f"http://127.0.0.1:{self.http_port}/" + ("health" if self.kind == "litserve" else "v2/health/ready")]
         if self.kind in ("neuropod", "mlserver"):
             urls += [f"http://127.0.0.1:{self.http_port}/v2/models/{m}/ready" for m in self.models]
-        pending = list(urls)
-        while pending:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.label} exited with status {self.proc.returncode} while starting:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.label} was not ready after {timeout:.0f} s:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(pending[0], timeout=2) as r:
-                    if r.status == 200:
-                        pending.pop(0)
-                        continue
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
+        assert self.proc is not None
+        wait_ready(self.proc, self.label, self.log, urls, timeout)
 
     def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log, lines)
 
     def stop(self) -> None:
         """Stop the whole process group: SIGINT (a clean shutdown), then SIGKILL after 10 s."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        for sig, wait in ((signal.SIGINT, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-            # The leader is gone; anything it left in its group goes too.
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            break
+        if self.proc is not None:
+            stop_group(self.proc)
         self.proc = None
 
 

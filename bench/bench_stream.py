@@ -65,8 +65,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -75,6 +73,7 @@ from pathlib import Path
 import numpy as np
 
 import _common
+from _servers import log_tail, stop_group, wait_ready
 from neuropod_serving.server.launcher import GIL_SWITCH_S
 from stream_clients import GrpcClient, HttpClient, Timed, grpc_request, grpc_responses, rest_body, sse_responses
 
@@ -159,35 +158,16 @@ class Server:
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Its REST health and models' readiness, or for a gRPC-only server a ServerReady call."""
-        deadline = time.monotonic() + timeout
-        pending = [f"http://127.0.0.1:{self.http_port}/v2/health/ready"] if self.http_port else []
-        pending += [f"http://127.0.0.1:{self.http_port}/v2/models/{m}/ready" for m in self.models]
-        while pending or not self.http_port:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.label} exited with status {self.proc.returncode} while starting:\n{self.tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.label} was not ready after {timeout:.0f} s:\n{self.tail()}")
-            if not self.http_port:
-                if grpc_ready(self.grpc_port):
-                    return
-            else:
-                try:
-                    with urllib.request.urlopen(pending[0], timeout=2) as r:
-                        if r.status == 200:
-                            pending.pop(0)
-                            continue
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    pass
-            time.sleep(0.2)
+        assert self.proc is not None
+        if self.http_port:
+            urls = [f"http://127.0.0.1:{self.http_port}/v2/health/ready"]
+            urls += [f"http://127.0.0.1:{self.http_port}/v2/models/{m}/ready" for m in self.models]
+            wait_ready(self.proc, self.label, self.log, urls, timeout)
+        else:
+            wait_ready(self.proc, self.label, self.log, (), timeout, ready=lambda: grpc_ready(self.grpc_port))
 
     def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log, lines)
 
     def pids(self) -> list[int]:
         """The processes of its group."""
@@ -205,21 +185,8 @@ class Server:
 
     def stop(self) -> None:
         """SIGINT to the group (a clean shutdown), SIGKILL after 10 s."""
-        if self.proc is None:
-            return
-        for sig, wait in ((signal.SIGINT, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever it left in its group
-        except ProcessLookupError:
-            pass
+        if self.proc is not None:
+            stop_group(self.proc)
         self.proc = None
 
 

@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _servers import log_tail, stop_group, wait_ready
+
 #: Why runs of features neuropod serve does not have are skipped.
 SEQUENCE = "needs a sequence-batched (stateful) model; neuropod serve has no sequence batching"
 ENSEMBLE = "needs a Triton ensemble (image preprocessing model chained to a classifier); not served"
@@ -295,21 +297,9 @@ class Server:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + timeout
-        pending = ["/v2/health/ready", *(f"/v2/models/{m}/ready" for m in models)]
-        while pending:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"neuropod serve exited with {self.proc.returncode}:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"neuropod serve was not ready after {timeout:.0f} s:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{pending[0]}", timeout=2) as r:
-                    if r.status == 200:
-                        pending.pop(0)
-                        continue
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
+        urls = [f"http://127.0.0.1:{self.http_port}{path}" for path in
+                ["/v2/health/ready", *(f"/v2/models/{m}/ready" for m in models)]]  # fmt: skip
+        wait_ready(self.proc, "neuropod serve", self.log, urls, timeout, error=SystemExit)
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, str]:
         request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", data=json.dumps(body).encode(),
@@ -321,25 +311,12 @@ class Server:
             return e.code, e.read().decode()
 
     def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log, lines)
 
     def stop(self) -> None:
         """SIGTERM to the server's group, SIGKILL after 15 s."""
-        if self.proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        if self.proc is not None:
+            stop_group(self.proc, ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)))
         self.proc = None
 
 
