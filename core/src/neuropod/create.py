@@ -8,6 +8,7 @@ A packager turns its model into files; :func:`create_package` writes them in the
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
@@ -16,12 +17,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
+import numpy as np
+
 from neuropod._args import check_flag
 from neuropod._version import __version__
 from neuropod.backend import installed_distribution
 from neuropod.errors import PackageError
 from neuropod.package import CONFIG, FileSource, ModelConfig, parse_output_labels, replace_package, write_package
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod.statespec import STATE_DIR, ZERO, parse_sequence_controls, parse_state_spec
 from neuropod.testdata import check_packaged
 
 
@@ -39,13 +43,16 @@ def packager_config(
     exported_with: Mapping[str, Any] | None = None,
     output_labels: Mapping[str, Sequence[str]] | None = None,
     decoupled: bool = False,
+    state_spec: Iterable[Mapping[str, Any]] | None = None,
+    sequence_controls: Iterable[Mapping[str, Any]] | None = None,
 ) -> ModelConfig:
     """The ``config.json`` every ``create_*_neuropod`` writes, from its usual arguments.
 
     Records the neuropod version and the first of ``framework_distributions``
     that is installed (its name and exact version) as ``exported_with``;
     inputs not in ``input_tensor_device`` get ``default_input_tensor_device``,
-    as in the original Neuropod's packagers.
+    as in the original Neuropod's packagers. ``state_spec`` entries' initial states must be
+    ``"zero"`` or ``{"data_file": ...}`` here (see :func:`state_files` for arrays).
     """
     check_flag("decoupled", decoupled)
     inputs = parse_spec(input_spec, "input_spec")
@@ -68,6 +75,8 @@ def packager_config(
         device_requirements=device_requirements,
         output_labels=parse_output_labels(output_labels, outputs, "output_labels"),
         decoupled=bool(decoupled),
+        state_spec=parse_state_spec(state_spec, inputs, outputs, "state_spec"),
+        sequence_controls=parse_sequence_controls(sequence_controls, inputs, "sequence_controls"),
     )
 
 
@@ -109,6 +118,20 @@ class PackageOptions(TypedDict, total=False):
       it runs with ``infer_stream``, and only on a backend that streams
       (the python backend: the model's function is a generator). Kept in
       ``config.json`` as ``"decoupled": true``.
+    * ``state_spec``: the state a stateful model carries from one request of
+      a sequence to the next: a list of ``{"input_name", "output_name",
+      "dtype", "shape", "initial_state"}``, output ``output_name`` of one step
+      being input ``input_name`` of the next. Both are ordinary tensors of the
+      specs, which callers never send or see. ``shape`` is one sequence's
+      state (default: the input's, a leading batch symbol as 1), ``dtype``
+      the input's by default; ``initial_state`` is ``"zero"`` (default) or an
+      array, stored in the package. The model runs in sequences
+      (``model.sequence()``).
+    * ``sequence_controls``: inputs the runtime fills on each step, a list of
+      ``{"name": input, "kind": ...}`` with kinds ``CONTROL_SEQUENCE_START``,
+      ``CONTROL_SEQUENCE_READY``, ``CONTROL_SEQUENCE_END`` (1 or 0 in the
+      input's dtype) and ``CONTROL_SEQUENCE_CORRID`` (the sequence's id), as
+      Triton's ``control_input``.
     * ``overwrite``: replace a package already at the path (default False:
       that is an error). The new package is written and checked beside the
       old one, which is replaced only then; a package that fails its check
@@ -131,6 +154,8 @@ class PackageOptions(TypedDict, total=False):
     test_atol: float
     overwrite: bool
     decoupled: bool
+    state_spec: Sequence[Mapping[str, Any]] | None
+    sequence_controls: Sequence[Mapping[str, Any]] | None
 
 
 _OPTION_DEFAULTS: dict[str, Any] = {
@@ -148,6 +173,8 @@ _OPTION_DEFAULTS: dict[str, Any] = {
     "test_atol": 1e-6,
     "overwrite": False,
     "decoupled": False,
+    "state_spec": None,
+    "sequence_controls": None,
 }
 
 
@@ -224,12 +251,16 @@ def create_package(
         # Beside the old one (one file system, so the swap is a rename), under the same name.
         staging = Path(tempfile.mkdtemp(prefix=".neuropod-new-", dir=dest.parent))
     version_range = opts.get("platform_version_semver")
+    state_spec, state_data = state_files(opts["state_spec"])
+    if state_data:
+        files = {**files, **state_data}
     config = packager_config(
         model_name, platform, input_spec, output_spec,
         platform_version_semver=default_version_range if version_range is None else version_range,
         framework_distributions=framework_distributions, input_tensor_device=opts["input_tensor_device"],
         default_input_tensor_device=opts["default_input_tensor_device"], device_requirements=device_requirements,
         exported_with=exported_with, output_labels=opts["output_labels"], decoupled=opts["decoupled"],
+        state_spec=state_spec, sequence_controls=opts["sequence_controls"],
     )  # fmt: skip
     try:
         path = write_package(
@@ -251,6 +282,35 @@ def create_package(
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def state_files(state_spec: Any) -> tuple[Any, dict[str, bytes]]:
+    """``state_spec`` as a packager takes it, with each initial state given as an array made a
+    ``{"data_file": "0/state/initial_<i>.npy"}`` entry, and those files' bytes.
+
+    :raises PackageError: an initial state that is neither ``"zero"``, a data file nor an array.
+    """
+    if state_spec is None or isinstance(state_spec, (str, bytes, Mapping)):
+        return state_spec, {}  # parse_state_spec says what is wrong
+    entries: list[Any] = []
+    data: dict[str, bytes] = {}
+    for i, entry in enumerate(state_spec):
+        initial = entry.get("initial_state", ZERO) if isinstance(entry, Mapping) else ZERO
+        if isinstance(initial, Mapping) or isinstance(initial, str):
+            entries.append(entry)
+            continue
+        try:
+            array = np.asarray(initial)
+        except Exception as e:  # noqa: BLE001 - what the caller passed is not an array
+            raise PackageError(f"state_spec[{i}]: initial_state must be \"zero\" or an array ({e})") from None
+        if array.dtype.kind in "OUSV":
+            raise PackageError(f"state_spec[{i}]: an initial_state array must be numeric, not {array.dtype}")
+        name = f"{STATE_DIR}/initial_{i}.npy"
+        buffer = io.BytesIO()
+        np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+        data[name] = buffer.getvalue()
+        entries.append({"shape": list(array.shape), **entry, "initial_state": {"data_file": name}})
+    return entries, data
 
 
 def check_destination(packager: str, neuropod_path: str | os.PathLike[str], options: Mapping[str, Any]) -> bool:

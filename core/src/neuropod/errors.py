@@ -79,6 +79,17 @@ class WorkerError(NeuropodError, RuntimeError):
     """A worker process running a model failed. Also a :class:`RuntimeError`."""
 
 
+class SequenceError(NeuropodError, ValueError):
+    """A request of a stateful model names a sequence it cannot run: one that is not live (never
+    started, ended, or freed after sitting idle) without ``sequence_start``, an id of the wrong
+    kind, or a stateful model called without a sequence. Also a :class:`ValueError`."""
+
+
+class SequenceLimitError(SequenceError):
+    """A new sequence would pass the model's bound on live sequences (a server answers 429 /
+    RESOURCE_EXHAUSTED)."""
+
+
 class RemoteError(NeuropodError, RuntimeError):
     """A remote model (``load_neuropod("grpc://...")``) failed: the server could not be
     reached or answered with an error.
@@ -110,6 +121,8 @@ __all__ = [
     "PackageError",
     "PluginNotInstalledError",
     "RemoteError",
+    "SequenceError",
+    "SequenceLimitError",
     "SpecError",
     "VersionRangeError",
     "WorkerError",

@@ -10,13 +10,16 @@ from typing import Any
 import numpy as np
 
 from neuropod import plugins
-from neuropod._args import check_parameters
+from neuropod._args import check_flag, check_parameters
 from neuropod.backend import Backend
 from neuropod.devices import parse_device
-from neuropod.errors import BackendError, NeuropodError, NoBackendError
+from neuropod.errors import BackendError, NeuropodError, NoBackendError, SequenceError
 from neuropod.package import Package
 from neuropod.resolve import Resolution
+from neuropod.sequences import Sequence as ModelSequence
+from neuropod.sequences import SequenceStep, SequenceTable, build_table, check_sequence_id, why_not_batched
 from neuropod.spec import SpecValidator, TensorSpec
+from neuropod.statespec import SequenceControl, StatePair
 from neuropod.streams import AsyncResponseStream, ResponseStream, cannot_stream
 from neuropod.tensors import TensorFacts
 
@@ -37,9 +40,18 @@ class NeuropodModel:
         #: ``"cpu"`` or ``"cuda:N"``.
         self.device: str = chosen.device or "cpu"
         self._handle = handle
+        config = package.config
+        #: The live sequences of a stateful model and their state (None for other models); the
+        #: state inputs and outputs and the control inputs are the runtime's, not the caller's.
+        self._sequences: SequenceTable | None = build_table(
+            package.name, config, package.root, config.input_spec, config.output_spec
+        )
+        hidden = {p.input_name for p in config.state_spec} | {c.name for c in config.sequence_controls}
+        hidden_out = {p.output_name for p in config.state_spec}
+        self._inputs = tuple(s for s in config.input_spec if s.name not in hidden)
+        self._outputs = tuple(s for s in config.output_spec if s.name not in hidden_out)
         self._validator = SpecValidator(
-            package.name, package.config.input_spec, package.config.output_spec,
-            shared_symbols=not package.original_format,
+            package.name, self._inputs, self._outputs, shared_symbols=not package.original_format,
         )  # fmt: skip
         self._bind_infer()
         #: ``call(handle, inputs, requested_outputs, parameters)`` -> the backend's iterator of
@@ -57,7 +69,7 @@ class NeuropodModel:
         self._run_is_the_hook = type(self)._run is NeuropodModel._run
         self._validator.device_policy = self._device_policy()
         self._closed = False
-        self._fast = None if self.decoupled else self._fast_call()
+        self._fast = None if self.decoupled or self._sequences is not None else self._fast_call()
         self._close_lock = threading.Lock()
 
     #: Whether ``infer`` hands GPU tensors to the backend and honours ``output_device`` (set for
@@ -166,17 +178,211 @@ class NeuropodModel:
     @property
     def inputs(self) -> list[TensorSpec]:
         """The input spec: a new list each time, of entries that are also the original
-        Neuropod's dicts (``model.inputs[0]["name"]``, ``model.inputs == [{...}]``)."""
-        return list(self.package.config.input_spec)
+        Neuropod's dicts (``model.inputs[0]["name"]``, ``model.inputs == [{...}]``). A stateful
+        model's state and control inputs are not in it: the runtime fills them."""
+        return list(self._inputs)
 
     @property
     def outputs(self) -> list[TensorSpec]:
-        """The output spec, as :attr:`inputs`."""
-        return list(self.package.config.output_spec)
+        """The output spec, as :attr:`inputs` (a stateful model's state outputs are not in it)."""
+        return list(self._outputs)
+
+    # -- stateful models ---------------------------------------------------------------------
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the model runs in sequences: it carries state from one request of a sequence to
+        the next (:attr:`state_spec`), or takes control inputs (:attr:`sequence_controls`). Run it
+        with :meth:`sequence`, or :meth:`infer` with a ``sequence_id``."""
+        return self._sequences is not None
+
+    @property
+    def state_spec(self) -> tuple[StatePair, ...]:
+        """The state pairs the runtime carries between the steps of a sequence (empty for none)."""
+        return self.package.config.state_spec
+
+    @property
+    def sequence_controls(self) -> tuple[SequenceControl, ...]:
+        """The inputs the runtime fills with a sequence's flags and id (empty for none)."""
+        return self.package.config.sequence_controls
+
+    @property
+    def sequence_batching(self) -> bool:
+        """Whether one call (:meth:`infer_sequences`) can run many sequences at once: every input,
+        output, state and control leads with the batch symbol (see :attr:`sequence_batching_problem`)."""
+        return self._sequences is not None and self._sequences.batching
+
+    @property
+    def sequence_batching_problem(self) -> str | None:
+        """Why a stateful model's calls cannot run many sequences at once (None: they can, or the
+        model is not stateful)."""
+        if self._sequences is None or self._sequences.batching:
+            return None
+        config = self.package.config
+        return why_not_batched(
+            {s.name: s for s in config.input_spec}, {s.name: s for s in config.output_spec}, config.state_spec
+        )
+
+    @property
+    def live_sequences(self) -> int:
+        """How many sequences hold state now."""
+        return 0 if self._sequences is None else self._sequences.live
+
+    def configure_sequences(self, *, max_idle_s: float | None = None, max_live: int | None = None) -> None:
+        """Bound a stateful model's sequences: one idle longer than ``max_idle_s`` seconds is freed
+        (its next step without ``sequence_start`` is a :class:`SequenceError` saying so), and no
+        more than ``max_live`` are live at once (starting one more is a
+        :class:`~neuropod.errors.SequenceLimitError`). None: no limit (the default)."""
+        self._stateful_table().configure(max_idle_s=max_idle_s, max_live=max_live)
+
+    def sequence(self, sequence_id: int | str | None = None) -> ModelSequence:
+        """A new sequence of this stateful model: ``with model.sequence() as seq: seq.infer(inputs)``.
+
+        Its first ``infer`` starts it from the initial state, each later one continues from the
+        state the one before left, ``seq.infer(..., end=True)`` is its last step, and leaving the
+        ``with`` block (``seq.close()``) frees its state.
+
+        :param sequence_id: its id (an int >= 1 or a non-empty str, what a ``CORRID`` control
+            input gets); a random 64-bit one when None.
+        :raises SequenceError: the model is not stateful.
+        """
+        self._stateful_table()
+        return ModelSequence(self, sequence_id)
+
+    def infer_sequences(
+        self, inputs: Mapping[str, Any], steps: Sequence[SequenceStep], requested_outputs: Sequence[str] | None = None,
+        *, parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Run one step of each of several sequences in one call of the model: ``inputs`` stack
+        the steps' rows along the batch symbol, in ``steps`` order (``step.rows`` rows each, the
+        state's leading dim, normally 1); their states are stacked the same way, and the
+        outputs are too. A sequence may appear once in ``steps``.
+
+        :raises SequenceError: the model is not stateful or cannot stack sequences
+            (:attr:`sequence_batching_problem`), a step's sequence is not live without ``start``,
+            a sequence appears twice, or the rows do not add up.
+        :raises SequenceLimitError: a new sequence would pass the bound on live sequences.
+        """
+        table = self._stateful_table()
+        steps = list(steps)
+        if not steps or not all(isinstance(s, SequenceStep) for s in steps):
+            raise TypeError("steps must be a non-empty list of neuropod.sequences.SequenceStep")
+        ids = [check_sequence_id(s.sequence_id) for s in steps]
+        if len(set(ids)) != len(ids):
+            twice = next(i for i in ids if ids.count(i) > 1)
+            raise SequenceError(f"sequence {twice!r} appears more than once in one call of model {self.name!r}")
+        if len(steps) > 1 and not table.batching:
+            raise SequenceError(
+                f"model {self.name!r} cannot run {len(steps)} sequences in one call: {self.sequence_batching_problem}; "
+                "run one step at a time"
+            )
+        return self._step(inputs, requested_outputs, parameters, steps)
+
+    def _stateful_table(self) -> SequenceTable:
+        if self._closed:
+            raise NeuropodError(f"Model {self.name!r} is closed")
+        if self._sequences is None:
+            raise SequenceError(
+                f"model {self.name!r} is not stateful: it was packaged without state_spec or sequence_controls, so "
+                "it runs without sequences (call infer without sequence_id)"
+            )
+        return self._sequences
+
+    def _infer_step(
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None, output_device: str | None,
+        parameters: Mapping[str, Any] | None, sequence_id: Any, start: Any, end: Any,
+    ) -> dict[str, Any]:  # fmt: skip
+        """:meth:`infer` with a sequence (or of a stateful model without one, which refuses)."""
+        table = self._stateful_table()
+        if sequence_id is None:
+            raise SequenceError(
+                f"model {self.name!r} carries state from one request of a sequence to the next: run it in a "
+                "sequence (with model.sequence() as seq: seq.infer(inputs)), or call infer(inputs, sequence_id=..., "
+                "sequence_start=True) for its first step"
+            )
+        check_flag("sequence_start", start)
+        check_flag("sequence_end", end)
+        if output_device is not None and self._output_device(output_device) is not None:
+            raise NeuropodError(f"output_device={output_device!r}: a sequence's step answers with numpy arrays")
+        rows = table.pairs[0].shape[0] if table.batching and table.pairs else 1
+        step = SequenceStep(check_sequence_id(sequence_id), bool(start), bool(end), rows)
+        return self._step(inputs, requested_outputs, parameters, [step])
+
+    def _step(
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None,
+        parameters: Mapping[str, Any] | None, steps: list[SequenceStep],
+    ) -> dict[str, Any]:  # fmt: skip
+        validator = self._validator
+        requested = None if requested_outputs is None else validator.check_requested(requested_outputs)
+        if parameters:
+            check_parameters(parameters)
+        checked, bindings = validator.check_inputs(inputs)
+        table = self._sequences
+        assert table is not None
+        if len(steps) > 1 or table.batching:
+            rows = sum(s.rows for s in steps)
+            for name, array in checked.items():
+                if getattr(array, "ndim", 0) == 0 or array.shape[0] != rows:
+                    raise SpecError(
+                        f"model {self.name!r}: input {name!r} has {array.shape[0] if getattr(array, 'ndim', 0) else 0} "
+                        f"rows, but the call's {len(steps)} sequence step(s) take {rows}, one per sequence"
+                    )
+        outputs = self._run_steps(checked, requested, steps, parameters or None)
+        return self._checked_outputs(outputs, bindings, requested, None)
+
+    def _run_steps(
+        self, inputs: dict[str, Any], requested: list[str] | None, steps: list[SequenceStep],
+        parameters: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Run checked caller inputs as one step of each of ``steps``' sequences: their state is
+        taken from (and kept in) this model's table, controls are filled, the state outputs are
+        split off; the caller's outputs, unchecked. A subclass that runs the model elsewhere (a
+        worker, which keeps the state there) overrides this."""
+        table = self._sequences
+        assert table is not None
+        states = table.take(steps)
+        done = False
+        try:
+            full = table.inputs(inputs, steps, states)
+            wanted = None if requested is None else [*requested, *(p.output_name for p in table.pairs)]
+            try:
+                if parameters and self._infer_with_parameters is not None:
+                    outputs = self._infer_with_parameters(self._handle, full, wanted, parameters)
+                else:
+                    outputs = self._infer(self._handle, full, wanted)
+            except NeuropodError:
+                raise
+            except Exception as e:
+                raise self._run_failed(e) from e
+            if not isinstance(outputs, Mapping):
+                raise BackendError(
+                    f"Backend {self.backend.id} returned {type(outputs).__name__} for model {self.name!r}, "
+                    "not a dict of output name to numpy array"
+                )
+            mine, new_states = table.outputs(dict(outputs), steps)
+            table.give(steps, new_states)
+            done = True
+            return mine
+        finally:
+            if not done:
+                table.abandon(steps)
+
+    def _end_sequence(self, sequence_id: int | str) -> bool:
+        """Free a sequence's state where the model runs; whether it was live."""
+        return self._stateful_table().end(sequence_id)
+
+    def _sequence_state(self, sequence_id: int | str) -> dict[str, Any]:
+        """A copy of a live sequence's state where the model runs."""
+        return self._stateful_table().state(sequence_id)
+
+    def _initial_states(self) -> list[Any]:
+        table = self._stateful_table()
+        return [table.initial[p.input_name] for p in table.pairs]
 
     def infer(
         self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None, *,
         output_device: str | None = None, parameters: Mapping[str, Any] | None = None,
+        sequence_id: int | str | None = None, sequence_start: bool = False, sequence_end: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         """Run the model on one set of inputs.
 
@@ -208,14 +414,23 @@ class NeuropodModel:
             backend whose ``infer`` hook takes ``parameters`` (the python backend passes them on
             to a model function that takes a ``parameters`` keyword); other backends run as
             without them. None or empty: none.
+        :param sequence_id: for a stateful model (:attr:`stateful`), the sequence this request
+            is a step of (an int >= 1 or a non-empty str; :meth:`sequence` manages one for you):
+            its state goes in, the new state is kept for its next step. A stateful model needs
+            one; other models refuse one.
+        :param sequence_start: this is the sequence's first step: it starts from the initial
+            state (a live sequence of that id restarts).
+        :param sequence_end: this is its last step: its state is freed after it.
         :returns: output name to numpy array (or device tensor, see ``output_device``).
         :raises TypeError: ``requested_outputs`` is not a list of str.
         :raises SpecError: an input or output does not fit the spec.
         :raises BackendError: the framework failed; its exception is chained.
+        :raises SequenceError: a sequence that is not live without ``sequence_start``, a stateful
+            model without ``sequence_id`` or another model with one.
         """
         fast = self._fast
         if fast is not None and requested_outputs is None and output_device is None and not parameters \
-                and type(inputs) is dict:  # fmt: skip
+                and sequence_id is None and type(inputs) is dict:  # fmt: skip
             # The common call, in as few steps as it takes (see _fast_call): the inputs pass the
             # checks compiled for this model as they are, and so do the outputs, or the general
             # checks take them and say what is wrong.
@@ -231,6 +446,10 @@ class NeuropodModel:
                 if type(outputs) is dict and check_outputs is not None and check_outputs(outputs, bindings) is not None:
                     return outputs
                 return self._checked_outputs(outputs, bindings, None, None)
+        if sequence_id is not None or self._sequences is not None:
+            return self._infer_step(
+                inputs, requested_outputs, output_device, parameters, sequence_id, sequence_start, sequence_end
+            )
         return self._checked_infer(inputs, requested_outputs, None, output_device, parameters)
 
     def _checked_infer(
@@ -240,6 +459,8 @@ class NeuropodModel:
         """:meth:`infer`, with ``call_options`` for subclasses whose ``infer`` takes more (see :meth:`_run`)."""
         if self._closed:
             raise NeuropodError(f"Model {self.name!r} is closed")
+        if self._sequences is not None:
+            return self._infer_step(inputs, requested_outputs, output_device, parameters, None, False, False)
         if self._stream is not None:
             raise NeuropodError(
                 f"Model {self.name!r} is decoupled: it answers a request with any number of responses, so it "
@@ -294,6 +515,11 @@ class NeuropodModel:
         """
         if self._closed:
             raise NeuropodError(f"Model {self.name!r} is closed")
+        if self._sequences is not None:
+            raise SequenceError(
+                f"model {self.name!r} is stateful: it answers each step of a sequence once; run it with "
+                "model.sequence() or infer(..., sequence_id=...), not infer_stream"
+            )
         validator = self._validator
         requested = None if requested_outputs is None else validator.check_requested(requested_outputs)
         if parameters:
@@ -398,6 +624,8 @@ class NeuropodModel:
             self._closed = True
             self._fast = None  # later calls take _checked_infer, which says the model is closed
             handle, self._handle = self._handle, None
+        if self._sequences is not None:
+            self._sequences.clear()
         closer = getattr(handle, "close", None)
         if callable(closer):
             closer()

@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 
 from neuropod._args import check_flag
-from neuropod.errors import PackageError
+from neuropod.errors import NeuropodError, PackageError
 from neuropod.loader import LOAD_ARGS, check_load_args, load_neuropod, plan
 from neuropod.package import Package, read_package
+from neuropod.sequences import StateMismatchError
+from neuropod.spec import DTYPES
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,13 @@ def _run_and_compare(
     load_kwargs: Mapping[str, Any],
 ) -> TestReport:  # fmt: skip
     with load_neuropod(package, **load_kwargs) as model:
-        outputs = joined_responses(model, inputs) if model.decoupled else model.infer(inputs)
+        if model.decoupled:
+            outputs = joined_responses(model, inputs)
+        elif model.stateful:  # one step of a new sequence, from the initial state
+            with model.sequence() as sequence:
+                outputs = sequence.infer(inputs)
+        else:
+            outputs = model.infer(inputs)
         mismatches = compare_outputs(outputs, expected, rtol=rtol, atol=atol) if expected is not None else []
         return TestReport(
             model.name, model.backend.id, model.device, dict(inputs), outputs,
@@ -161,7 +169,9 @@ def check_packaged(
                 )
                 return None
         if inputs is None:
-            load_neuropod(package, **kwargs).close()
+            with load_neuropod(package, **kwargs) as model:
+                if model.stateful:
+                    check_state_outputs(model)
             return None
         report = _run_and_compare(package, inputs, expected, rtol=rtol, atol=atol, load_kwargs=kwargs)
         if not report.passed:
@@ -174,6 +184,33 @@ def check_packaged(
     except BaseException:
         _remove(Path(neuropod_path))
         raise
+
+
+def check_state_outputs(model: Any) -> None:
+    """Run one step of a new sequence of a stateful model on zeros (each symbol and ``None`` dim
+    of its inputs as 1), so that a state output that does not fit its ``state_spec`` fails at
+    packaging. A model that fails on such inputs for another reason is kept, with a warning that
+    its state was not checked.
+
+    :raises StateMismatchError: a state output is missing or does not fit.
+    """
+    zeros: dict[str, Any] = {}
+    for spec in model.inputs:
+        shape = tuple(d if isinstance(d, int) else 1 for d in spec.shape)
+        dtype = DTYPES[spec.dtype]
+        zeros[spec.name] = np.full(shape, "", dtype=object) if dtype is None else np.zeros(shape, dtype=dtype)
+    try:
+        with model.sequence() as sequence:
+            sequence.infer(zeros)
+    except StateMismatchError:
+        raise
+    except NeuropodError as e:
+        warnings.warn(
+            f"The state outputs of model {model.name!r} were not checked at packaging: one step on zero inputs "
+            f"failed ({str(e).splitlines()[0]:.200}); pass test_input_data to check them",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _remove(path: Path) -> None:

@@ -135,6 +135,14 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     if cfg.device_requirements:
         print(f"Needs:     {json.dumps(dict(cfg.device_requirements))}", file=out)
     print_spec(cfg.input_spec, cfg.output_spec, out, cfg.input_tensor_device)
+    if cfg.decoupled:
+        print("Responses: any number per request (decoupled: run it with infer_stream)", file=out)
+    if cfg.state_spec or cfg.sequence_controls:
+        print("Sequences: stateful (run it in sequences; callers never send or see the tensors below)", file=out)
+        for pair in cfg.state_spec:
+            print(f"  state    {safe(str(pair))}", file=out)
+        for control in cfg.sequence_controls:
+            print(f"  control  {safe(str(control))}", file=out)
     if cfg.custom_ops:
         print(f"Custom ops: {safe(', '.join(cfg.custom_ops))}", file=out)
     manifest = "checked" if pkg.manifest is not None and not args.no_verify else (

@@ -9,6 +9,13 @@ from typing import Any
 
 from neuropod.errors import NeuropodError, PackageError, VersionRangeError
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod.statespec import (
+    SequenceControl,
+    StatePair,
+    check_state_names,
+    parse_sequence_controls,
+    parse_state_spec,
+)
 from neuropod.versions import parse_range
 
 MANIFEST_VERSION = 1
@@ -31,6 +38,8 @@ _KNOWN_KEYS = {
     "device_requirements",
     "output_labels",
     "decoupled",
+    "state_spec",
+    "sequence_controls",
 }
 
 
@@ -53,6 +62,11 @@ class ModelConfig:
     #: The model answers a request with any number of responses (zero or more), each a dict
     #: holding some or all of its outputs: run it with ``infer_stream``.
     decoupled: bool = False
+    #: The state the runtime carries from one request of a sequence to the next (see
+    #: :mod:`neuropod.statespec`); empty for a model without.
+    state_spec: tuple[StatePair, ...] = ()
+    #: The inputs the runtime fills with a sequence's flags and id.
+    sequence_controls: tuple[SequenceControl, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,6 +88,10 @@ class ModelConfig:
             out["output_labels"] = {k: list(v) for k, v in self.output_labels.items()}
         if self.decoupled:
             out["decoupled"] = True
+        if self.state_spec:
+            out["state_spec"] = [p.to_dict() for p in self.state_spec]
+        if self.sequence_controls:
+            out["sequence_controls"] = [c.to_dict() for c in self.sequence_controls]
         out.update(self.extra)
         return out
 
@@ -129,11 +147,17 @@ def parse_config(data: Any, where: str) -> ModelConfig:
         decoupled = False
     if not isinstance(decoupled, bool):
         raise PackageError(f"{where}: 'decoupled' must be true or false, not {decoupled!r}")
+    input_spec = parse_spec(data["input_spec"], f"{where}: input_spec")
+    state_spec = parse_state_spec(data.get("state_spec"), input_spec, output_spec, f"{where}: state_spec")
+    controls = parse_sequence_controls(data.get("sequence_controls"), input_spec, f"{where}: sequence_controls")
+    check_state_names(state_spec, controls, where)
+    if decoupled and (state_spec or controls):
+        raise PackageError(f"{where}: a decoupled model cannot also carry sequence state or controls")
     return ModelConfig(
         name=name,
         platform=platform,
         platform_version_semver=semver,
-        input_spec=parse_spec(data["input_spec"], f"{where}: input_spec"),
+        input_spec=input_spec,
         output_spec=output_spec,
         custom_ops=tuple(custom_ops),
         input_tensor_device=dict(devices),
@@ -141,6 +165,8 @@ def parse_config(data: Any, where: str) -> ModelConfig:
         device_requirements=data.get("device_requirements"),
         output_labels=parse_output_labels(data.get("output_labels"), output_spec, f"{where}: output_labels"),
         decoupled=decoupled,
+        state_spec=state_spec,
+        sequence_controls=controls,
         extra={k: v for k, v in data.items() if k not in _KNOWN_KEYS},
     )
 
