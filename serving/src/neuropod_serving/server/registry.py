@@ -62,6 +62,15 @@ class ModelSettings:
     #: (input name, Triton's ``ModelInput.Format``) a load's config declared: the layout of an
     #: image input, which a package does not say; reported in the model configuration only.
     input_formats: tuple[tuple[str, str], ...] = ()
+    #: A stateful model's state and controls as a load's config declared them (Triton's
+    #: ``sequence_batching`` ``state`` and ``control_input``), as JSON for ``load_neuropod``'s
+    #: ``sequences``; None: the package's own declaration.
+    sequences: str | None = None
+    #: Microseconds a sequence may sit idle before its state is freed; None: the server's
+    #: ``--max-sequence-idle-us`` (Triton's ``max_sequence_idle_microseconds``).
+    max_sequence_idle_us: int | None = None
+    #: How many sequences of the model may be live at once; None: the server's option.
+    max_sequences: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
