@@ -8,6 +8,11 @@ Three things ride in a request's ``parameters`` (and its requested outputs'):
 * ``classification`` on a requested output (Triton's classification
   extension): instead of the tensor, the top ``k`` entries of each row as
   ``"score:index"`` or ``"score:index:label"`` strings.
+* ``sequence_id`` (an integer >= 1 or a non-empty string; 0 and "" mean none),
+  ``sequence_start`` and ``sequence_end`` (Triton's sequence extension): the
+  request is a step of that sequence of a stateful model
+  (:class:`~neuropod.sequences.SequenceStep`). A model that is not stateful
+  runs it as any other request, as Triton's schedulers do.
 * every other request parameter goes on to the model (see
   :meth:`neuropod.model.NeuropodModel.infer`'s ``parameters``), except those the
   protocol gives to the server (:data:`SERVER_PARAMETERS`, and names starting
@@ -25,12 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from neuropod.sequences import SequenceStep
 from neuropod_serving.errors import ProtocolError
 from neuropod_serving.protocol.fields import is_int
 
 #: Request parameters the protocol gives to the server (Triton's reserved ones, and those of
-#: its extensions): they never reach a model. ``priority`` and ``sequence_*`` are accepted and
-#: ignored (this server has no priority levels or sequence batching).
+#: its extensions): they never reach a model. ``priority`` is accepted and ignored (this server
+#: has no priority levels).
 SERVER_PARAMETERS = frozenset({
     "timeout", "priority", "sequence_id", "sequence_start", "sequence_end", "headers",
     "binary_data_output", "binary_data", "classification",
@@ -54,6 +60,8 @@ class RequestOptions:
     parameters: Mapping[str, Any] | None = None
     #: Output name -> how many classes to answer (the classification extension); None: no output asks.
     classification: Mapping[str, int] | None = None
+    #: The sequence step the request is (Triton's sequence extension); None: none.
+    sequence: SequenceStep | None = None
 
 
 def classification_count(value: object, output: str) -> int:
@@ -99,14 +107,45 @@ def request_options(
                 f"types), not {type(value).__name__}"
             )
         model[key] = value
-    if timeout_s is None and not model and not classification:
+    sequence = sequence_step(parameters)
+    if timeout_s is None and not model and not classification and sequence is None:
         return None
     return RequestOptions(
+        sequence=sequence,
         timeout_s=timeout_s,
         timeout_us=timeout if timeout_s is not None else None,
         parameters=model or None,
         classification=dict(classification) if classification else None,
     )
+
+
+def sequence_step(parameters: Mapping[str, Any]) -> SequenceStep | None:
+    """The sequence step of a request's ``sequence_id``, ``sequence_start`` and ``sequence_end``
+    parameters; None when it names no sequence (no id, 0 or "").
+
+    :raises ProtocolError: an id that is not an integer in [0, 2**64) or a string, a flag that is
+        not a bool, or a flag without an id, naming it.
+    """
+    sequence_id = parameters.get("sequence_id")
+    start = parameters.get("sequence_start", False)
+    end = parameters.get("sequence_end", False)
+    for name, flag in (("sequence_start", start), ("sequence_end", end)):
+        if not isinstance(flag, bool):
+            raise ProtocolError(f"request parameter {name} must be a bool (true or false), not {flag!r:.80}")
+    if sequence_id is None or sequence_id == 0 or sequence_id == "":
+        if start or end:
+            raise ProtocolError(
+                "request parameters sequence_start / sequence_end need a sequence_id (a non-zero integer or a "
+                "non-empty string) naming the sequence"
+            )
+        return None
+    if isinstance(sequence_id, bool) or not isinstance(sequence_id, (int, str)):
+        raise ProtocolError(
+            f"request parameter sequence_id must be an integer or a string, not {type(sequence_id).__name__}"
+        )
+    if isinstance(sequence_id, int) and not 0 < sequence_id < 1 << 64:
+        raise ProtocolError(f"request parameter sequence_id {sequence_id} is out of range: 1 to 2**64-1")
+    return SequenceStep(sequence_id, start, end)
 
 
 def classify(
@@ -157,4 +196,5 @@ __all__ = [
     "classification_count",
     "classify",
     "request_options",
+    "sequence_step",
 ]

@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from neuropod.errors import NeuropodError, SpecError
+from neuropod.errors import NeuropodError, SequenceError, SpecError
+from neuropod.sequences import SequenceStep
 from neuropod_serving.errors import ModelBusyError, RequestTimeoutError, UnknownModelError
 from neuropod_serving.protocol.options import RequestOptions
 from neuropod_serving.server.admission import Deadline, NotStarted, request_deadline, until, wait
@@ -93,7 +94,7 @@ gc.callbacks.append(_FullCollections.callback)
 
 #: What :meth:`Engine.infer` raises when the request is at fault, not the model:
 #: front ends count these as client failures (4xx, INVALID_ARGUMENT/NOT_FOUND/RESOURCE_EXHAUSTED).
-CLIENT_ERRORS = (SpecError, UnknownModelError, ModelBusyError, RequestTimeoutError)
+CLIENT_ERRORS = (SpecError, UnknownModelError, ModelBusyError, RequestTimeoutError, SequenceError)
 
 
 class Engine(ModelLifecycle):
@@ -323,8 +324,9 @@ class Engine(ModelLifecycle):
         queued = time.perf_counter()
         deadline = request_deadline(queued, options, None)
         gate = runner.gate
+        step = _step(runner, options)
         try:
-            if runner.batcher is not None:
+            if runner.batcher is not None and step is None:
                 self.check(served, inputs, requested)
                 gate.admit(False)
                 try:
@@ -337,7 +339,7 @@ class Engine(ModelLifecycle):
                 gate.admit(False)
                 try:
                     future = runner.executor.submit(
-                        self._run_queued, runner, inputs, requested, queued, deadline, options.parameters
+                        self._run_queued, runner, inputs, requested, queued, deadline, options.parameters, step
                     )
                 except RuntimeError:  # the model's threads stopped: it is being unloaded
                     gate.leave(False)
@@ -347,7 +349,7 @@ class Engine(ModelLifecycle):
                 except NotStarted as e:
                     gate.leave(False)  # it never reached _run_queued, which would have
                     raise e.error from None
-        except (SpecError, ModelBusyError, RequestTimeoutError):
+        except (SpecError, ModelBusyError, RequestTimeoutError, SequenceError):
             raise
         except NeuropodError as e:
             if self._runners.get((served.name, served.version)) is not runner:
@@ -364,8 +366,9 @@ class Engine(ModelLifecycle):
         classes = _classification(runner, served, requested, options)
         queued = time.perf_counter()
         gate = runner.gate
+        step = _step(runner, options)
         try:
-            if runner.batcher is not None:
+            if runner.batcher is not None and step is None:
                 self.check(served, inputs, requested)
                 deadline = request_deadline(queued, options, time_left)
                 gate.admit(False)
@@ -378,13 +381,13 @@ class Engine(ModelLifecycle):
                 self._check_missing(runner, inputs)
                 if gate.admit(True):
                     try:
-                        outputs = self._run(runner, inputs, requested, None, options.parameters)
+                        outputs = self._run(runner, inputs, requested, None, options.parameters, step)
                     finally:
                         gate.leave(True)
                 else:
                     deadline = request_deadline(queued, options, time_left)
-                    outputs = self._run_queued(runner, inputs, requested, queued, deadline, options.parameters)
-        except (SpecError, ModelBusyError, RequestTimeoutError):
+                    outputs = self._run_queued(runner, inputs, requested, queued, deadline, options.parameters, step)
+        except (SpecError, ModelBusyError, RequestTimeoutError, SequenceError):
             raise
         except NeuropodError as e:
             if self._runners.get((served.name, served.version)) is not runner:
@@ -413,6 +416,7 @@ class Engine(ModelLifecycle):
     def _run_queued(
         self, runner: Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float,
         deadline: Deadline | None = None, parameters: Mapping[str, Any] | None = None,
+        step: SequenceStep | None = None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """:meth:`_run` once a run slot is free, for an admitted request (leaves the gate after).
 
@@ -431,13 +435,13 @@ class Engine(ModelLifecycle):
             gate.leave(False)
             raise
         try:
-            return self._run(runner, inputs, requested, queued, parameters)
+            return self._run(runner, inputs, requested, queued, parameters, step)
         finally:
             gate.leave(True)
 
     def _run(
         self, runner: Runner, inputs: dict[str, np.ndarray], requested: list[str] | None, queued: float | None,
-        parameters: Mapping[str, Any] | None = None,
+        parameters: Mapping[str, Any] | None = None, step: SequenceStep | None = None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """One unbatched run, timed from ``queued`` (when the request was handed to a thread;
         None when it runs where it arrived, without waiting). Only a run that succeeds is
@@ -453,7 +457,12 @@ class Engine(ModelLifecycle):
         collected = _FullCollections.seconds
         ok = False
         try:
-            if parameters is None:
+            if step is not None:  # a step of a stateful model's sequence
+                outputs = runner.served.model.infer(
+                    inputs, requested, parameters=parameters, sequence_id=step.sequence_id,
+                    sequence_start=step.start, sequence_end=step.end,
+                )  # fmt: skip
+            elif parameters is None:
                 outputs = runner.served.model.infer(inputs, requested)
             else:
                 outputs = runner.served.model.infer(inputs, requested, parameters=parameters)
@@ -512,6 +521,15 @@ def _learn(
             runner.inline_bytes = size
     runner.ewma_s += _EWMA * (ran - runner.ewma_s)
     return seconds
+
+
+def _step(runner: Runner, options: RequestOptions) -> SequenceStep | None:
+    """The sequence step a request is, for a stateful model; None for another model (which runs
+    a request that names a sequence as any other, as Triton's schedulers do)."""
+    step = options.sequence
+    if step is None or not runner.served.model.stateful:
+        return None
+    return step
 
 
 def _classification(
