@@ -296,7 +296,7 @@ def state_files(state_spec: Any) -> tuple[Any, dict[str, bytes]]:
     data: dict[str, bytes] = {}
     for i, entry in enumerate(state_spec):
         initial = entry.get("initial_state", ZERO) if isinstance(entry, Mapping) else ZERO
-        if isinstance(initial, Mapping) or isinstance(initial, str):
+        if isinstance(initial, (Mapping, str)):
             entries.append(entry)
             continue
         try:

@@ -13,11 +13,18 @@ from neuropod import plugins
 from neuropod._args import check_flag, check_parameters
 from neuropod.backend import Backend
 from neuropod.devices import parse_device
-from neuropod.errors import BackendError, NeuropodError, NoBackendError, SequenceError
+from neuropod.errors import BackendError, NeuropodError, NoBackendError, SequenceError, SpecError
 from neuropod.package import Package
 from neuropod.resolve import Resolution
+from neuropod.sequences import (
+    NOT_FAST,
+    SequenceStep,
+    SequenceTable,
+    build_table,
+    check_sequence_id,
+    why_not_batched,
+)
 from neuropod.sequences import Sequence as ModelSequence
-from neuropod.sequences import SequenceStep, SequenceTable, build_table, check_sequence_id, why_not_batched
 from neuropod.spec import SpecValidator, TensorSpec
 from neuropod.statespec import SequenceControl, StatePair
 from neuropod.streams import AsyncResponseStream, ResponseStream, cannot_stream
@@ -70,6 +77,15 @@ class NeuropodModel:
         self._validator.device_policy = self._device_policy()
         self._closed = False
         self._fast = None if self.decoupled or self._sequences is not None else self._fast_call()
+        #: What a sequence's common step needs (see :meth:`infer`), as ``_fast``; None: no such path.
+        self._fast_step = None
+        if self._sequences is not None and self._run_is_the_hook and self._validator._fast_inputs is not None:
+            fast = self._fast_call_unchecked()
+            table = self._sequences
+            # A batch-leading model's step has the state's rows (normally 1): (symbol, rows) to check.
+            lead = self._inputs[0].shape[0] if table.batching and self._inputs and self._inputs[0].shape else None
+            rows = (lead, table.pairs[0].shape[0] if table.pairs else 1) if isinstance(lead, str) else None
+            self._fast_step = (fast[0], table, fast[1], fast[2], fast[3], fast[4], rows)
         self._close_lock = threading.Lock()
 
     #: Whether ``infer`` hands GPU tensors to the backend and honours ``output_device`` (set for
@@ -127,9 +143,12 @@ class NeuropodModel:
         what is wrong. It holds no reference to the model (see :meth:`_device_policy`);
         :meth:`close` drops it.
         """
-        validator = self._validator
-        if not self._run_is_the_hook or validator._fast_inputs is None:
+        if not self._run_is_the_hook or self._validator._fast_inputs is None:
             return None
+        return self._fast_call_unchecked()
+
+    def _fast_call_unchecked(self) -> tuple[Any, ...]:
+        validator = self._validator
         positional = self._infer_positional
         run = self._infer if positional is None else positional
         check_outputs = validator._fast_outputs if validator.shared_symbols else None
@@ -446,6 +465,24 @@ class NeuropodModel:
                 if type(outputs) is dict and check_outputs is not None and check_outputs(outputs, bindings) is not None:
                     return outputs
                 return self._checked_outputs(outputs, bindings, None, None)
+        if sequence_id is not None and sequence_start is False and self._fast_step is not None:
+            fast_step = self._fast_step
+            if requested_outputs is None and output_device is None and not parameters and type(inputs) is dict \
+                    and type(sequence_end) is bool and (type(sequence_id) is int or type(sequence_id) is str):  # fmt: skip
+                # A live sequence's next step, in as few steps as it takes (see SequenceTable.run_one).
+                check_inputs, table, run, with_device, handle, check_outputs, rows = fast_step
+                bindings = check_inputs(inputs, {})
+                if bindings is not None and (rows is None or bindings.get(rows[0], (rows[1],))[0] == rows[1]):
+                    try:
+                        outputs = table.run_one(sequence_id, sequence_end, inputs, run, handle, with_device)
+                    except NeuropodError:
+                        raise
+                    except Exception as e:
+                        raise self._run_failed(e) from e
+                    if outputs is not NOT_FAST:
+                        if type(outputs) is dict and check_outputs is not None and check_outputs(outputs, bindings) is not None:
+                            return outputs
+                        return self._checked_outputs(outputs, bindings, None, None)
         if sequence_id is not None or self._sequences is not None:
             return self._infer_step(
                 inputs, requested_outputs, output_device, parameters, sequence_id, sequence_start, sequence_end
@@ -623,6 +660,7 @@ class NeuropodModel:
                 return
             self._closed = True
             self._fast = None  # later calls take _checked_infer, which says the model is closed
+            self._fast_step = None
             handle, self._handle = self._handle, None
         if self._sequences is not None:
             self._sequences.clear()

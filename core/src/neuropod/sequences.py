@@ -21,7 +21,8 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,8 @@ from neuropod.statespec import ZERO, SequenceControl, StatePair
 if TYPE_CHECKING:
     from neuropod.model import NeuropodModel
 
+#: What :meth:`SequenceTable.run_one` answers for a step it does not take.
+NOT_FAST: Any = object()
 #: Ids of sequences that ended or expired, remembered (this many) so that a late request is told which.
 _REMEMBERED = 4096
 
@@ -115,8 +118,19 @@ class SequenceTable:
         self._live: dict[int | str, _Live] = {}
         self._gone: OrderedDict[int | str, str] = OrderedDict()
         self._cond = threading.Condition()
+        #: Threads waiting on ``_cond`` (for a busy sequence): only then does a step notify.
+        self._waiting = 0
         self._swept = time.monotonic()
-        corrid = next((c for c in self.controls if c.kind == "CONTROL_SEQUENCE_CORRID"), None)
+        # For run_one: each state's (input, output, numpy dtype, shape), and the controls other
+        # than CORRID filled for a step that neither starts nor ends (copied for each step).
+        self._fast_pairs = tuple((p.input_name, p.output_name, DTYPES[p.dtype], p.shape) for p in self.pairs)
+        self._fast_ok = all(dtype is not None for _, _, dtype, _ in self._fast_pairs)
+        middle = SequenceStep(1)
+        self._middle_controls = tuple(
+            (c.name, self._control(c, [middle])) for c in self.controls if c.kind != "CONTROL_SEQUENCE_CORRID"
+        )
+        self._corrid = next((c for c in self.controls if c.kind == "CONTROL_SEQUENCE_CORRID"), None)
+        corrid = self._corrid
         self._string_ids = corrid is not None and self.control_specs[corrid.name].dtype == "string"
         self._numeric_ids = corrid is not None and not self._string_ids
 
@@ -124,7 +138,9 @@ class SequenceTable:
         """Set the idle timeout (seconds, None: none) and the bound on live sequences (None: none)."""
         if max_idle_s is not None and not (isinstance(max_idle_s, (int, float)) and max_idle_s > 0):
             raise ValueError(f"max_idle_s must be a number of seconds > 0 or None, not {max_idle_s!r}")
-        if max_live is not None and not (isinstance(max_live, int) and not isinstance(max_live, bool) and max_live >= 1):
+        if max_live is not None and not (
+            isinstance(max_live, int) and not isinstance(max_live, bool) and max_live >= 1
+        ):
             raise ValueError(f"max_live must be an int >= 1 or None, not {max_live!r}")
         with self._cond:
             self.max_idle_s = max_idle_s
@@ -157,7 +173,7 @@ class SequenceTable:
         with self._cond:
             self._sweep(now)
             while any((live := self._live.get(s.sequence_id)) is not None and live.busy for s in steps):
-                self._cond.wait()
+                self._wait()
             now = time.monotonic()
             taken: list[dict[str, np.ndarray]] = []
             starting = [s.sequence_id for s in steps if s.start and s.sequence_id not in self._live]
@@ -218,7 +234,7 @@ class SequenceTable:
         """Free a sequence's state now (waiting for a call that runs it); whether it was live."""
         with self._cond:
             while (live := self._live.get(sequence_id)) is not None and live.busy:
-                self._cond.wait()
+                self._wait()
             if live is None:
                 return False
             self._forget(sequence_id, "ended")
@@ -241,6 +257,67 @@ class SequenceTable:
             for sequence_id in list(self._live):
                 self._forget(sequence_id, "ended when the model closed")
             self._cond.notify_all()
+
+    def _wait(self) -> None:
+        self._waiting += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._waiting -= 1
+
+    def run_one(self, sequence_id: Any, end: bool, inputs: dict[str, Any], run: Callable[..., Any], handle: Any,
+                with_device: bool) -> Any:  # fmt: skip
+        """The common step, in as few steps as it takes: one live sequence that is not starting
+        and not busy (no other call runs it), numeric states. ``run(handle, full_inputs, None[,
+        None])`` runs the model (the fourth argument when ``with_device``); returns the caller's outputs (unchecked), or :data:`NOT_FAST` without running
+        anything when the step is not such a one (the caller then takes :meth:`take` and the rest,
+        which say what is wrong, if anything).
+        """
+        cond = self._cond
+        with cond:
+            live = self._live.get(sequence_id)
+            if live is None or live.busy or not self._fast_ok:
+                return NOT_FAST
+            idle = self.max_idle_s
+            if idle is not None:
+                now = time.monotonic()
+                if now - live.used > idle or now - self._swept >= idle / 2:
+                    return NOT_FAST
+            live.busy = True
+        done = False
+        try:
+            full = inputs.copy()
+            full.update(live.state)
+            for name, array in self._middle_controls:
+                full[name] = array.copy()
+            if self._corrid is not None:
+                full[self._corrid.name] = self._control(self._corrid, [SequenceStep(sequence_id)])
+            outputs = run(handle, full, None, None) if with_device else run(handle, full, None)
+            if type(outputs) is not dict:
+                if not isinstance(outputs, Mapping):
+                    return outputs  # not a dict: the caller's checks say so (the state stays as it was)
+                outputs = dict(outputs)
+            state = {}
+            for input_name, output_name, dtype, shape in self._fast_pairs:
+                array = outputs.pop(output_name, None)
+                if type(array) is not np.ndarray or array.dtype != dtype or array.shape != shape:
+                    pair = next(p for p in self.pairs if p.input_name == input_name)
+                    array = self._check_state(pair, array, pair.shape, [SequenceStep(sequence_id)])
+                state[input_name] = array
+            done = True
+        finally:
+            with cond:
+                if not done:
+                    live.busy = False
+                elif end:
+                    self._forget(sequence_id, "ended")
+                else:
+                    live.state = state
+                    live.used = time.monotonic()
+                    live.busy = False
+                if self._waiting:
+                    cond.notify_all()
+        return outputs
 
     # -- the model's inputs and outputs ----------------------------------------------------------
 
@@ -278,10 +355,12 @@ class SequenceTable:
             else:
                 size = pair.shape[0]
                 for i in range(len(steps)):
-                    per_step[i][pair.input_name] = array[i * size:(i + 1) * size].copy()
+                    per_step[i][pair.input_name] = array[i * size : (i + 1) * size].copy()
         return outputs, per_step
 
-    def _check_state(self, pair: StatePair, array: Any, wanted: tuple[int, ...], steps: Seq[SequenceStep]) -> np.ndarray:
+    def _check_state(
+        self, pair: StatePair, array: Any, wanted: tuple[int, ...], steps: Seq[SequenceStep]
+    ) -> Any:
         ids = ", ".join(repr(s.sequence_id) for s in steps[:3]) + (", ..." if len(steps) > 3 else "")
         if array is None:
             raise StateMismatchError(
@@ -299,7 +378,7 @@ class SequenceTable:
             )
         return array
 
-    def _control(self, control: SequenceControl, steps: Seq[SequenceStep]) -> np.ndarray:
+    def _control(self, control: SequenceControl, steps: Seq[SequenceStep]) -> Any:
         spec = self.control_specs[control.name]
         kind = control.kind
         if kind == "CONTROL_SEQUENCE_CORRID":
@@ -312,16 +391,15 @@ class SequenceTable:
             values = [1] * len(steps)
         rows = [v for s, v in zip(steps, values) for _ in range(s.rows)] if self.batching else values[:1]
         dtype = DTYPES[spec.dtype]
-        if dtype is None:
-            column = np.array([str(v) for v in rows], dtype=object)
-        else:
-            column = np.array(rows, dtype=dtype)
+        column = np.array([str(v) for v in rows], dtype=object) if dtype is None else np.array(rows, dtype=dtype)
         if not spec.shape:
             return column.reshape(())
         rest = tuple(d if isinstance(d, int) else 1 for d in spec.shape[1:])
         if not self.batching and isinstance(spec.shape[0], int):
             return np.broadcast_to(column.reshape((1,) * len(spec.shape)), (spec.shape[0], *rest)).copy()
-        return np.ascontiguousarray(np.broadcast_to(column.reshape((len(rows),) + (1,) * len(rest)), (len(rows), *rest)))
+        return np.ascontiguousarray(
+            np.broadcast_to(column.reshape((len(rows),) + (1,) * len(rest)), (len(rows), *rest))
+        )
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
@@ -527,6 +605,7 @@ class Sequence:
 __all__ = [
     "Sequence",
     "SequenceStep",
+    "NOT_FAST",
     "SequenceTable",
     "StateMismatchError",
     "batch_symbol",

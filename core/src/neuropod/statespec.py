@@ -93,7 +93,9 @@ def parse_state_spec(
     if value is None:
         return ()
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise PackageError(f"{where} must be a list of state pairs ({{'input_name', 'output_name', ...}}), not {value!r:.80}")
+        raise PackageError(
+            f"{where} must be a list of state pairs ({{'input_name', 'output_name', ...}}), not {value!r:.80}"
+        )
     inputs = {s.name: s for s in input_spec}
     outputs = {s.name: s for s in output_spec}
     pairs: list[StatePair] = []
@@ -183,8 +185,12 @@ def parse_sequence_controls(value: Any, input_spec: Iterable[TensorSpec], where:
                     "(uint64, int64...) for numeric ids, or string for string ids"
                 )
         elif spec.dtype == "string":
-            raise PackageError(f"{here}: {kind} input {name!r} is a string tensor; it must be a number or bool (0 or 1)")
-        if any(isinstance(d, int) and d != 1 for d in spec.shape[1:]) or (spec.shape and isinstance(spec.shape[0], int) and spec.shape[0] != 1):
+            raise PackageError(
+                f"{here}: {kind} input {name!r} is a string tensor; it must be a number or bool (0 or 1)"
+            )
+        if any(isinstance(d, int) and d != 1 for d in spec.shape[1:]) or (
+            spec.shape and isinstance(spec.shape[0], int) and spec.shape[0] != 1
+        ):
             raise PackageError(
                 f"{here}: control input {name!r} is {spec.describe_shape()}; a control holds one value per "
                 "sequence: shape [], [1], or [batch, 1]"
@@ -247,7 +253,7 @@ def _initial(value: Any, where: str) -> str:
             raise PackageError(f"{where}: initial_state data_file {path!r} must be a .npy file inside the package")
         return path
     raise PackageError(
-        f"{where}: initial_state must be \"zero\" or {{\"data_file\": \"0/state/....npy\"}} (a packager also takes "
+        f'{where}: initial_state must be "zero" or {{"data_file": "0/state/....npy"}} (a packager also takes '
         f"an array), not {value!r:.80}"
     )
 
