@@ -247,6 +247,11 @@ class NeuropodModel:
         """How many sequences hold state now."""
         return 0 if self._sequences is None else self._sequences.live
 
+    def sweep_sequences(self) -> int:
+        """Free the state of sequences idle past their limit now (a server calls this from time to
+        time, so that memory comes back without traffic); how many were freed."""
+        return 0 if self._sequences is None else self._sequences.sweep()
+
     def configure_sequences(self, *, max_idle_s: float | None = None, max_live: int | None = None) -> None:
         """Bound a stateful model's sequences: one idle longer than ``max_idle_s`` seconds is freed
         (its next step without ``sequence_start`` is a :class:`SequenceError` saying so), and no
