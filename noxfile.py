@@ -33,6 +33,8 @@
     nox -s bench_remote            remote models' latency against in-process, tritonclient and the transport floor
     nox -s bench_stream            streams (gRPC ModelStreamInfer, SSE) against a bare grpcio / Starlette floor: per
                                    response, time to the first response, memory of 100 open streams (~1 min)
+    nox -s bench_sequences         stateful models: a sequence step's added cost, 32 GRU sequences batched against
+                                   unbatched (in process and through neuropod serve; ~2 min)
     nox -s bench_storage           packages by URL from local S3 servers against local disk (cold, cached, memory)
     nox -s bench_ray               the Ray Serve deployment (1, 2 replicas, Ray's floor) against neuropod serve (~4 min)
     nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
@@ -510,7 +512,8 @@ def bench(session: nox.Session) -> None:
         f"jaxlib=={JAX_DEFAULT}",
     )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
-        if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py", "bench_gpu.py", "bench_stream.py"):  # their own sessions
+        if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py", "bench_gpu.py", "bench_stream.py",
+                               "bench_sequences.py"):  # their own sessions
             session.run("python", str(script), *session.posargs)
 
 
@@ -590,6 +593,18 @@ def bench_stream(session: nox.Session) -> None:
     streams (about 1 min; taskset, two cores)."""
     session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-python'}", f"{SERVING}[server]", "httpx")
     session.run("python", "bench/bench_stream.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_sequences(session: nox.Session) -> None:
+    """Stateful models: what a sequence step adds to a tiny ONNX model's call (against its stateless
+    twin given the state by hand), and 32 sequences of a GRU step model (torch.export, hidden 512)
+    batched against unbatched, in process (infer_sequences) and through neuropod serve driven by 32
+    tritonclient gRPC sequences (about 2 min; taskset, two cores)."""
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{ROOT / 'plugins/neuropod-torch'}",
+                    f"{SERVING}[server]", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", f"torch=={TORCH_DEFAULT}",
+                    "tritonclient[grpc]>=2.73")  # fmt: skip
+    session.run("python", "bench/bench_sequences.py", *session.posargs)
 
 
 @nox.session(python=DEFAULT_PYTHON)
