@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from neuropod.packagers import create_jax_neuropod
-from neuropod.testing import NUMERIC_DTYPES, BackendConformance
+from neuropod.testing import NUMERIC_DTYPES, BackendConformance, accumulator_spec
 
 from models import copy_fn
 
@@ -25,4 +25,14 @@ class TestJaxConformance(BackendConformance):
         """An exported function that returns ``{"out_<s>": in_<s>}``, positional in spec order."""
         fn = copy_fn([s["name"] for s in input_spec])
         path: Path = create_jax_neuropod(tmp_path / name, name, input_spec, output_spec, fn=fn, **packager_kwargs)
+        return path
+
+    def make_accumulator_package(self, tmp_path: Path, name: str, **packager_kwargs: Any) -> Path:
+        """An exported ``(x, acc_in) -> {"y": acc_in + x, "acc_out": acc_in + x}``."""
+
+        def accumulate(x: Any, acc_in: Any) -> dict[str, Any]:
+            return {"y": acc_in + x, "acc_out": acc_in + x}
+
+        input_spec, output_spec = accumulator_spec()
+        path: Path = create_jax_neuropod(tmp_path / name, name, input_spec, output_spec, fn=accumulate, **packager_kwargs)
         return path

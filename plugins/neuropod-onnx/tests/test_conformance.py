@@ -9,7 +9,7 @@ import pytest
 from onnx import helper
 
 from neuropod.packagers import create_onnx_neuropod
-from neuropod.testing import ALL_DTYPES, BackendConformance
+from neuropod.testing import ALL_DTYPES, BackendConformance, accumulator_spec
 
 from conftest import make_model
 
@@ -28,6 +28,19 @@ class TestOnnxConformance(BackendConformance):
         """One ONNX Identity node per input/output pair."""
         model = make_model(
             [helper.make_node("Identity", [i["name"]], [o["name"]]) for i, o in zip(input_spec, output_spec)],
+            [(s["name"], s["dtype"], s["shape"]) for s in input_spec],
+            [(s["name"], s["dtype"], s["shape"]) for s in output_spec],
+        )
+        path: Path = create_onnx_neuropod(
+            tmp_path / name, name, input_spec, output_spec, onnx_model=model, **packager_kwargs
+        )
+        return path
+
+    def make_accumulator_package(self, tmp_path: Path, name: str, **packager_kwargs: Any) -> Path:
+        """``y = acc_in + x`` (an Add node) and ``acc_out``, an Identity of ``y``."""
+        input_spec, output_spec = accumulator_spec()
+        model = make_model(
+            [helper.make_node("Add", ["acc_in", "x"], ["y"]), helper.make_node("Identity", ["y"], ["acc_out"])],
             [(s["name"], s["dtype"], s["shape"]) for s in input_spec],
             [(s["name"], s["dtype"], s["shape"]) for s in output_spec],
         )

@@ -8,7 +8,7 @@ from typing import Any
 
 from neuropod.backend import Backend
 from neuropod.packagers import create_python_neuropod
-from neuropod.testing import ALL_DTYPES, BackendConformance
+from neuropod.testing import ALL_DTYPES, BackendConformance, accumulator_spec
 
 from conftest import compile_extension
 
@@ -17,6 +17,15 @@ COPY_MODEL = """
 def get_model(data_root):
     def model(**inputs):
         return {"out_" + name[len("in_"):]: value.copy() for name, value in inputs.items()}
+    return model
+"""
+
+# y = acc_out = acc_in + x: the conformance suite's accumulator (acc_out -> acc_in is its state).
+ACCUMULATOR_MODEL = """
+def get_model(data_root):
+    def model(x, acc_in):
+        y = acc_in + x
+        return {"y": y, "acc_out": y.copy()}
     return model
 """
 
@@ -38,6 +47,17 @@ class TestPythonConformance(BackendConformance):
         (code / "copy_model.py").write_text(COPY_MODEL)
         path: Path = create_python_neuropod(
             tmp_path / name, name, [], [{"python_root": code, "dirs_to_package": [""]}], "copy_model", "get_model",
+            input_spec, output_spec, **packager_kwargs,
+        )  # fmt: skip
+        return path
+
+    def make_accumulator_package(self, tmp_path: Path, name: str, **packager_kwargs: Any) -> Path:
+        code = tmp_path / f"{name}_code"
+        code.mkdir()
+        (code / "accumulator.py").write_text(ACCUMULATOR_MODEL)
+        input_spec, output_spec = accumulator_spec()
+        path: Path = create_python_neuropod(
+            tmp_path / name, name, [], [{"python_root": code, "dirs_to_package": [""]}], "accumulator", "get_model",
             input_spec, output_spec, **packager_kwargs,
         )  # fmt: skip
         return path

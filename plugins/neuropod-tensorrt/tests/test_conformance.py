@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from neuropod.packagers import create_tensorrt_neuropod
-from neuropod.testing import BackendConformance
+from neuropod.testing import BackendConformance, accumulator_spec
 
 from conftest import needs_gpu
 
@@ -47,6 +47,26 @@ class TestTensorRTConformance(BackendConformance):
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         onnx_path = tmp_path / f"{name}.onnx"
         onnx.save(model, str(onnx_path))
+        path: Path = create_tensorrt_neuropod(
+            tmp_path / name, name, input_spec, output_spec, onnx_path=onnx_path,
+            optimization_profile={"batch": (1, 4, 16)}, **packager_kwargs,
+        )  # fmt: skip
+        return path
+
+    def make_accumulator_package(self, tmp_path: Path, name: str, **packager_kwargs: Any) -> Path:
+        """``y = acc_in + x`` (an ONNX Add) and ``acc_out``, an Identity of ``y``, built into an engine."""
+        onnx = pytest.importorskip("onnx")
+        from onnx import TensorProto, helper
+
+        input_spec, output_spec = accumulator_spec()
+        graph = helper.make_graph(
+            [helper.make_node("Add", ["acc_in", "x"], ["y"]), helper.make_node("Identity", ["y"], ["acc_out"])],
+            name,
+            [helper.make_tensor_value_info(s["name"], TensorProto.FLOAT, s["shape"]) for s in input_spec],
+            [helper.make_tensor_value_info(s["name"], TensorProto.FLOAT, s["shape"]) for s in output_spec],
+        )
+        onnx_path = tmp_path / f"{name}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(onnx_path))
         path: Path = create_tensorrt_neuropod(
             tmp_path / name, name, input_spec, output_spec, onnx_path=onnx_path,
             optimization_profile={"batch": (1, 4, 16)}, **packager_kwargs,

@@ -7,9 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from torch import Tensor
 
 from neuropod.packagers import create_aoti_neuropod, create_torch_export_neuropod
-from neuropod.testing import NUMERIC_DTYPES, BackendConformance, sample
+from neuropod.testing import NUMERIC_DTYPES, BackendConformance, accumulator_spec, sample
 
 from conftest import CompileCache
 from models import COPIES
@@ -35,6 +37,18 @@ def _examples(input_spec: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     return {s["name"]: sample(s["dtype"], (4, 3), i) for i, s in enumerate(input_spec)}
 
 
+class Accumulate(torch.nn.Module):
+    """The conformance suite's accumulator: ``y = acc_out = acc_in + x``."""
+
+    def forward(self, x: Tensor, acc_in: Tensor) -> dict[str, Tensor]:
+        y = acc_in + x
+        return {"y": y, "acc_out": y.clone()}
+
+
+def _accumulator_examples() -> dict[str, np.ndarray]:
+    return {s["name"]: sample("float32", (4, 4), i) for i, s in enumerate(accumulator_spec()[0])}
+
+
 class TestTorchExportConformance(_CustomOps, BackendConformance):
     platform = "torch_export"
     distribution = "neuropod-torch"
@@ -51,6 +65,14 @@ class TestTorchExportConformance(_CustomOps, BackendConformance):
         path: Path = create_torch_export_neuropod(
             tmp_path / name, name, input_spec, output_spec, module=module, **packager_kwargs
         )
+        return path
+
+    def make_accumulator_package(self, tmp_path: Path, name: str, **packager_kwargs: Any) -> Path:
+        input_spec, output_spec = accumulator_spec()
+        path: Path = create_torch_export_neuropod(
+            tmp_path / name, name, input_spec, output_spec, module=Accumulate(),
+            example_inputs=_accumulator_examples(), **packager_kwargs,
+        )  # fmt: skip
         return path
 
 
@@ -73,6 +95,16 @@ class TestAotiConformance(_CustomOps, BackendConformance):
         key = f"copy{len(input_spec)}-{input_spec[0]['dtype']}"
         pt2 = self.compiled.pt2(key, input_spec, output_spec, module=COPIES[len(input_spec)](),
                                 example_inputs=_examples(input_spec))  # fmt: skip
+        path: Path = create_aoti_neuropod(
+            tmp_path / name, name, input_spec, output_spec, compiled_package=pt2, **packager_kwargs
+        )
+        return path
+
+    def make_accumulator_package(self, tmp_path: Path, name: str, **packager_kwargs: Any) -> Path:
+        """The accumulator compiled once per session."""
+        input_spec, output_spec = accumulator_spec()
+        pt2 = self.compiled.pt2("accumulator", input_spec, output_spec, module=Accumulate(),
+                                example_inputs=_accumulator_examples())  # fmt: skip
         path: Path = create_aoti_neuropod(
             tmp_path / name, name, input_spec, output_spec, compiled_package=pt2, **packager_kwargs
         )

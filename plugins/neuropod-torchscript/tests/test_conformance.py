@@ -7,11 +7,20 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 
 from neuropod.packagers import create_torchscript_neuropod
-from neuropod.testing import ALL_DTYPES, BackendConformance
+from neuropod.testing import ALL_DTYPES, BackendConformance, accumulator_spec
 
 from models import Identity, StringIdentity
+
+
+class Accumulate(torch.nn.Module):
+    """The conformance suite's accumulator: ``y = acc_out = acc_in + x``."""
+
+    def forward(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        y = inputs["acc_in"] + inputs["x"]
+        return {"y": y, "acc_out": y}
 
 
 class TestTorchScriptConformance(BackendConformance):
@@ -30,6 +39,13 @@ class TestTorchScriptConformance(BackendConformance):
         module = torch.jit.script(StringIdentity() if strings else Identity())
         path: Path = create_torchscript_neuropod(
             tmp_path / name, name, input_spec, output_spec, module=module, **packager_kwargs
+        )
+        return path
+
+    def make_accumulator_package(self, tmp_path: Path, name: str, **packager_kwargs: Any) -> Path:
+        input_spec, output_spec = accumulator_spec()
+        path: Path = create_torchscript_neuropod(
+            tmp_path / name, name, input_spec, output_spec, module=torch.jit.script(Accumulate()), **packager_kwargs
         )
         return path
 

@@ -8,7 +8,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import importlib_metadata
 import numpy as np
@@ -20,6 +20,8 @@ from neuropod.errors import NeuropodError, SpecError
 from neuropod.loader import load_neuropod
 from neuropod.package import read_package
 from neuropod.testdata import run_test_data
+from neuropod.testing.marks import covers
+from neuropod.testing.stateful import StatefulConformance
 
 #: Every dtype a spec can name.
 ALL_DTYPES: tuple[str, ...] = (
@@ -30,23 +32,6 @@ ALL_DTYPES: tuple[str, ...] = (
 )  # fmt: skip
 #: The same, without strings.
 NUMERIC_DTYPES: tuple[str, ...] = tuple(d for d in ALL_DTYPES if d != "string")
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def covers(*hooks: str, runs_model: bool = False) -> Callable[[_F], _F]:
-    """Mark a suite test with the hooks it exercises, and whether it runs a model.
-
-    Tests that run a model skip when the backend's framework is not
-    installed here, and get the subclass's ``run_marks``.
-    """
-
-    def mark(func: _F) -> _F:
-        func._neuropod_hooks = frozenset(hooks)  # type: ignore[attr-defined]
-        func._neuropod_runs_model = runs_model  # type: ignore[attr-defined]
-        return func
-
-    return mark
 
 
 def hooks_covered(suite: type[BackendConformance] | None = None) -> dict[str, frozenset[str]]:
@@ -77,7 +62,7 @@ def sample(dtype: str, shape: Sequence[int], seed: int = 0) -> np.ndarray:
     return rng.integers(max(info.min, -100), min(info.max, 100), shape, endpoint=True).astype(np_dtype)
 
 
-class BackendConformance:
+class BackendConformance(StatefulConformance):
     """The tests every backend must pass; subclass it in the backend's tests.
 
     Set the class attributes and implement :meth:`make_package`; override
