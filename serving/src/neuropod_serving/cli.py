@@ -22,6 +22,8 @@ from neuropod_serving.defaults import (
     DEFAULT_MAX_OPEN_STREAMS,
     DEFAULT_MAX_QUEUED,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_SEQUENCE_IDLE_US,
+    DEFAULT_MAX_SEQUENCES,
     DEFAULT_STREAM_BUFFER,
 )
 
@@ -117,6 +119,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queue-delay-us", type=_delay_us, default=0, metavar="D",
         help="with --max-batch-size: wait up to D microseconds after the oldest request for more "
         "to join its batch (default 0: batch what is waiting)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-sequence-idle-us", type=_positive, default=DEFAULT_MAX_SEQUENCE_IDLE_US, metavar="US",
+        help="a stateful model's sequence idle this many microseconds is ended and its state freed; its next "
+        "request without sequence_start is refused (Triton's max_sequence_idle_microseconds; default "
+        f"{DEFAULT_MAX_SEQUENCE_IDLE_US:,}, 1 s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-sequences", type=_positive, default=DEFAULT_MAX_SEQUENCES, metavar="N",
+        help="sequences of one stateful model live at once; a request starting one more is refused at once "
+        f"with 429 (gRPC: RESOURCE_EXHAUSTED) (default {DEFAULT_MAX_SEQUENCES})",
     )  # fmt: skip
     parser.add_argument(
         "--max-concurrent-runs", type=_positive, default=None, metavar="N",

@@ -28,3 +28,9 @@ DEFAULT_MAX_OPEN_STREAMS = 256
 #: Responses a stream's model may run ahead of a client that reads slowly; then the model's generator
 #: waits (backpressure), so a slow reader holds at most this many responses in the server.
 DEFAULT_STREAM_BUFFER = 16
+#: Microseconds a stateful model's sequence may sit idle before its state is freed (Triton's
+#: ``max_sequence_idle_microseconds``, whose default this is: 1 s).
+DEFAULT_MAX_SEQUENCE_IDLE_US = 1_000_000
+#: Sequences of one stateful model live at once; starting one more is refused at once (HTTP 429,
+#: gRPC RESOURCE_EXHAUSTED).
+DEFAULT_MAX_SEQUENCES = 1024

@@ -15,6 +15,12 @@ fast, see :meth:`Engine.infer`), through the model's
 :class:`~neuropod_serving.server.batching.Batcher` when batching is on and the
 spec allows it, and records metrics.
 
+A request that names a sequence of a stateful model (``options.sequence``) is that sequence's
+next step: with batching on and a model whose state can be stacked (``model.sequence_batching``),
+it joins the model's :class:`~neuropod_serving.server.sequence_batching.SequenceBatcher`, which
+runs the steps of several sequences in one call; otherwise it runs alone, as an unbatched request.
+A stateful model never gets the ordinary batcher.
+
 A request that asks more than its outputs (a ``timeout``, classification, parameters for the
 model: :class:`~neuropod_serving.protocol.options.RequestOptions`) takes a path of its own
 (:meth:`Engine._infer_with`), so a plain request pays one ``None`` check for them: a request
@@ -326,7 +332,15 @@ class Engine(ModelLifecycle):
         gate = runner.gate
         step = _step(runner, options)
         try:
-            if runner.batcher is not None and step is None:
+            if step is not None and runner.sequencer is not None:
+                self.check(served, inputs, requested)
+                gate.admit(False)
+                try:
+                    future = runner.sequencer.submit(inputs, step, requested, options.parameters)
+                    outputs = await until(future, deadline, served.name, queued, "its batch")
+                finally:
+                    gate.leave(False)
+            elif runner.batcher is not None and step is None:
                 self.check(served, inputs, requested)
                 gate.admit(False)
                 try:
@@ -368,12 +382,18 @@ class Engine(ModelLifecycle):
         gate = runner.gate
         step = _step(runner, options)
         try:
-            if runner.batcher is not None and step is None:
+            sequencer = runner.sequencer if step is not None else None
+            if sequencer is not None or (runner.batcher is not None and step is None):
                 self.check(served, inputs, requested)
                 deadline = request_deadline(queued, options, time_left)
                 gate.admit(False)
                 try:
-                    future = runner.batcher.submit(inputs, requested, options.parameters)
+                    if sequencer is not None:  # a stateful model's step, run with other sequences' steps
+                        assert step is not None
+                        future = sequencer.submit(inputs, step, requested, options.parameters)
+                    else:
+                        assert runner.batcher is not None
+                        future = runner.batcher.submit(inputs, requested, options.parameters)
                     outputs = wait(future, deadline, served.name, queued, "its batch")
                 finally:
                     gate.leave(False)

@@ -22,12 +22,19 @@ from typing import Any, TextIO
 
 from neuropod.errors import NeuropodError, PluginNotInstalledError
 from neuropod.plugins import pip_install
-from neuropod_serving.defaults import DEFAULT_MAX_GRPC_STREAMS, DEFAULT_MAX_OPEN_STREAMS, DEFAULT_STREAM_BUFFER
+from neuropod_serving.defaults import (
+    DEFAULT_MAX_GRPC_STREAMS,
+    DEFAULT_MAX_OPEN_STREAMS,
+    DEFAULT_MAX_SEQUENCE_IDLE_US,
+    DEFAULT_MAX_SEQUENCES,
+    DEFAULT_STREAM_BUFFER,
+)
 from neuropod_serving.server.admission import ModelLimits
 from neuropod_serving.server.batching import BatchPolicy
 from neuropod_serving.server.engine import Engine
 from neuropod_serving.server.metrics import ServerMetrics, WorkerRunWatch
 from neuropod_serving.server.registry import MODEL_VERSION, ModelRegistry
+from neuropod_serving.server.sequence_batching import SequenceLimits
 from neuropod_serving.server.shm_regions import SharedMemoryRegistry
 from neuropod_serving.server.streams import StreamLimits
 
@@ -102,7 +109,7 @@ def startup_table(registry: object, engine: object | None = None) -> str:
         inputs = ", ".join(f"{s.name}: {s.dtype}{list(s.shape)}".replace("'", "") for s in m.inputs)
         if isinstance(engine, Engine):
             on, why = engine.batched(served.name, served.version)
-            batched = "yes" if on else f"no ({why})"
+            batched = f"yes ({why})" if on and why else "yes" if on else f"no ({why})"
         else:
             batched = "no"
         name = f"{served.name} (version {served.version})" if versioned else served.name
@@ -160,10 +167,15 @@ def serve_models(
     stream_limits = StreamLimits(
         getattr(args, "max_open_streams", DEFAULT_MAX_OPEN_STREAMS), getattr(args, "stream_buffer", DEFAULT_STREAM_BUFFER)
     )
+    sequences = SequenceLimits(
+        getattr(args, "max_sequence_idle_us", DEFAULT_MAX_SEQUENCE_IDLE_US),
+        getattr(args, "max_sequences", DEFAULT_MAX_SEQUENCES),
+    )
     engine = Engine(
         registry, batching=batching, metrics=metrics, limits=limits, shared_memory=shared_memory,
-        stream_limits=stream_limits,
+        stream_limits=stream_limits, sequences=sequences,
     )  # fmt: skip
+    metrics.live_sequences = engine.live_sequences
     if args.workers > 1 and not (group is not None and group.index != 0):  # one process of a group says it
 
         def run_time(name: str) -> tuple[int, float] | None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.spec import SpecValidator
-from neuropod_serving.defaults import DEFAULT_MAX_CONCURRENT
+from neuropod_serving.defaults import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_SEQUENCE_IDLE_US, DEFAULT_MAX_SEQUENCES
 from neuropod_serving.errors import UnknownModelError
 from neuropod_serving.server.admission import Gate, ModelLimits
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol
@@ -30,6 +30,7 @@ from neuropod_serving.server.registry import (
     ModelSettings,
     ServedModel,
 )
+from neuropod_serving.server.sequence_batching import SequenceBatcher, SequenceLimits
 from neuropod_serving.server.served_versions import Found
 from neuropod_serving.server.streams import OpenStreams, StreamLimits
 
@@ -84,6 +85,11 @@ class Runner:
     #: whose first input is larger never runs on the loop (a graph's run time grows with
     #: its input). The first input only, so that the check costs the same for 2 inputs or 100.
     inline_bytes: int = 0
+    #: A stateful model's sequence batcher (steps of several sequences in one run); None: its steps
+    #: run one at a time (or the model is not stateful).
+    sequencer: SequenceBatcher | None = None
+    #: A stateful model's idle limit on its sequences in seconds (None: not stateful): how often they are swept.
+    sequence_idle_s: float | None = None
 
 
 class ModelLifecycle:
@@ -108,8 +114,13 @@ class ModelLifecycle:
         limits: ModelLimits | None = None,
         shared_memory: SharedMemoryRegistry | None = None,
         stream_limits: StreamLimits | None = None,
+        sequences: SequenceLimits | None = None,
     ) -> None:
         self.registry = registry
+        #: Bounds on a stateful model's sequences unless its load config sets its own.
+        self.sequence_limits = sequences or SequenceLimits(DEFAULT_MAX_SEQUENCE_IDLE_US, DEFAULT_MAX_SEQUENCES)
+        #: Frees the state of idle sequences while no request comes (started with the first stateful model).
+        self._sweeper: threading.Thread | None = None
         self.shared_memory = shared_memory
         self.batching = batching if batching is not None and batching.max_batch_size > 1 else None
         self.metrics: Recorder = metrics if metrics is not None else NoMetrics()
@@ -174,6 +185,8 @@ class ModelLifecycle:
             return False, "batching off: its outputs did not keep the batch's rows (a package the original Neuropod wrote)"
         if runner.batcher is not None:
             return True, ""
+        if runner.sequencer is not None:
+            return True, "sequence batching"
         if runner.unbatched_reason:
             return False, runner.unbatched_reason
         settings = runner.served.settings
@@ -194,11 +207,19 @@ class ModelLifecycle:
         )
         max_concurrent = self.limits.max_concurrent or max(DEFAULT_MAX_CONCURRENT, 2 * workers)
         symbol, reason = batch_symbol(model.inputs, model.outputs)
-        batched = policy is not None and symbol is not None
+        unbatched = "" if symbol is not None else f"no batch dimension: {reason}"
+        stateful = bool(getattr(model, "stateful", False))
+        sequenced, idle_s = False, None
+        if stateful:  # never the ordinary batcher: it would run the model without its sequences
+            idle_s = self._configure_sequences(model, settings)
+            problem = model.sequence_batching_problem
+            unbatched = f"a stateful model whose sequences cannot share a run: {problem}" if problem else ""
+            sequenced = policy is not None and model.sequence_batching
+        batched = policy is not None and symbol is not None and not stateful
         concurrent_runs = max_concurrent
         queued = f"--max-queued-requests {self.limits.max_queued}"
         limits = f"neuropod serve --max-concurrent-runs {concurrent_runs} {queued}"
-        if batched:
+        if batched or sequenced:
             assert policy is not None
             # Requests a batcher may hold while running: its batches in flight, full.
             concurrent_runs = workers * policy.max_batch_size
@@ -211,11 +232,11 @@ class ModelLifecycle:
         backend = getattr(model, "backend", None)
         runner = Runner(
             served=served,
-            serving=ModelServing(policy if batched else None, workers),
+            serving=ModelServing(policy if batched or sequenced else None, workers),
             validator=SpecValidator(model.name, model.inputs, model.outputs, shared_symbols=shared_symbols(model)),
             required=frozenset(s.name for s in model.inputs),
             batcher=None,
-            unbatched_reason="" if symbol is not None else f"no batch dimension: {reason}",
+            unbatched_reason=unbatched,
             # Out-of-process workers wait on a pipe: always a thread, so N workers run N requests.
             inline_ok=in_process(model) and getattr(backend, "platform", None) not in NEVER_INLINE,
             output_names=[s.name for s in model.outputs],
@@ -224,21 +245,62 @@ class ModelLifecycle:
                 max_concurrent, thread_name_prefix=f"neuropod-infer-{served.name}"
             ),
             most_in_flight=max(max_concurrent, concurrent_runs) + self.limits.max_queued,
+            sequence_idle_s=idle_s,
         )
+        if sequenced:
+            assert policy is not None
+            runner.sequencer = SequenceBatcher(
+                served.name, functools.partial(_run_steps, model), policy, inflight=workers,
+                observe=functools.partial(_observe, self.metrics, model.name),
+                rows=model.state_spec[0].shape[0] if model.state_spec else 1,
+            )  # fmt: skip
+        if stateful and self._sweeper is None:
+            self._sweeper = threading.Thread(target=self._sweep, name="neuropod-sequence-sweep", daemon=True)
+            self._sweeper.start()
         if batched:
             assert policy is not None
-            name, computed = model.name, self.metrics.computed
-
-            def observe(waited: list[float], seconds: float, rows: int, prepared: float, extracted: float) -> None:
-                computed(name, seconds, rows, len(waited), prepared, extracted, waited)
-
             # Batched runs are timed as unbatched ones are: whether the model may run on the event
             # loop follows its run time however its requests ran.
             runner.batcher = Batcher(
-                name, functools.partial(self._timed, runner), policy, inflight=workers, observe=observe,
+                model.name, functools.partial(self._timed, runner), policy, inflight=workers,
+                observe=functools.partial(_observe, self.metrics, model.name),
                 rows_promised=shared_symbols(model),
             )  # fmt: skip
         self._runners[(served.name, served.version)] = runner
+
+    def _configure_sequences(self, model: Any, settings: ModelSettings) -> float:
+        """Bound a stateful model's sequences by its settings (else the server's); its idle limit in seconds."""
+        limits = self.sequence_limits
+        # 0 is Triton's "not set" for max_sequence_idle_microseconds: the server's then.
+        idle_us = settings.max_sequence_idle_us or limits.max_idle_us
+        live = settings.max_sequences or limits.max_sequences
+        model.configure_sequences(max_idle_s=idle_us / 1e6, max_live=live)
+        return idle_us / 1e6
+
+    def _sweep(self) -> None:
+        """Free idle sequences' state every half idle limit (of the loaded model with the shortest,
+        between 5 ms and 1 s), so that memory is given back even when no request comes."""
+        while not self._closing.wait(self._sweep_interval()):
+            for runner in list(self._runners.values()):
+                if runner.sequence_idle_s is None:
+                    continue
+                try:
+                    runner.served.model.sweep_sequences()
+                except Exception:  # a closed or broken model must not stop the sweep of the others
+                    log.debug("sweeping the sequences of model %r failed", runner.served.name, exc_info=True)
+
+    def _sweep_interval(self) -> float:
+        limits = [r.sequence_idle_s for r in list(self._runners.values()) if r.sequence_idle_s is not None]
+        return min(1.0, max(0.005, min(limits, default=2.0) / 2))
+
+    def live_sequences(self) -> dict[str, int]:
+        """How many sequences hold state, by stateful model (every version of it together)."""
+        live: dict[str, int] = {}
+        for runner in list(self._runners.values()):
+            if runner.sequence_idle_s is not None:
+                name = runner.served.name
+                live[name] = live.get(name, 0) + int(runner.served.model.live_sequences)
+        return live
 
     @property
     def most_in_flight(self) -> int:
@@ -420,6 +482,8 @@ class ModelLifecycle:
             if runner is not None:
                 if runner.batcher is not None:
                     runner.batcher.close()
+                if runner.sequencer is not None:
+                    runner.sequencer.close()
                 if not runner.gate.drain(drain_s):
                     log.warning("model %r version %s stopped serving while requests still ran on it after %g s",
                                 old.name, old.version, drain_s)  # fmt: skip
@@ -451,6 +515,8 @@ class ModelLifecycle:
             return
         if runner.batcher is not None:
             runner.batcher.close()
+        if runner.sequencer is not None:
+            runner.sequencer.close()
         runner.executor.shutdown(wait=False)
 
     def _update_loaded(self) -> None:
@@ -463,6 +529,8 @@ class ModelLifecycle:
         self._closing.set()
         if self._poller is not None and self._poller is not threading.current_thread():
             self._poller.join()
+        if self._sweeper is not None:
+            self._sweeper.join()
         with self._lock:
             runners = list(self._runners.values())
             for key in list(self._runners):
@@ -472,6 +540,23 @@ class ModelLifecycle:
             self.registry.close()
             if self.shared_memory is not None:
                 self.shared_memory.close()
+
+
+def _run_steps(
+    model: Any, inputs: dict[str, np.ndarray], steps: list[Any], requested: list[str] | None,
+    parameters: Mapping[str, Any] | None,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """One run of a sequence batcher's steps (:class:`~.sequence_batching.SequenceBatcher`)."""
+    if parameters is None:
+        return model.infer_sequences(inputs, steps, requested)  # type: ignore[no-any-return]
+    return model.infer_sequences(inputs, steps, requested, parameters=parameters)  # type: ignore[no-any-return]
+
+
+def _observe(
+    metrics: Recorder, name: str, waited: list[float], seconds: float, rows: int, prepared: float, extracted: float
+) -> None:
+    """A batched run's metrics, as a batcher's ``observe`` reports them."""
+    metrics.computed(name, seconds, rows, len(waited), prepared, extracted, waited)
 
 
 def in_process(model: Any) -> bool:

@@ -19,7 +19,8 @@ Names follow Prometheus' conventions (base units, ``_total`` counters):
   first response (a decoupled model's stream, or any model's on a stream endpoint);
 - ``neuropod_stream_response_gap_seconds{model}``: between one response of a stream
   and the next;
-- ``neuropod_models_loaded``.
+- ``neuropod_models_loaded``;
+- ``neuropod_sequences_live{model}``: sequences of a stateful model holding state now.
 
 The same calls keep Triton's per-model statistics
 (:mod:`neuropod_serving.server.statistics`, ``GET /v2/models/stats``), so
@@ -107,6 +108,8 @@ class ServerMetrics:
         self._run_input: dict[str, float] = {}
         #: Judges the first runs of models in OPE workers (``neuropod serve --workers``); None: no one does.
         self.watch: WorkerRunWatch | None = None
+        #: Live sequences by stateful model, read when scraped (the engine's ``live_sequences``); None: none.
+        self.live_sequences: Callable[[], dict[str, int]] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -274,7 +277,15 @@ class ServerMetrics:
                 for model, hist in by_model.items():
                     family.add_metric([model], hist.buckets(), hist.total)
             loaded = GaugeMetricFamily("neuropod_models_loaded", "Models loaded and ready", value=self._loaded)
-        return [requests, failures, request_duration, *(f for _, f in histograms), loaded]
+        families = [requests, failures, request_duration, *(f for _, f in histograms), loaded]
+        if self.live_sequences is not None:
+            live = GaugeMetricFamily(
+                "neuropod_sequences_live", "Sequences of a stateful model holding state now", labels=["model"]
+            )
+            for model, count in sorted(self.live_sequences().items()):
+                live.add_metric([model], count)
+            families.append(live)
+        return families
 
 
 class WorkerRunWatch:
