@@ -148,6 +148,19 @@ def sequence_step(parameters: Mapping[str, Any]) -> SequenceStep | None:
     return SequenceStep(sequence_id, start, end)
 
 
+def require_sequence(model: str, options: RequestOptions | None) -> None:
+    """Refuse a request to stateful model ``model`` that names no sequence, in Triton's words.
+
+    :raises ProtocolError: ``options`` names no sequence (400).
+    """
+    if options is None or options.sequence is None:
+        raise ProtocolError(
+            f"inference request to model {model!r} must specify a non-zero or non-empty correlation ID: the "
+            "model is stateful, so each request is a step of a sequence named by the request parameter "
+            "sequence_id (with sequence_start on its first step)"
+        )
+
+
 def classify(
     array: np.ndarray[Any, Any], count: int, labels: Sequence[str] | None, batched: bool
 ) -> np.ndarray[Any, Any]:
@@ -196,5 +209,6 @@ __all__ = [
     "classification_count",
     "classify",
     "request_options",
+    "require_sequence",
     "sequence_step",
 ]

@@ -35,6 +35,7 @@ from neuropod_serving.protocol import (
     build_infer_response,
     parse_infer_request,
 )
+from neuropod_serving.protocol.options import require_sequence
 from neuropod_serving.server.compression import COMPRESS_FROM, chosen, compressed, decoded_body
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal
@@ -167,6 +168,8 @@ class _RawInfer:
             decoded = (
                 _decode(s, body, header_length) if small else await run_in_threadpool(_decode, s, body, header_length)
             )
+            if s.stateful:
+                require_sequence(s.name, decoded.options)
             requested = list(decoded.outputs) if decoded.outputs is not None else None
             if decoded.shared_memory is not None:
                 held = shared_memory_api.lease(engine, decoded)

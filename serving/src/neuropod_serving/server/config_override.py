@@ -20,6 +20,11 @@ the package on the rest:
   dims besides the batch dimension, or ``FORMAT_NONE``): the image layout a
   package does not record, reported in the model configuration for clients
   that read it (Triton's image examples do); it changes nothing the model runs.
+  ``sequence_batching`` makes the model stateful (its ``control_input`` and
+  ``state``, checked against the package's spec when it loads) and sets its
+  sequences' idle limit, bound and batching delay
+  (:mod:`~neuropod_serving.server.sequence_config`); the config's ``input``
+  list then leaves out the control and state inputs, as Triton's does.
   A field left out keeps the server's option (``--max-batch-size``,
   ``--max-queue-delay-us``, ``--workers``). Unlike Triton, ``max_batch_size``
   above 1 batches without a ``dynamic_batching`` block, as ``--max-batch-size`` does.
@@ -32,8 +37,7 @@ the package on the rest:
   A field that disagrees is refused, naming it.
 - **ignored**: Triton fields about how its own backends treat model files or
   versions (:data:`IGNORED`); a package decides those itself.
-- **refused**: every other field, known to Triton (``sequence_batching``,
-  ``ensemble_scheduling``...) or not (a misspelt name), naming it. Ignoring
+- **refused**: every other field, known to Triton (``ensemble_scheduling``...) or not (a misspelt name), naming it. Ignoring
   it would serve something other than what the client asked for.
 
 Every refusal is a :class:`~neuropod_serving.protocol.ProtocolError` (400,
@@ -51,9 +55,10 @@ from neuropod.spec import TensorSpec
 from neuropod_serving.protocol import ProtocolError, oip_datatype
 from neuropod_serving.server.batching import batch_symbol
 from neuropod_serving.server.registry import ModelSettings
+from neuropod_serving.server.sequence_config import sequence_settings
 
 #: Fields that set how the model is served.
-APPLIED = ("max_batch_size", "dynamic_batching", "instance_group")
+APPLIED = ("max_batch_size", "dynamic_batching", "sequence_batching", "instance_group")
 #: Fields that must agree with the package.
 CHECKED = ("name", "platform", "backend", "input", "output")
 #: Triton fields accepted and not used: how Triton's backends treat model files and versions.
@@ -154,6 +159,22 @@ def settings_from_config(text: object, package: ModelConfig, defaults: ModelSett
             raise ProtocolError(f"{where}: dynamic_batching.preserve_ordering is true or false")
     preferred = tuple(n for n in preferred if n <= batch)
 
+    sequences, idle, bound = defaults.sequences, defaults.max_sequence_idle_us, defaults.max_sequences
+    if "sequence_batching" in config:
+        if dynamic is not None:
+            # One of Triton's scheduling choices: a stateful model's requests go through its sequence batcher.
+            raise ProtocolError(f"{where}: dynamic_batching and sequence_batching exclude each other; use one")
+        triton_batch = _int(config.get("max_batch_size", 0), f"{where}: max_batch_size", 0, MAX_BATCH_SIZE)
+        found = sequence_settings(config["sequence_batching"], triton_batch, where)
+        sequences = found.sequences
+        idle = found.max_sequence_idle_us if found.max_sequence_idle_us is not None else idle
+        bound = found.max_sequences if found.max_sequences is not None else bound
+        if found.max_queue_delay_us is not None:
+            delay = found.max_queue_delay_us
+        if found.preferred_batch_sizes is not None:
+            preferred = tuple(n for n in found.preferred_batch_sizes if n <= batch)
+        overridden.append("sequence_batching")
+
     workers, device = defaults.workers, defaults.device
     groups = config.get("instance_group")
     if groups is not None:
@@ -161,6 +182,7 @@ def settings_from_config(text: object, package: ModelConfig, defaults: ModelSett
     return ModelSettings(
         max_batch_size=batch, max_queue_delay_us=delay, preferred_batch_sizes=preferred,
         workers=workers, device=device, overridden=tuple(sorted(overridden)), input_formats=formats,
+        sequences=sequences, max_sequence_idle_us=idle, max_sequences=bound,
     )  # fmt: skip
 
 

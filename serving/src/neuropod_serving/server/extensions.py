@@ -27,6 +27,10 @@ EXTENSIONS: tuple[tuple[str, frozenset[str]], ...] = (
     ("statistics", _BOTH),
     ("system_shared_memory", _BOTH),
     ("cuda_shared_memory", _BOTH),
+    # Triton's sequence extension: a request's sequence_id / sequence_start / sequence_end make it a
+    # step of a stateful model's sequence; "(string_id)": the id may be a string as well as a number.
+    ("sequence", _BOTH),
+    ("sequence(string_id)", _BOTH),
     # Triton's generate extension (/generate, /generate_stream): REST only, as in Triton. Streams
     # over gRPC (ModelStreamInfer) are part of Triton's service itself, not an extension it lists.
     ("generate", frozenset({REST})),

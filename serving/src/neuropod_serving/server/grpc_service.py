@@ -52,7 +52,8 @@ from google.protobuf.message import DecodeError
 
 import neuropod_serving.server.extensions as extensions
 import neuropod_serving.server.shared_memory_api as shared_memory_api
-from neuropod.errors import NeuropodError, SpecError
+from neuropod.errors import NeuropodError, SequenceError, SequenceLimitError, SpecError
+from neuropod.sequences import StateMismatchError
 from neuropod_serving import __version__
 from neuropod_serving.errors import (
     DecoupledModelError,
@@ -66,6 +67,7 @@ from neuropod_serving.protocol import grpc_codec as codec
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
 from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 from neuropod_serving.protocol._grpc import triton_shm_pb2 as shm_pb
+from neuropod_serving.protocol.options import require_sequence
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal, escape_log
 from neuropod_serving.server.metrics import ServerMetrics
@@ -223,6 +225,8 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
                 "send its requests on ModelStreamInfer (tritonclient.grpc: start_stream, then async_stream_infer)",
             )  # fmt: skip
         decoded = request.decode(served.input_specs)
+        if served.stateful:
+            require_sequence(served.name, decoded.options)
         state.failure = "model"
         return served, decoded, list(decoded.outputs) if decoded.outputs is not None else None
 
@@ -328,15 +332,17 @@ def status_of(exc: Exception, method: str, model: str) -> tuple[grpc.StatusCode,
     """
     if isinstance(exc, Refused):
         return exc.code, exc.details
-    if isinstance(exc, ModelBusyError):
+    if isinstance(exc, (ModelBusyError, SequenceLimitError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, SequenceError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, StreamStoppedError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)  # as Triton answers once it is shutting down
     if isinstance(exc, RequestTimeoutError):
         # UNAVAILABLE as Triton answers an expired request timeout; the call's own deadline is DEADLINE_EXCEEDED.
         code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.call_deadline else grpc.StatusCode.UNAVAILABLE
         return code, str(exc)
-    if isinstance(exc, (ProtocolError, SpecError, UnknownModelError)):
+    if isinstance(exc, (ProtocolError, SpecError, UnknownModelError)) and not isinstance(exc, StateMismatchError):
         code = (
             grpc.StatusCode.NOT_FOUND
             if isinstance(exc, UnknownModelError)

@@ -24,6 +24,19 @@ into the message with :func:`model_config_message`.
   once (``--workers``, 1 in process), ``kind`` KIND_GPU (with ``gpus``) when
   the model runs on a GPU, else KIND_CPU.
 
+- ``sequence_batching`` (instead of ``dynamic_batching``) for a stateful model:
+  ``control_input`` (each input the server fills, with its ``CONTROL_SEQUENCE_*``
+  kind and false/true values in its type: ``int32_false_true``,
+  ``fp32_false_true`` or ``bool_false_true``; the id's ``data_type``),
+  ``state`` (``input_name``, ``output_name``, ``data_type``, ``dims`` of one
+  sequence's state, without the batch dimension when ``max_batch_size`` is
+  above 0, and its ``initial_state``: ``zero_data``, or ``data_file`` naming the
+  package's array), ``max_sequence_idle_microseconds`` (when an idle limit is
+  set), and ``oldest`` when requests of several sequences run as one batch
+  (``max_queue_delay_microseconds``, ``preferred_batch_size``, and
+  ``max_candidate_sequences``: the bound on live sequences, when one is set),
+  else ``direct``. Its ``input``/``output`` lists leave the state and control
+  tensors out, as Triton's do.
 - ``model_transaction_policy``: ``{"decoupled": true}`` for a decoupled model
   (its package's ``config.json`` says so: any number of responses per request,
   served over gRPC ModelStreamInfer and the REST stream endpoints); left out
@@ -127,16 +140,85 @@ def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
             "neuropod_device": {"string_value": device},
         },
     }
-    if batching is not None:
+    if getattr(model, "stateful", False):
+        # One of Triton's scheduling choices: a stateful model's is the sequence batcher.
+        config["sequence_batching"] = sequence_batching(engine, served, batching)
+    elif batching is not None:
         config["dynamic_batching"] = {"max_queue_delay_microseconds": round(batching.max_queue_delay_s * 1e6)}
     if getattr(model, "decoupled", False):
         config["model_transaction_policy"] = {"decoupled": True}
     return config
 
 
+def sequence_batching(engine: Engine, served: ServedModel, batching: Any) -> dict[str, Any]:
+    """A stateful model's ``sequence_batching`` block (see the module's docstring).
+
+    :param batching: how its requests are batched (None: one sequence's step a run).
+    """
+    model = served.model
+    settings = served.settings
+    defaults = getattr(engine, "default_settings", None)
+    specs = {s.name: s for s in model.package.config.input_spec}
+    block: dict[str, Any] = {}
+    idle = _setting(settings, defaults, "max_sequence_idle_us")
+    if idle is not None:
+        block["max_sequence_idle_microseconds"] = idle
+    controls = []
+    for control in model.sequence_controls:
+        dtype = specs[control.name].dtype
+        entry: dict[str, Any] = {"kind": control.kind}
+        if control.kind == "CONTROL_SEQUENCE_CORRID":
+            entry["data_type"] = TRITON_TYPES[dtype]
+        elif dtype == "bool":
+            entry["bool_false_true"] = [False, True]
+        elif dtype.startswith("float"):
+            entry["fp32_false_true"] = [0.0, 1.0]
+        else:
+            entry["int32_false_true"] = [0, 1]
+        controls.append({"name": control.name, "control": [entry]})
+    if controls:
+        block["control_input"] = controls
+    states = []
+    for pair in model.state_spec:
+        # Triton's dims of a state leave out the batch dimension when the model batches (max_batch_size > 0).
+        dims = list(pair.shape[1:] if batching is not None else pair.shape)
+        initial: dict[str, Any] = {"data_type": TRITON_TYPES[pair.dtype], "dims": dims}
+        initial["name"] = f"{pair.input_name}_initial"
+        if pair.initial_state == "zero":
+            initial["zero_data"] = True
+        else:
+            initial["data_file"] = str(pair.initial_state)
+        states.append({
+            "input_name": pair.input_name, "output_name": pair.output_name, "data_type": TRITON_TYPES[pair.dtype],
+            "dims": dims, "initial_state": [initial],
+        })  # fmt: skip
+    if states:
+        block["state"] = states
+    if batching is None:
+        block["direct"] = {}
+        return block
+    oldest: dict[str, Any] = {"max_queue_delay_microseconds": round(batching.max_queue_delay_s * 1e6)}
+    bound = _setting(settings, defaults, "max_sequences")
+    if bound is not None:
+        oldest["max_candidate_sequences"] = bound
+    preferred = settings.preferred_batch_sizes if settings is not None else ()
+    if preferred:
+        oldest["preferred_batch_size"] = list(preferred)
+    block["oldest"] = oldest
+    return block
+
+
+def _setting(settings: Any, defaults: Any, name: str) -> Any:
+    """A model's setting ``name``: its own, else the server's (None: neither sets it)."""
+    value = getattr(settings, name, None)
+    return value if value is not None else getattr(defaults, name, None)
+
+
 def model_config_message(config: dict[str, Any]) -> triton_config_pb2.ModelConfigResponse:
     """The gRPC ModelConfigResponse holding a :func:`model_config` dict."""
     # lazy: protobuf, kept out of a REST-only server (the REST app imports this module)
+    from google.protobuf import json_format
+
     from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 
     def tensors(entries: list[dict[str, Any]], kind: Any) -> list[Any]:
@@ -167,6 +249,8 @@ def model_config_message(config: dict[str, Any]) -> triton_config_pb2.ModelConfi
         message.dynamic_batching.max_queue_delay_microseconds = config["dynamic_batching"][
             "max_queue_delay_microseconds"
         ]
+    if "sequence_batching" in config:
+        json_format.ParseDict(config["sequence_batching"], message.sequence_batching)
     if "model_transaction_policy" in config:
         message.model_transaction_policy.decoupled = config["model_transaction_policy"]["decoupled"]
     return tc.ModelConfigResponse(config=message)

@@ -102,6 +102,8 @@ class ServedModel:
     #: The model's name, and its input spec by name (what every request is decoded against).
     name: str = field(init=False)
     input_specs: dict[str, TensorSpec] = field(init=False)
+    #: Whether the model is stateful: each request must name a sequence (Triton's sequence extension).
+    stateful: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.name = self.alias or self.model.name
@@ -120,6 +122,11 @@ class ServedModel:
         if getattr(self.model, "decoupled", False):
             # Any number of responses a request: a remote client runs it with infer_stream.
             self.metadata["parameters"]["neuropod_decoupled"] = True
+        self.stateful = bool(getattr(self.model, "stateful", False))
+        if self.stateful:
+            # Each request is a step of a sequence (request parameter sequence_id): a remote client
+            # runs it with model.sequence() or infer(..., sequence_id=...).
+            self.metadata["parameters"]["neuropod_stateful"] = True
         self.input_specs = {s.name: s for s in self.model.inputs}
 
 
@@ -396,6 +403,9 @@ class ModelRegistry:
             options.update(use_ope=True, workers=settings.workers)
         if settings.device is not None:
             options["device"] = settings.device
+        if settings.sequences is not None:
+            # A load's config declared the model's state and controls (sequence_batching).
+            options["sequences"] = settings.sequences
         return options
 
     def open(self, found: Found, name: str, options: dict[str, Any]) -> ServedModel:

@@ -10,7 +10,8 @@ from typing import NamedTuple
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from neuropod.errors import NeuropodError, SpecError
+from neuropod.errors import NeuropodError, SequenceError, SequenceLimitError, SpecError
+from neuropod.sequences import StateMismatchError
 from neuropod_serving.errors import ModelBusyError, ProtocolError, RequestTimeoutError, UnknownModelError
 from neuropod_serving.protocol import HEADER_LENGTH
 from neuropod_serving.server.compression import decoded_body
@@ -53,7 +54,11 @@ def failure(exc: BaseException, model: str) -> tuple[int, str] | None:
         return 429, str(exc)
     if isinstance(exc, RequestTimeoutError):
         return 503, str(exc)  # as Triton answers a request whose timeout expired in its queue
-    if isinstance(exc, SpecError):
+    if isinstance(exc, SequenceLimitError):
+        return 429, str(exc)  # too many live sequences: at once, as Triton's sequence batcher refuses one
+    if isinstance(exc, SequenceError):
+        return 400, str(exc)  # a sequence the request cannot run (not live, wrong id kind, none named)
+    if isinstance(exc, SpecError) and not isinstance(exc, StateMismatchError):
         return 400, str(exc)
     if isinstance(exc, NeuropodError):
         # The model failed, not the request: log it with its cause for the

@@ -36,7 +36,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.DescriptorPool().AddSerializedFile(b'\n\x13triton_config.proto\x12\tinference\"\xb4\x01\n\x12ModelInstanceGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x0c\n\x04gpus\x18\x03 \x03(\x05\x12\x30\n\x04kind\x18\x04 \x01(\x0e\x32\".inference.ModelInstanceGroup.Kind\"A\n\x04Kind\x12\r\n\tKIND_AUTO\x10\x00\x12\x0c\n\x08KIND_GPU\x10\x01\x12\x0c\n\x08KIND_CPU\x10\x02\x12\x0e\n\nKIND_MODEL\x10\x03\"\xbb\x01\n\nModelInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\tdata_type\x18\x02 \x01(\x0e\x32\x13.inference.DataType\x12,\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1c.inference.ModelInput.Format\x12\x0c\n\x04\x64ims\x18\x04 \x03(\x03\";\n\x06\x46ormat\x12\x0f\n\x0b\x46ORMAT_NONE\x10\x00\x12\x0f\n\x0b\x46ORMAT_NHWC\x10\x01\x12\x0f\n\x0b\x46ORMAT_NCHW\x10\x02\"Q\n\x0bModelOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\tdata_type\x18\x02 \x01(\x0e\x32\x13.inference.DataType\x12\x0c\n\x04\x64ims\x18\x03 \x03(\x03\"<\n\x14ModelDynamicBatching\x12$\n\x1cmax_queue_delay_microseconds\x18\x02 \x01(\x04\"&\n\x0eModelParameter\x12\x14\n\x0cstring_value\x18\x01 \x01(\t\"+\n\x16ModelTransactionPolicy\x12\x11\n\tdecoupled\x18\x01 \x01(\x08\"\xe5\x03\n\x0bModelConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\x12$\n\x05input\x18\x05 \x03(\x0b\x32\x15.inference.ModelInput\x12&\n\x06output\x18\x06 \x03(\x0b\x32\x16.inference.ModelOutput\x12\x35\n\x0einstance_group\x18\x07 \x03(\x0b\x32\x1d.inference.ModelInstanceGroup\x12\x39\n\x10\x64ynamic_batching\x18\x0b \x01(\x0b\x32\x1f.inference.ModelDynamicBatching\x12:\n\nparameters\x18\x0e \x03(\x0b\x32&.inference.ModelConfig.ParametersEntry\x12\x0f\n\x07\x62\x61\x63kend\x18\x11 \x01(\t\x12\x43\n\x18model_transaction_policy\x18\x13 \x01(\x0b\x32!.inference.ModelTransactionPolicy\x1aL\n\x0fParametersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.inference.ModelParameter:\x02\x38\x01\"3\n\x12ModelConfigRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"=\n\x13ModelConfigResponse\x12&\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x16.inference.ModelConfig\".\n\x11StatisticDuration\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\n\n\x02ns\x18\x02 \x01(\x04\"\x9c\x03\n\x0fInferStatistics\x12-\n\x07success\x18\x01 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12*\n\x04\x66\x61il\x18\x02 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12+\n\x05queue\x18\x03 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x33\n\rcompute_input\x18\x04 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x33\n\rcompute_infer\x18\x05 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x34\n\x0e\x63ompute_output\x18\x06 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12/\n\tcache_hit\x18\x07 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x30\n\ncache_miss\x18\x08 \x01(\x0b\x32\x1c.inference.StatisticDuration\"\xca\x01\n\x14InferBatchStatistics\x12\x12\n\nbatch_size\x18\x01 \x01(\x04\x12\x33\n\rcompute_input\x18\x02 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x33\n\rcompute_infer\x18\x03 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x34\n\x0e\x63ompute_output\x18\x04 \x01(\x0b\x32\x1c.inference.StatisticDuration\"\xc3\x02\n\x17InferResponseStatistics\x12\x33\n\rcompute_infer\x18\x01 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x34\n\x0e\x63ompute_output\x18\x02 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12-\n\x07success\x18\x03 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12*\n\x04\x66\x61il\x18\x04 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x34\n\x0e\x65mpty_response\x18\x05 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12,\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x1c.inference.StatisticDuration\"\x86\x03\n\x0fModelStatistics\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x16\n\x0elast_inference\x18\x03 \x01(\x04\x12\x17\n\x0finference_count\x18\x04 \x01(\x04\x12\x17\n\x0f\x65xecution_count\x18\x05 \x01(\x04\x12\x33\n\x0finference_stats\x18\x06 \x01(\x0b\x32\x1a.inference.InferStatistics\x12\x34\n\x0b\x62\x61tch_stats\x18\x07 \x03(\x0b\x32\x1f.inference.InferBatchStatistics\x12\x45\n\x0eresponse_stats\x18\t \x03(\x0b\x32-.inference.ModelStatistics.ResponseStatsEntry\x1aX\n\x12ResponseStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x31\n\x05value\x18\x02 \x01(\x0b\x32\".inference.InferResponseStatistics:\x02\x38\x01\"7\n\x16ModelStatisticsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"J\n\x17ModelStatisticsResponse\x12/\n\x0bmodel_stats\x18\x01 \x03(\x0b\x32\x1a.inference.ModelStatistics*\xfa\x01\n\x08\x44\x61taType\x12\x10\n\x0cTYPE_INVALID\x10\x00\x12\r\n\tTYPE_BOOL\x10\x01\x12\x0e\n\nTYPE_UINT8\x10\x02\x12\x0f\n\x0bTYPE_UINT16\x10\x03\x12\x0f\n\x0bTYPE_UINT32\x10\x04\x12\x0f\n\x0bTYPE_UINT64\x10\x05\x12\r\n\tTYPE_INT8\x10\x06\x12\x0e\n\nTYPE_INT16\x10\x07\x12\x0e\n\nTYPE_INT32\x10\x08\x12\x0e\n\nTYPE_INT64\x10\t\x12\r\n\tTYPE_FP16\x10\n\x12\r\n\tTYPE_FP32\x10\x0b\x12\r\n\tTYPE_FP64\x10\x0c\x12\x0f\n\x0bTYPE_STRING\x10\r\x12\r\n\tTYPE_BF16\x10\x0e\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.DescriptorPool().AddSerializedFile(b'\n\x13triton_config.proto\x12\tinference\"\xb4\x01\n\x12ModelInstanceGroup\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x0c\n\x04gpus\x18\x03 \x03(\x05\x12\x30\n\x04kind\x18\x04 \x01(\x0e\x32\".inference.ModelInstanceGroup.Kind\"A\n\x04Kind\x12\r\n\tKIND_AUTO\x10\x00\x12\x0c\n\x08KIND_GPU\x10\x01\x12\x0c\n\x08KIND_CPU\x10\x02\x12\x0e\n\nKIND_MODEL\x10\x03\"\xbb\x01\n\nModelInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\tdata_type\x18\x02 \x01(\x0e\x32\x13.inference.DataType\x12,\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1c.inference.ModelInput.Format\x12\x0c\n\x04\x64ims\x18\x04 \x03(\x03\";\n\x06\x46ormat\x12\x0f\n\x0b\x46ORMAT_NONE\x10\x00\x12\x0f\n\x0b\x46ORMAT_NHWC\x10\x01\x12\x0f\n\x0b\x46ORMAT_NCHW\x10\x02\"Q\n\x0bModelOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\tdata_type\x18\x02 \x01(\x0e\x32\x13.inference.DataType\x12\x0c\n\x04\x64ims\x18\x03 \x03(\x03\"<\n\x14ModelDynamicBatching\x12$\n\x1cmax_queue_delay_microseconds\x18\x02 \x01(\x04\"&\n\x0eModelParameter\x12\x14\n\x0cstring_value\x18\x01 \x01(\t\"+\n\x16ModelTransactionPolicy\x12\x11\n\tdecoupled\x18\x01 \x01(\x08\"\xe9\t\n\x15ModelSequenceBatching\x12\x41\n\x06\x64irect\x18\x03 \x01(\x0b\x32/.inference.ModelSequenceBatching.StrategyDirectH\x00\x12\x41\n\x06oldest\x18\x04 \x01(\x0b\x32/.inference.ModelSequenceBatching.StrategyOldestH\x00\x12&\n\x1emax_sequence_idle_microseconds\x18\x01 \x01(\x04\x12\x44\n\rcontrol_input\x18\x02 \x03(\x0b\x32-.inference.ModelSequenceBatching.ControlInput\x12\x35\n\x05state\x18\x05 \x03(\x0b\x32&.inference.ModelSequenceBatching.State\x1a\xb1\x02\n\x07\x43ontrol\x12;\n\x04kind\x18\x01 \x01(\x0e\x32-.inference.ModelSequenceBatching.Control.Kind\x12\x18\n\x10int32_false_true\x18\x02 \x03(\x05\x12\x17\n\x0f\x66p32_false_true\x18\x03 \x03(\x02\x12&\n\tdata_type\x18\x04 \x01(\x0e\x32\x13.inference.DataType\x12\x17\n\x0f\x62ool_false_true\x18\x05 \x03(\x08\"u\n\x04Kind\x12\x1a\n\x16\x43ONTROL_SEQUENCE_START\x10\x00\x12\x1a\n\x16\x43ONTROL_SEQUENCE_READY\x10\x01\x12\x18\n\x14\x43ONTROL_SEQUENCE_END\x10\x02\x12\x1b\n\x17\x43ONTROL_SEQUENCE_CORRID\x10\x03\x1aW\n\x0c\x43ontrolInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x39\n\x07\x63ontrol\x18\x02 \x03(\x0b\x32(.inference.ModelSequenceBatching.Control\x1a\x8a\x01\n\x0cInitialState\x12&\n\tdata_type\x18\x01 \x01(\x0e\x32\x13.inference.DataType\x12\x0c\n\x04\x64ims\x18\x02 \x03(\x03\x12\x13\n\tzero_data\x18\x03 \x01(\x08H\x00\x12\x13\n\tdata_file\x18\x04 \x01(\tH\x00\x12\x0c\n\x04name\x18\x05 \x01(\tB\x0c\n\nstate_data\x1a\xac\x01\n\x05State\x12\x12\n\ninput_name\x18\x01 \x01(\t\x12\x13\n\x0boutput_name\x18\x02 \x01(\t\x12&\n\tdata_type\x18\x03 \x01(\x0e\x32\x13.inference.DataType\x12\x0c\n\x04\x64ims\x18\x04 \x03(\x03\x12\x44\n\rinitial_state\x18\x05 \x03(\x0b\x32-.inference.ModelSequenceBatching.InitialState\x1a\x36\n\x0eStrategyDirect\x12$\n\x1cmax_queue_delay_microseconds\x18\x01 \x01(\x04\x1a\x90\x01\n\x0eStrategyOldest\x12\x1f\n\x17max_candidate_sequences\x18\x01 \x01(\x05\x12\x1c\n\x14preferred_batch_size\x18\x02 \x03(\x05\x12$\n\x1cmax_queue_delay_microseconds\x18\x03 \x01(\x04\x12\x19\n\x11preserve_ordering\x18\x04 \x01(\x08\x42\x11\n\x0fstrategy_choice\"\xa2\x04\n\x0bModelConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\x12$\n\x05input\x18\x05 \x03(\x0b\x32\x15.inference.ModelInput\x12&\n\x06output\x18\x06 \x03(\x0b\x32\x16.inference.ModelOutput\x12\x35\n\x0einstance_group\x18\x07 \x03(\x0b\x32\x1d.inference.ModelInstanceGroup\x12\x39\n\x10\x64ynamic_batching\x18\x0b \x01(\x0b\x32\x1f.inference.ModelDynamicBatching\x12;\n\x11sequence_batching\x18\r \x01(\x0b\x32 .inference.ModelSequenceBatching\x12:\n\nparameters\x18\x0e \x03(\x0b\x32&.inference.ModelConfig.ParametersEntry\x12\x0f\n\x07\x62\x61\x63kend\x18\x11 \x01(\t\x12\x43\n\x18model_transaction_policy\x18\x13 \x01(\x0b\x32!.inference.ModelTransactionPolicy\x1aL\n\x0fParametersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.inference.ModelParameter:\x02\x38\x01\"3\n\x12ModelConfigRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"=\n\x13ModelConfigResponse\x12&\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x16.inference.ModelConfig\".\n\x11StatisticDuration\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\n\n\x02ns\x18\x02 \x01(\x04\"\x9c\x03\n\x0fInferStatistics\x12-\n\x07success\x18\x01 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12*\n\x04\x66\x61il\x18\x02 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12+\n\x05queue\x18\x03 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x33\n\rcompute_input\x18\x04 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x33\n\rcompute_infer\x18\x05 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x34\n\x0e\x63ompute_output\x18\x06 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12/\n\tcache_hit\x18\x07 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x30\n\ncache_miss\x18\x08 \x01(\x0b\x32\x1c.inference.StatisticDuration\"\xca\x01\n\x14InferBatchStatistics\x12\x12\n\nbatch_size\x18\x01 \x01(\x04\x12\x33\n\rcompute_input\x18\x02 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x33\n\rcompute_infer\x18\x03 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x34\n\x0e\x63ompute_output\x18\x04 \x01(\x0b\x32\x1c.inference.StatisticDuration\"\xc3\x02\n\x17InferResponseStatistics\x12\x33\n\rcompute_infer\x18\x01 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x34\n\x0e\x63ompute_output\x18\x02 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12-\n\x07success\x18\x03 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12*\n\x04\x66\x61il\x18\x04 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12\x34\n\x0e\x65mpty_response\x18\x05 \x01(\x0b\x32\x1c.inference.StatisticDuration\x12,\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x1c.inference.StatisticDuration\"\x86\x03\n\x0fModelStatistics\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x16\n\x0elast_inference\x18\x03 \x01(\x04\x12\x17\n\x0finference_count\x18\x04 \x01(\x04\x12\x17\n\x0f\x65xecution_count\x18\x05 \x01(\x04\x12\x33\n\x0finference_stats\x18\x06 \x01(\x0b\x32\x1a.inference.InferStatistics\x12\x34\n\x0b\x62\x61tch_stats\x18\x07 \x03(\x0b\x32\x1f.inference.InferBatchStatistics\x12\x45\n\x0eresponse_stats\x18\t \x03(\x0b\x32-.inference.ModelStatistics.ResponseStatsEntry\x1aX\n\x12ResponseStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x31\n\x05value\x18\x02 \x01(\x0b\x32\".inference.InferResponseStatistics:\x02\x38\x01\"7\n\x16ModelStatisticsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"J\n\x17ModelStatisticsResponse\x12/\n\x0bmodel_stats\x18\x01 \x03(\x0b\x32\x1a.inference.ModelStatistics*\xfa\x01\n\x08\x44\x61taType\x12\x10\n\x0cTYPE_INVALID\x10\x00\x12\r\n\tTYPE_BOOL\x10\x01\x12\x0e\n\nTYPE_UINT8\x10\x02\x12\x0f\n\x0bTYPE_UINT16\x10\x03\x12\x0f\n\x0bTYPE_UINT32\x10\x04\x12\x0f\n\x0bTYPE_UINT64\x10\x05\x12\r\n\tTYPE_INT8\x10\x06\x12\x0e\n\nTYPE_INT16\x10\x07\x12\x0e\n\nTYPE_INT32\x10\x08\x12\x0e\n\nTYPE_INT64\x10\t\x12\r\n\tTYPE_FP16\x10\n\x12\r\n\tTYPE_FP32\x10\x0b\x12\r\n\tTYPE_FP64\x10\x0c\x12\x0f\n\x0bTYPE_STRING\x10\r\x12\r\n\tTYPE_BF16\x10\x0e\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,8 +47,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_options = b'8\001'
   _globals['_MODELSTATISTICS_RESPONSESTATSENTRY']._loaded_options = None
   _globals['_MODELSTATISTICS_RESPONSESTATSENTRY']._serialized_options = b'8\001'
-  _globals['_DATATYPE']._serialized_start=2762
-  _globals['_DATATYPE']._serialized_end=3012
+  _globals['_DATATYPE']._serialized_start=4083
+  _globals['_DATATYPE']._serialized_end=4333
   _globals['_MODELINSTANCEGROUP']._serialized_start=35
   _globals['_MODELINSTANCEGROUP']._serialized_end=215
   _globals['_MODELINSTANCEGROUP_KIND']._serialized_start=150
@@ -65,28 +65,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELPARAMETER']._serialized_end=590
   _globals['_MODELTRANSACTIONPOLICY']._serialized_start=592
   _globals['_MODELTRANSACTIONPOLICY']._serialized_end=635
-  _globals['_MODELCONFIG']._serialized_start=638
-  _globals['_MODELCONFIG']._serialized_end=1123
-  _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_start=1047
-  _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_end=1123
-  _globals['_MODELCONFIGREQUEST']._serialized_start=1125
-  _globals['_MODELCONFIGREQUEST']._serialized_end=1176
-  _globals['_MODELCONFIGRESPONSE']._serialized_start=1178
-  _globals['_MODELCONFIGRESPONSE']._serialized_end=1239
-  _globals['_STATISTICDURATION']._serialized_start=1241
-  _globals['_STATISTICDURATION']._serialized_end=1287
-  _globals['_INFERSTATISTICS']._serialized_start=1290
-  _globals['_INFERSTATISTICS']._serialized_end=1702
-  _globals['_INFERBATCHSTATISTICS']._serialized_start=1705
-  _globals['_INFERBATCHSTATISTICS']._serialized_end=1907
-  _globals['_INFERRESPONSESTATISTICS']._serialized_start=1910
-  _globals['_INFERRESPONSESTATISTICS']._serialized_end=2233
-  _globals['_MODELSTATISTICS']._serialized_start=2236
-  _globals['_MODELSTATISTICS']._serialized_end=2626
-  _globals['_MODELSTATISTICS_RESPONSESTATSENTRY']._serialized_start=2538
-  _globals['_MODELSTATISTICS_RESPONSESTATSENTRY']._serialized_end=2626
-  _globals['_MODELSTATISTICSREQUEST']._serialized_start=2628
-  _globals['_MODELSTATISTICSREQUEST']._serialized_end=2683
-  _globals['_MODELSTATISTICSRESPONSE']._serialized_start=2685
-  _globals['_MODELSTATISTICSRESPONSE']._serialized_end=2759
+  _globals['_MODELSEQUENCEBATCHING']._serialized_start=638
+  _globals['_MODELSEQUENCEBATCHING']._serialized_end=1895
+  _globals['_MODELSEQUENCEBATCHING_CONTROL']._serialized_start=963
+  _globals['_MODELSEQUENCEBATCHING_CONTROL']._serialized_end=1268
+  _globals['_MODELSEQUENCEBATCHING_CONTROL_KIND']._serialized_start=1151
+  _globals['_MODELSEQUENCEBATCHING_CONTROL_KIND']._serialized_end=1268
+  _globals['_MODELSEQUENCEBATCHING_CONTROLINPUT']._serialized_start=1270
+  _globals['_MODELSEQUENCEBATCHING_CONTROLINPUT']._serialized_end=1357
+  _globals['_MODELSEQUENCEBATCHING_INITIALSTATE']._serialized_start=1360
+  _globals['_MODELSEQUENCEBATCHING_INITIALSTATE']._serialized_end=1498
+  _globals['_MODELSEQUENCEBATCHING_STATE']._serialized_start=1501
+  _globals['_MODELSEQUENCEBATCHING_STATE']._serialized_end=1673
+  _globals['_MODELSEQUENCEBATCHING_STRATEGYDIRECT']._serialized_start=1675
+  _globals['_MODELSEQUENCEBATCHING_STRATEGYDIRECT']._serialized_end=1729
+  _globals['_MODELSEQUENCEBATCHING_STRATEGYOLDEST']._serialized_start=1732
+  _globals['_MODELSEQUENCEBATCHING_STRATEGYOLDEST']._serialized_end=1876
+  _globals['_MODELCONFIG']._serialized_start=1898
+  _globals['_MODELCONFIG']._serialized_end=2444
+  _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_start=2368
+  _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_end=2444
+  _globals['_MODELCONFIGREQUEST']._serialized_start=2446
+  _globals['_MODELCONFIGREQUEST']._serialized_end=2497
+  _globals['_MODELCONFIGRESPONSE']._serialized_start=2499
+  _globals['_MODELCONFIGRESPONSE']._serialized_end=2560
+  _globals['_STATISTICDURATION']._serialized_start=2562
+  _globals['_STATISTICDURATION']._serialized_end=2608
+  _globals['_INFERSTATISTICS']._serialized_start=2611
+  _globals['_INFERSTATISTICS']._serialized_end=3023
+  _globals['_INFERBATCHSTATISTICS']._serialized_start=3026
+  _globals['_INFERBATCHSTATISTICS']._serialized_end=3228
+  _globals['_INFERRESPONSESTATISTICS']._serialized_start=3231
+  _globals['_INFERRESPONSESTATISTICS']._serialized_end=3554
+  _globals['_MODELSTATISTICS']._serialized_start=3557
+  _globals['_MODELSTATISTICS']._serialized_end=3947
+  _globals['_MODELSTATISTICS_RESPONSESTATSENTRY']._serialized_start=3859
+  _globals['_MODELSTATISTICS_RESPONSESTATSENTRY']._serialized_end=3947
+  _globals['_MODELSTATISTICSREQUEST']._serialized_start=3949
+  _globals['_MODELSTATISTICSREQUEST']._serialized_end=4004
+  _globals['_MODELSTATISTICSRESPONSE']._serialized_start=4006
+  _globals['_MODELSTATISTICSRESPONSE']._serialized_end=4080
 # @@protoc_insertion_point(module_scope)

@@ -114,8 +114,94 @@ class ModelTransactionPolicy(_message.Message):
     decoupled: bool
     def __init__(self, decoupled: bool = ...) -> None: ...
 
+class ModelSequenceBatching(_message.Message):
+    __slots__ = ("direct", "oldest", "max_sequence_idle_microseconds", "control_input", "state")
+    class Control(_message.Message):
+        __slots__ = ("kind", "int32_false_true", "fp32_false_true", "data_type", "bool_false_true")
+        class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+            __slots__ = ()
+            CONTROL_SEQUENCE_START: _ClassVar[ModelSequenceBatching.Control.Kind]
+            CONTROL_SEQUENCE_READY: _ClassVar[ModelSequenceBatching.Control.Kind]
+            CONTROL_SEQUENCE_END: _ClassVar[ModelSequenceBatching.Control.Kind]
+            CONTROL_SEQUENCE_CORRID: _ClassVar[ModelSequenceBatching.Control.Kind]
+        CONTROL_SEQUENCE_START: ModelSequenceBatching.Control.Kind
+        CONTROL_SEQUENCE_READY: ModelSequenceBatching.Control.Kind
+        CONTROL_SEQUENCE_END: ModelSequenceBatching.Control.Kind
+        CONTROL_SEQUENCE_CORRID: ModelSequenceBatching.Control.Kind
+        KIND_FIELD_NUMBER: _ClassVar[int]
+        INT32_FALSE_TRUE_FIELD_NUMBER: _ClassVar[int]
+        FP32_FALSE_TRUE_FIELD_NUMBER: _ClassVar[int]
+        DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+        BOOL_FALSE_TRUE_FIELD_NUMBER: _ClassVar[int]
+        kind: ModelSequenceBatching.Control.Kind
+        int32_false_true: _containers.RepeatedScalarFieldContainer[int]
+        fp32_false_true: _containers.RepeatedScalarFieldContainer[float]
+        data_type: DataType
+        bool_false_true: _containers.RepeatedScalarFieldContainer[bool]
+        def __init__(self, kind: _Optional[_Union[ModelSequenceBatching.Control.Kind, str]] = ..., int32_false_true: _Optional[_Iterable[int]] = ..., fp32_false_true: _Optional[_Iterable[float]] = ..., data_type: _Optional[_Union[DataType, str]] = ..., bool_false_true: _Optional[_Iterable[bool]] = ...) -> None: ...
+    class ControlInput(_message.Message):
+        __slots__ = ("name", "control")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        CONTROL_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        control: _containers.RepeatedCompositeFieldContainer[ModelSequenceBatching.Control]
+        def __init__(self, name: _Optional[str] = ..., control: _Optional[_Iterable[_Union[ModelSequenceBatching.Control, _Mapping]]] = ...) -> None: ...
+    class InitialState(_message.Message):
+        __slots__ = ("data_type", "dims", "zero_data", "data_file", "name")
+        DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+        DIMS_FIELD_NUMBER: _ClassVar[int]
+        ZERO_DATA_FIELD_NUMBER: _ClassVar[int]
+        DATA_FILE_FIELD_NUMBER: _ClassVar[int]
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        data_type: DataType
+        dims: _containers.RepeatedScalarFieldContainer[int]
+        zero_data: bool
+        data_file: str
+        name: str
+        def __init__(self, data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., zero_data: bool = ..., data_file: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    class State(_message.Message):
+        __slots__ = ("input_name", "output_name", "data_type", "dims", "initial_state")
+        INPUT_NAME_FIELD_NUMBER: _ClassVar[int]
+        OUTPUT_NAME_FIELD_NUMBER: _ClassVar[int]
+        DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+        DIMS_FIELD_NUMBER: _ClassVar[int]
+        INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
+        input_name: str
+        output_name: str
+        data_type: DataType
+        dims: _containers.RepeatedScalarFieldContainer[int]
+        initial_state: _containers.RepeatedCompositeFieldContainer[ModelSequenceBatching.InitialState]
+        def __init__(self, input_name: _Optional[str] = ..., output_name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., initial_state: _Optional[_Iterable[_Union[ModelSequenceBatching.InitialState, _Mapping]]] = ...) -> None: ...
+    class StrategyDirect(_message.Message):
+        __slots__ = ("max_queue_delay_microseconds",)
+        MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+        max_queue_delay_microseconds: int
+        def __init__(self, max_queue_delay_microseconds: _Optional[int] = ...) -> None: ...
+    class StrategyOldest(_message.Message):
+        __slots__ = ("max_candidate_sequences", "preferred_batch_size", "max_queue_delay_microseconds", "preserve_ordering")
+        MAX_CANDIDATE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+        PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+        MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+        PRESERVE_ORDERING_FIELD_NUMBER: _ClassVar[int]
+        max_candidate_sequences: int
+        preferred_batch_size: _containers.RepeatedScalarFieldContainer[int]
+        max_queue_delay_microseconds: int
+        preserve_ordering: bool
+        def __init__(self, max_candidate_sequences: _Optional[int] = ..., preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., preserve_ordering: bool = ...) -> None: ...
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_IDLE_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_INPUT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    direct: ModelSequenceBatching.StrategyDirect
+    oldest: ModelSequenceBatching.StrategyOldest
+    max_sequence_idle_microseconds: int
+    control_input: _containers.RepeatedCompositeFieldContainer[ModelSequenceBatching.ControlInput]
+    state: _containers.RepeatedCompositeFieldContainer[ModelSequenceBatching.State]
+    def __init__(self, direct: _Optional[_Union[ModelSequenceBatching.StrategyDirect, _Mapping]] = ..., oldest: _Optional[_Union[ModelSequenceBatching.StrategyOldest, _Mapping]] = ..., max_sequence_idle_microseconds: _Optional[int] = ..., control_input: _Optional[_Iterable[_Union[ModelSequenceBatching.ControlInput, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[ModelSequenceBatching.State, _Mapping]]] = ...) -> None: ...
+
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "max_batch_size", "input", "output", "instance_group", "dynamic_batching", "parameters", "backend", "model_transaction_policy")
+    __slots__ = ("name", "platform", "max_batch_size", "input", "output", "instance_group", "dynamic_batching", "sequence_batching", "parameters", "backend", "model_transaction_policy")
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +216,7 @@ class ModelConfig(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_GROUP_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_BATCHING_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_TRANSACTION_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -140,10 +227,11 @@ class ModelConfig(_message.Message):
     output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
     instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
     dynamic_batching: ModelDynamicBatching
+    sequence_batching: ModelSequenceBatching
     parameters: _containers.MessageMap[str, ModelParameter]
     backend: str
     model_transaction_policy: ModelTransactionPolicy
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., backend: _Optional[str] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., sequence_batching: _Optional[_Union[ModelSequenceBatching, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., backend: _Optional[str] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ...) -> None: ...
 
 class ModelConfigRequest(_message.Message):
     __slots__ = ("name", "version")

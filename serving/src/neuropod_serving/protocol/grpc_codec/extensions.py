@@ -66,4 +66,29 @@ def request_options_of(request: pb.ModelInferRequest, parameters: Mapping[str, A
             classes[out.name] = classification_count(value, out.name)
     if not parameters and classes is None:
         return None
+    if "sequence_id" in parameters:
+        parameters = _sequence_id(request, parameters)
     return request_options(parameters, classes)
+
+
+#: The parameter kinds a ModelInferRequest's ``sequence_id`` may take.
+_SEQUENCE_ID_KINDS = ("int64_param", "uint64_param", "string_param")
+
+
+def _sequence_id(request: pb.ModelInferRequest, parameters: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``parameters`` with the ``sequence_id`` read as Triton reads it: tritonclient.grpc sends a
+    numeric id as ``int64_param`` (one of 2**63 and more as its negative two's complement, as
+    Triton's C API takes a uint64), others send ``uint64_param``; a string id is ``string_param``.
+
+    :raises ProtocolError: any other kind of parameter.
+    """
+    kind = request.parameters["sequence_id"].WhichOneof("parameter_choice")
+    if kind not in _SEQUENCE_ID_KINDS:
+        raise ProtocolError(
+            f"request parameter sequence_id is an int64_param, uint64_param or string_param (the sequence's "
+            f"id), not {kind or 'empty'}"
+        )
+    value = parameters["sequence_id"]
+    if kind == "int64_param" and value < 0:
+        return {**parameters, "sequence_id": value + (1 << 64)}
+    return parameters
