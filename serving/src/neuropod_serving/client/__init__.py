@@ -32,7 +32,17 @@ imports neither; the gRPC transport is imported when a ``grpc://`` model is load
 from __future__ import annotations
 
 from neuropod.errors import RemoteError
+from neuropod_serving.client._errors import RemoteSequenceError, RemoteSequenceLimitError
 from neuropod_serving.client.loading import PlainTextTokenWarning, load, schemes
 from neuropod_serving.client.remote_model import RemoteBackend, RemoteModel
 
-__all__ = ["PlainTextTokenWarning", "RemoteBackend", "RemoteError", "RemoteModel", "load", "schemes"]
+__all__ = [
+    "PlainTextTokenWarning",
+    "RemoteBackend",
+    "RemoteError",
+    "RemoteModel",
+    "RemoteSequenceError",
+    "RemoteSequenceLimitError",
+    "load",
+    "schemes",
+]

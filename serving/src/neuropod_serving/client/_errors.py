@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from neuropod.errors import RemoteError
+from neuropod.errors import RemoteError, SequenceError, SequenceLimitError
 from neuropod_serving.client._target import Target
 
 # What each code means, said to the user; {server} is the address.
@@ -71,3 +71,33 @@ def remote_error(target: Target, code: str, detail: str | None, *, call: str = "
     if detail:
         text += f": {detail}"
     return RemoteError(text, url=target.url, code=code, server_message=detail or None)
+
+
+class RemoteSequenceError(RemoteError, SequenceError):
+    """A server refused a sequence's step (not live: never started, ended or expired; a wrong id
+    kind; a stateful model without a sequence), or the server holding its state is gone: both a
+    :class:`~neuropod.errors.RemoteError` (``url``, ``code``, ``server_message``) and a
+    :class:`~neuropod.errors.SequenceError`."""
+
+
+class RemoteSequenceLimitError(RemoteSequenceError, SequenceLimitError):
+    """A server refused to start a sequence: the model has its most live sequences (429 /
+    RESOURCE_EXHAUSTED). Also a :class:`~neuropod.errors.SequenceLimitError`."""
+
+
+# The server's words of a SequenceError (neuropod.sequences, neuropod.model) that a server which
+# does not map it to a status (an older neuropod serve) sends as a model failure.
+_SEQUENCE_WORDS = (" is not live on model ", "carries state from one request", " is not stateful",
+                   " sequence ids (its CORRID ", "sequence id ")  # fmt: skip
+
+
+def sequence_error(e: RemoteError) -> RemoteError:
+    """``e``, the error of a request that named a sequence, as a :class:`RemoteSequenceError`
+    (or :class:`RemoteSequenceLimitError`) when the server refused the sequence; else ``e``."""
+    detail = e.server_message or ""
+    limit = e.code == "resource_exhausted" and "sequence" in detail
+    refused = e.code == "invalid_argument" and "sequence" in detail
+    if not (limit or refused or (e.code == "internal" and any(w in detail for w in _SEQUENCE_WORDS))):
+        return e
+    cls = RemoteSequenceLimitError if limit or "live sequences, its most" in detail else RemoteSequenceError
+    return cls(str(e), url=e.url, code=e.code, server_message=e.server_message)

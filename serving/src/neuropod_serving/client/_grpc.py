@@ -151,10 +151,17 @@ class GrpcTransport:
     def decoupled(self, timeout: float | None) -> bool | None:
         """Whether the model's configuration (Triton's ModelConfig RPC) says it is decoupled; None
         when the server does not answer it (not every server has the RPC)."""
+        flags = self.config_flags(timeout)
+        return None if flags is None else flags[0]
+
+    def config_flags(self, timeout: float | None) -> tuple[bool, bool] | None:
+        """Whether the model's configuration says it is decoupled, and whether it has
+        ``sequence_batching`` (a stateful model); None when the server does not answer."""
         target = self.target
         request = _string_field(1, target.model) + (_string_field(2, target.version) if target.version else b"")
         try:
-            return config_decoupled(self._model_config(request, timeout=timeout, metadata=self._metadata))
+            data = self._model_config(request, timeout=timeout, metadata=self._metadata)
+            return config_decoupled(data), config_sequence_batching(data)
         except (grpc.RpcError, ProtocolError):
             return None
 
@@ -276,3 +283,13 @@ def config_decoupled(data: bytes) -> bool:
     policy = wire_fields(config, "ModelConfig").get(19, b"") if isinstance(config, bytes) else b""
     decoupled = wire_fields(policy, "ModelTransactionPolicy").get(1, 0) if isinstance(policy, bytes) else 0
     return decoupled == 1
+
+
+def config_sequence_batching(data: bytes) -> bool:
+    """Whether a serialized ModelConfigResponse's config has ``sequence_batching`` (Triton's field
+    13 of ModelConfig): the model is stateful.
+
+    :raises ProtocolError: the bytes are not such a message.
+    """
+    config = wire_fields(data, "ModelConfigResponse").get(1, b"")
+    return isinstance(config, bytes) and 13 in wire_fields(config, "ModelConfig")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import http.client
 import io
+import json
 import socket
 import ssl
 import threading
@@ -300,6 +301,12 @@ class HttpTransport:
     def decoupled(self, timeout: float | None) -> bool | None:
         """Whether the model's configuration (Triton's ``GET .../config``) says it is decoupled;
         None when the server has no such route or does not answer it."""
+        flags = self.config_flags(timeout)
+        return None if flags is None else flags[0]
+
+    def config_flags(self, timeout: float | None) -> tuple[bool, bool] | None:
+        """Whether the model's configuration says it is decoupled, and whether it has
+        ``sequence_batching`` (a stateful model); None when the server does not answer."""
         try:
             status, body = self._get(self._model_path + "/config", "model config", timeout, ok=(200, 400, 404, 501))
         except RemoteError:
@@ -307,7 +314,7 @@ class HttpTransport:
         if status != 200 or not isinstance(body, dict):
             return None
         policy = body.get("model_transaction_policy")
-        return isinstance(policy, dict) and policy.get("decoupled") is True
+        return isinstance(policy, dict) and policy.get("decoupled") is True, isinstance(body.get("sequence_batching"), dict)
 
     def ready(self, timeout: float | None) -> bool:
         # 200 ready; Triton and neuropod answer 400 (and MLServer 404/503) for a model that is not.
@@ -330,6 +337,8 @@ class HttpTransport:
         parameters: Mapping[str, Any] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:  # fmt: skip
         content, extra = self._request_body(inputs, requested, parameters, self.binary is not False, "infer")
+        if parameters and "sequence_id" in parameters:
+            extra += sequence_header(parameters)
         head = f"{self._infer_head}{extra}Content-Length: {len(content)}\r\n\r\n".encode("latin-1")
         status, headers, data = self._request(head, content, "infer", timeout)
         if status != 200:
@@ -502,3 +511,16 @@ def _json_body(data: Any) -> Any:
         return _json.loads(bytes(data).decode("utf-8")) if data else None
     except ValueError:  # not UTF-8, not JSON, too deep or too large
         return None
+
+
+#: The header that repeats a request's sequence step where a router reads headers only (Ray
+#: Serve's HTTP proxy routes a request before its body is read: see neuropod_serving.ray).
+SEQUENCE_HEADER = "Neuropod-Sequence"
+
+
+def sequence_header(parameters: Mapping[str, Any]) -> str:
+    """The :data:`SEQUENCE_HEADER` line of a request whose parameters name a sequence: its id,
+    start and end flags as a JSON list (``[5, true, false]``; a string id stays a JSON string)."""
+    step = [parameters["sequence_id"], bool(parameters.get("sequence_start")), bool(parameters.get("sequence_end"))]
+    text = json.dumps(step, ensure_ascii=True)
+    return f"{SEQUENCE_HEADER}: {text}\r\n" if "\r" not in text and "\n" not in text else ""

@@ -45,6 +45,7 @@ class Transport(Protocol):
     def infer(self, inputs: Any, requested: Any, timeout: float | None, parameters: Any = None) -> Any: ...
     def open_stream(self, inputs: Any, requested: Any, timeout: float | None, parameters: Any = None) -> Any: ...
     def decoupled(self, timeout: float | None) -> bool | None: ...
+    def config_flags(self, timeout: float | None) -> tuple[bool, bool] | None: ...
     def close(self) -> None: ...
 
 
@@ -145,6 +146,22 @@ class Pool:
                 self._done(server, False)
                 raise
             return result, server
+
+    def call_on(self, server: Server, fn: Callable[[Transport, float | None], _T], timeout: float | None) -> _T:
+        """``fn`` on ``server`` and no other, not retried (a sequence's step: its state lives there)."""
+        with self._lock:
+            server.outstanding += 1
+            server.calls += 1
+        try:
+            result = fn(server.transport, timeout)
+        except RemoteError as e:
+            self._done(server, e.code == "unavailable")
+            raise
+        except BaseException:
+            self._done(server, False)
+            raise
+        self._done(server, False)
+        return result
 
     def close(self) -> None:
         for server in self.servers:

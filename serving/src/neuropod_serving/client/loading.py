@@ -91,8 +91,9 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
         # neuropod serve says whether a model is decoupled in its metadata; other servers (Triton)
         # in the model's configuration, asked here.
         from_neuropod = isinstance(params, Mapping) and BACKEND_PARAMETER in params
-        decoupled = None if from_neuropod else _config_decoupled(pool, connect_timeout)
-        return RemoteModel(targets, pool, metadata, spec, timeout=timeout, decoupled=decoupled)
+        flags = None if from_neuropod else _config_flags(pool, connect_timeout)
+        decoupled, stateful = (None, None) if flags is None else flags
+        return RemoteModel(targets, pool, metadata, spec, timeout=timeout, decoupled=decoupled, stateful=stateful)
     except BaseException:
         pool.close()
         raise
@@ -199,13 +200,13 @@ def _metadata(
     return first, spec
 
 
-def _config_decoupled(pool: Pool, timeout: float | None) -> bool | None:
-    """Whether the model's configuration says it is decoupled, from the first server up that
-    answers; None when none has a model configuration to ask (MLServer)."""
+def _config_flags(pool: Pool, timeout: float | None) -> tuple[bool, bool] | None:
+    """Whether the model's configuration says it is decoupled, and stateful (``sequence_batching``),
+    from the first server up that answers; None when none has a model configuration to ask (MLServer)."""
     now = time.monotonic()
     for server in pool.servers:
         if server.down_until <= now:
-            found = server.transport.decoupled(timeout)
+            found = server.transport.config_flags(timeout)
             if found is not None:
                 return found
     return None
