@@ -282,7 +282,7 @@ def test_input_format_is_reported_in_the_model_configuration(batching_server: Se
         ("adder", {"input": [{"name": "x", "optional": True}]}, ["input 'x'", "'optional' = True"]),
         ("adder", {"input": [{"name": "x", "reshape": {"shape": [2]}}]}, ["input 'x'", "'reshape'"]),
         ("adder", {"max_batch_sizes": 8}, ["'max_batch_sizes'", "max_batch_size"]),
-        ("adder", {"sequence_batching": {}}, ["'sequence_batching'"]),
+        ("adder", {"sequence_batching": {}}, ["sequence_batching declares no control_input and no state"]),
         ("adder", {"name": "other"}, ["name 'other'", "'adder'"]),
         ("adder", {"platform": "tensorflow_savedmodel"}, ["platform 'tensorflow_savedmodel'", "'onnx'"]),
         ("adder", {"input": [{"name": "x", "data_type": "TYPE_INT32"}]}, ["input 'x'", "TYPE_INT32", "TYPE_FP32"]),

@@ -170,6 +170,8 @@ def test_tritonclient_health_metadata_and_tensors(engine: Engine, tmp_path: Path
         "model_configuration",
         "model_repository",
         "statistics",
+        "sequence",
+        "sequence(string_id)",
     ]
     adder_md = results["adder_md"]["value"]
     assert adder_md["name"] == "adder" and adder_md["platform"] == "onnx" and adder_md["versions"] == ["1"]

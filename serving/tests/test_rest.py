@@ -141,7 +141,8 @@ def test_triton_health_and_metadata(triton: Any) -> None:
     # This engine keeps no metrics, so no statistics either (test_triton_extensions.py has a server that does).
     assert meta["name"] == "neuropod"
     assert meta["extensions"] == [
-        "binary_tensor_data", "classification", "model_configuration", "model_repository", "generate"
+        "binary_tensor_data", "classification", "model_configuration", "model_repository", "sequence",
+        "sequence(string_id)", "generate",
     ]  # fmt: skip
     model = triton.get_model_metadata("adder")
     assert model["platform"] == "onnx" and model["versions"] == ["1"]

@@ -291,14 +291,15 @@ def test_errors_name_the_sequence_on_both_protocols(server: Server) -> None:
 
 def test_too_many_live_sequences_is_429_and_resource_exhausted(server: Server) -> None:
     model = server.engine.get("acc").model
-    model.configure_sequences(max_live=1)
+    limits = server.engine.sequence_limits
+    model.configure_sequences(max_idle_s=limits.max_idle_us / 1e6, max_live=1)
     try:
         _rest_step(server, "acc", 51, 1, True)
         _refused("429", ("live sequences",), _rest_step, server, "acc", 52, 1, True)
         _refused("StatusCode.RESOURCE_EXHAUSTED", ("live sequences",), _grpc_step, server, "acc", 53, 1, True)
         assert int(_grpc_step(server, "acc", 51, 2, False, True).as_numpy("OUTPUT")[0, 0]) == 3
     finally:
-        model.configure_sequences(max_live=None)
+        model.configure_sequences(max_idle_s=limits.max_idle_us / 1e6, max_live=limits.max_sequences)
 
 
 def test_metadata_and_configuration(server: Server) -> None:
@@ -332,9 +333,9 @@ def test_metadata_and_configuration(server: Server) -> None:
         ],
         "direct": {},
     }
-    sequence_batching = dict(rest["sequence_batching"])
-    sequence_batching.pop("max_sequence_idle_microseconds", None)  # the server's idle limit, when it has one
-    assert sequence_batching == expected
+    # The server's idle limit (--max-sequence-idle-us) unless a load config sets the model's own.
+    expected["max_sequence_idle_microseconds"] = server.engine.sequence_limits.max_idle_us
+    assert rest["sequence_batching"] == expected
     # The gRPC answer is the same configuration in tritonclient's own message.
     message = json_format.ParseDict(theirs, model_config_pb2.ModelConfig())
     assert message.sequence_batching.control_input[1].control[0].data_type == model_config_pb2.TYPE_UINT64

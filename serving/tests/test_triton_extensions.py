@@ -475,10 +475,13 @@ def test_server_metadata_lists_what_is_served(plain: Any) -> None:
         http.close()
         grpc.close()
     assert rest == [
-        "binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics", "generate"
+        "binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics",
+        "sequence", "sequence(string_id)", "generate",
     ]  # fmt: skip
     # binary_tensor_data is a REST body format; gRPC carries tensors as raw bytes.
-    assert over_grpc == ["classification", "model_configuration", "model_repository", "statistics"]
+    assert over_grpc == [
+        "classification", "model_configuration", "model_repository", "statistics", "sequence", "sequence(string_id)"
+    ]
     # What is listed answers.
     assert _http_get(plain.http, "/v2/models/adder/config")[0] == 200
     assert _http_get(plain.http, "/v2/models/stats")[0] == 200
@@ -506,7 +509,9 @@ def test_no_statistics_where_none_are_kept(bare: Engine) -> None:
     server, port = start_grpc_server(bare, "127.0.0.1:0")
     grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
-        assert list(grpc.get_server_metadata().extensions) == ["classification", "model_configuration", "model_repository"]
+        assert list(grpc.get_server_metadata().extensions) == [
+            "classification", "model_configuration", "model_repository", "sequence", "sequence(string_id)"
+        ]
         with pytest.raises(InferenceServerException, match="keeps no statistics") as e:
             grpc.get_inference_statistics("adder")
         assert e.value.status() == "StatusCode.UNIMPLEMENTED"

@@ -31,10 +31,11 @@ into the message with :func:`model_config_message`.
   ``state`` (``input_name``, ``output_name``, ``data_type``, ``dims`` of one
   sequence's state, without the batch dimension when ``max_batch_size`` is
   above 0, and its ``initial_state``: ``zero_data``, or ``data_file`` naming the
-  package's array), ``max_sequence_idle_microseconds`` (when an idle limit is
-  set), and ``oldest`` when requests of several sequences run as one batch
+  package's array), ``max_sequence_idle_microseconds`` (the model's idle
+  limit: its load config's, else ``--max-sequence-idle-us``), and ``oldest`` when requests of several sequences run as one batch
   (``max_queue_delay_microseconds``, ``preferred_batch_size``, and
-  ``max_candidate_sequences``: the bound on live sequences, when one is set),
+  ``max_candidate_sequences``: the bound on live sequences, its load config's
+  else ``--max-sequences``),
   else ``direct``. Its ``input``/``output`` lists leave the state and control
   tensors out, as Triton's do.
 - ``model_transaction_policy``: ``{"decoupled": true}`` for a decoupled model
@@ -157,10 +158,10 @@ def sequence_batching(engine: Engine, served: ServedModel, batching: Any) -> dic
     """
     model = served.model
     settings = served.settings
-    defaults = getattr(engine, "default_settings", None)
+    limits = getattr(engine, "sequence_limits", None)  # the server's (--max-sequence-idle-us, --max-sequences)
     specs = {s.name: s for s in model.package.config.input_spec}
     block: dict[str, Any] = {}
-    idle = _setting(settings, defaults, "max_sequence_idle_us")
+    idle = _setting(settings, "max_sequence_idle_us", limits, "max_idle_us")
     if idle is not None:
         block["max_sequence_idle_microseconds"] = idle
     controls = []
@@ -198,7 +199,7 @@ def sequence_batching(engine: Engine, served: ServedModel, batching: Any) -> dic
         block["direct"] = {}
         return block
     oldest: dict[str, Any] = {"max_queue_delay_microseconds": round(batching.max_queue_delay_s * 1e6)}
-    bound = _setting(settings, defaults, "max_sequences")
+    bound = _setting(settings, "max_sequences", limits, "max_sequences")
     if bound is not None:
         oldest["max_candidate_sequences"] = bound
     preferred = settings.preferred_batch_sizes if settings is not None else ()
@@ -208,10 +209,10 @@ def sequence_batching(engine: Engine, served: ServedModel, batching: Any) -> dic
     return block
 
 
-def _setting(settings: Any, defaults: Any, name: str) -> Any:
-    """A model's setting ``name``: its own, else the server's (None: neither sets it)."""
+def _setting(settings: Any, name: str, limits: Any, limit: str) -> Any:
+    """A model's setting ``name``: its own (0 or None: not set), else the server's ``limit`` (None: neither)."""
     value = getattr(settings, name, None)
-    return value if value is not None else getattr(defaults, name, None)
+    return value if value else getattr(limits, limit, None)
 
 
 def model_config_message(config: dict[str, Any]) -> triton_config_pb2.ModelConfigResponse:
