@@ -270,8 +270,8 @@ class NeuropodModel:
             input gets); a random 64-bit one when None.
         :raises SequenceError: the model is not stateful.
         """
-        self._stateful_table()
-        return ModelSequence(self, sequence_id)
+        table = self._stateful_table()
+        return ModelSequence(self, table.new_id() if sequence_id is None else sequence_id)
 
     def infer_sequences(
         self, inputs: Mapping[str, Any], steps: Sequence[SequenceStep], requested_outputs: Sequence[str] | None = None,

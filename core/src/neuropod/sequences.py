@@ -129,10 +129,19 @@ class SequenceTable:
         self._middle_controls = tuple(
             (c.name, self._control(c, [middle])) for c in self.controls if c.kind != "CONTROL_SEQUENCE_CORRID"
         )
+        # The same for a sequence's last step (END is 1).
+        self._end_controls = tuple(
+            (c.name, self._control(c, [SequenceStep(1, end=True)])) for c in self.controls
+            if c.kind != "CONTROL_SEQUENCE_CORRID"
+        )  # fmt: skip
         self._corrid = next((c for c in self.controls if c.kind == "CONTROL_SEQUENCE_CORRID"), None)
         corrid = self._corrid
         self._string_ids = corrid is not None and self.control_specs[corrid.name].dtype == "string"
         self._numeric_ids = corrid is not None and not self._string_ids
+        #: The largest id a numeric CORRID control holds.
+        self._id_max = (1 << 64) - 1
+        if corrid is not None and self._numeric_ids:
+            self._id_max = int(np.iinfo(DTYPES[self.control_specs[corrid.name].dtype]).max)
 
     def configure(self, *, max_idle_s: float | None = None, max_live: int | None = None) -> None:
         """Set the idle timeout (seconds, None: none) and the bound on live sequences (None: none)."""
@@ -288,7 +297,7 @@ class SequenceTable:
         try:
             full = inputs.copy()
             full.update(live.state)
-            for name, array in self._middle_controls:
+            for name, array in self._end_controls if end else self._middle_controls:
                 full[name] = array.copy()
             if self._corrid is not None:
                 full[self._corrid.name] = self._control(self._corrid, [SequenceStep(sequence_id)])
@@ -412,6 +421,20 @@ class SequenceTable:
             raise SequenceError(
                 f"model {self.model!r} takes numeric sequence ids (its CORRID control is a number), not {sequence_id!r}"
             )
+        if self._numeric_ids and isinstance(sequence_id, int) and sequence_id > self._id_max:
+            raise SequenceError(
+                f"sequence id {sequence_id} is too large for model {self.model!r}: its CORRID control holds ids up to "
+                f"{self._id_max}"
+            )
+
+    def new_id(self) -> int | str:
+        """An id for a sequence its caller did not name, of the kind the model takes: a str for a
+        string CORRID control, a number the control holds for a numeric one."""
+        if self._string_ids:
+            return f"sequence-{new_sequence_id():x}"
+        if self._id_max < (1 << 64) - 1:
+            return secrets.randbelow(self._id_max) + 1
+        return new_sequence_id()
 
     def _expired(self, live: _Live, now: float) -> bool:
         return self.max_idle_s is not None and not live.busy and now - live.used > self.max_idle_s
