@@ -1,7 +1,7 @@
 """Stateful models: what a sequence step adds to a model's call, and sequence batching, in one run.
 
     python bench/bench_sequences.py [--calls 2000] [--rounds 21] [--rounds-gru 15] [--seconds 5]
-        [--no-serve] [--serve-on ARGS] [--serve-off ARGS] [--quick] [--json PATH] [--strict]
+        [--vocab 256 10000] [--no-serve] [--serve-on ARGS] [--serve-off ARGS] [--quick] [--json PATH] [--strict]
 
 1. The added cost of a sequence step, in process, on a tiny model: an ONNX accumulator
    (``y = acc_in + x``, ``acc_out = y``; float32 [1, 4]) packaged with ``state_spec`` (``acc_out`` ->
@@ -10,9 +10,11 @@
    by a caller that keeps the state itself (``state = out["acc_out"]``). Per-call means of ``--calls``
    calls, the two sides interleaved over ``--rounds`` rounds; medians, their difference (what the
    sequence adds per step) and ratio. Target: <= 3 us added.
-2. Sequence batching of 32 concurrent sequences of a GRU step model (a character model: embedding
-   256x128, ``GRUCell(128, 512)``, a 512 -> 256 projection; token int64 [batch, 1], hidden state
-   float32 [batch, 512] as ``state_spec``), packaged with ``torch.export``:
+2. Sequence batching of 32 concurrent sequences of a GRU step model, packaged with ``torch.export``:
+   an embedding (``--vocab`` tokens x 128), ``GRUCell(128, 512)``, a projection 512 -> ``--vocab``
+   logits; token int64 [batch, 1], hidden state float32 [batch, 512] as ``state_spec``; untrained
+   (seed 0). Two vocabularies by default: 256 (a character model: the GRU cell is most of a
+   step's work) and 10,000 (a word model: the projection is).
 
    * in process: one ``infer_sequences`` call running a step of each of the 32 sequences, against
      32 ``infer(..., sequence_id=...)`` calls, one per sequence; steps per second, medians over
@@ -21,8 +23,9 @@
      each running one sequence (``sequence_start`` on its first request, ``sequence_end`` on its
      last) as fast as the server answers, for ``--seconds`` seconds: steps per second with sequence
      batching on (``--serve-on``, default ``--max-batch-size 32 --max-queue-delay-us 500``) against
-     off (``--serve-off``, default: no options). The first three steps of every sequence are checked
-     against the same sequence run in process (batching must not mix sequences' states).
+     off (``--serve-off``, default: no options), and the CPU the server and the clients used. The
+     first three steps of every sequence are checked against the same sequence run in process
+     (batching must not mix sequences' states).
 
    Target: batched >= 3 x unbatched throughput.
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -54,7 +58,9 @@ from neuropod.sequences import SequenceStep
 ADDED_TARGET_US = 3.0
 BATCHING_TARGET = 3.0
 SEQUENCES = 32
-VOCAB, EMBED, HIDDEN = 256, 128, 512
+EMBED, HIDDEN = 128, 512
+#: Vocabularies measured: a character model and a word model (the projection is most of its work).
+VOCABS = (256, 10_000)
 SERVER_CORE, CLIENT_CORE = 0, 1
 GRU = "gru"
 DEFAULT_ON = "--max-batch-size 32 --max-queue-delay-us 500"
@@ -129,8 +135,8 @@ def step_cost(tmp: Path, calls: int, rounds: int) -> dict[str, float]:
 # --- 2. sequence batching of a GRU step model -------------------------------------
 
 
-def gru_package(tmp: Path) -> Path:
-    """The character GRU step model, untrained (seed 0), as a torch.export package."""
+def gru_package(tmp: Path, vocab: int) -> Path:
+    """The GRU step model over ``vocab`` tokens, untrained (seed 0), as a torch.export package."""
     import torch
 
     from neuropod.packagers import create_torch_export_neuropod
@@ -138,9 +144,9 @@ def gru_package(tmp: Path) -> Path:
     class CharGRU(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.embed = torch.nn.Embedding(VOCAB, EMBED)
+            self.embed = torch.nn.Embedding(vocab, EMBED)
             self.cell = torch.nn.GRUCell(EMBED, HIDDEN)
-            self.head = torch.nn.Linear(HIDDEN, VOCAB)
+            self.head = torch.nn.Linear(HIDDEN, vocab)
 
         def forward(self, token: Any, h_in: Any) -> dict[str, Any]:
             h = self.cell(self.embed(token[:, 0]), h_in)
@@ -149,22 +155,22 @@ def gru_package(tmp: Path) -> Path:
     torch.manual_seed(0)
     spec_in = [{"name": "token", "dtype": "int64", "shape": ["batch", 1]},
                {"name": "h_in", "dtype": "float32", "shape": ["batch", HIDDEN]}]  # fmt: skip
-    spec_out = [{"name": "logits", "dtype": "float32", "shape": ["batch", VOCAB]},
+    spec_out = [{"name": "logits", "dtype": "float32", "shape": ["batch", vocab]},
                 {"name": "h_out", "dtype": "float32", "shape": ["batch", HIDDEN]}]  # fmt: skip
     example = {"token": np.array([[1], [2]], np.int64), "h_in": np.zeros((2, HIDDEN), np.float32)}
     return create_torch_export_neuropod(
-        tmp / "repo" / GRU, GRU, spec_in, spec_out, module=CharGRU(), example_inputs=example,
+        tmp / f"repo{vocab}" / GRU, GRU, spec_in, spec_out, module=CharGRU(), example_inputs=example,
         state_spec=[{"input_name": "h_in", "output_name": "h_out"}],
     )  # fmt: skip
 
 
-def tokens(steps: int) -> np.ndarray:
+def tokens(steps: int, vocab: int) -> np.ndarray:
     """The token each sequence sends at each step: [steps, SEQUENCES]."""
-    return np.random.default_rng(1).integers(0, VOCAB, (steps, SEQUENCES), dtype=np.int64)
+    return np.random.default_rng(1).integers(0, vocab, (steps, SEQUENCES), dtype=np.int64)
 
 
-def in_process(package: Path, rounds: int) -> dict[str, float]:
-    toks = tokens(1)[0]
+def in_process(package: Path, vocab: int, rounds: int) -> dict[str, float]:
+    toks = tokens(1, vocab)[0]
     with neuropod.load_neuropod(package) as model:
         assert model.sequence_batching, model.sequence_batching_problem
         ids = list(range(1, SEQUENCES + 1))
@@ -183,26 +189,46 @@ def in_process(package: Path, rounds: int) -> dict[str, float]:
             model.infer({"token": np.array([[0]], np.int64)}, sequence_id=i, sequence_end=True)
     un, ba = statistics.median(times["unbatched"]), statistics.median(times["batched"])
     ratio = statistics.median(u / b for u, b in zip(times["unbatched"], times["batched"]))
-    print(f"GRU step model (hidden {HIDDEN}), {SEQUENCES} sequences, in process ({rounds} rounds, medians):")
+    print(
+        f"GRU step model (hidden {HIDDEN}, vocabulary {vocab}), {SEQUENCES} sequences, in process ({rounds} rounds, medians):"
+    )
     print(f"  {SEQUENCES} infer(sequence_id=...) calls   {un * 1e3:8.3f} ms   {SEQUENCES / un:9.0f} steps/s")
     print(f"  one infer_sequences call       {ba * 1e3:8.3f} ms   {SEQUENCES / ba:9.0f} steps/s   ratio {ratio:.2f}x")
     result = {"unbatched": un, "batched": ba, "ratio": ratio}
-    _common.record(f"{SEQUENCES} GRU sequences in process, batched vs unbatched", "seq_gru_in_process", **result)
+    _common.record(
+        f"{SEQUENCES} GRU sequences (vocabulary {vocab}) in process, batched vs unbatched",
+        f"seq_gru{vocab}_in_process",
+        **result,
+    )
     _common.verdict(f"in process, batched >= {BATCHING_TARGET:g}x unbatched", ratio >= BATCHING_TARGET,
-                    f"{ratio:.2f}x", key="seq_gru_in_process")  # fmt: skip
+                    f"{ratio:.2f}x", key=f"seq_gru{vocab}_in_process")  # fmt: skip
     return result
 
 
-def expected_logits(package: Path, steps: int) -> np.ndarray:
-    """[steps, SEQUENCES, VOCAB]: every sequence's first ``steps`` steps, run in process."""
-    toks = tokens(steps)
-    out = np.empty((steps, SEQUENCES, VOCAB), np.float32)
+def expected_logits(package: Path, vocab: int, steps: int) -> np.ndarray:
+    """[steps, SEQUENCES, vocab]: every sequence's first ``steps`` steps, run in process."""
+    toks = tokens(steps, vocab)
+    out = np.empty((steps, SEQUENCES, vocab), np.float32)
     with neuropod.load_neuropod(package) as model:
         for s in range(SEQUENCES):
             with model.sequence() as seq:
                 for k in range(steps):
                     out[k, s] = seq.infer({"token": toks[k, s : s + 1, None]})["logits"][0]
     return out
+
+
+def free_port() -> int:
+    """A port nothing listens on, whose successor is free too (REST, gRPC)."""
+    while True:
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
 
 
 class Server:
@@ -227,13 +253,19 @@ class Server:
     def stop(self) -> None:
         stop_group(self.proc)
 
+    def cpu(self) -> float:
+        """CPU seconds (user + system) the server process has used so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-def drive(port: int, seconds: float, expected: np.ndarray) -> tuple[float, int]:
-    """32 client threads, one sequence each, for ``seconds``: (steps per second, steps)."""
+
+def drive(port: int, seconds: float, expected: np.ndarray) -> tuple[float, int, float]:
+    """32 client threads, one sequence each, for ``seconds``: (steps per second, steps, seconds)."""
     import tritonclient.grpc as grpcclient
 
-    checked = expected.shape[0]
-    toks = tokens(checked)
+    checked, vocab = expected.shape[0], expected.shape[2]
+    toks = tokens(checked, vocab)
     counts = [0] * SEQUENCES
     errors: list[BaseException] = []
     barrier = threading.Barrier(SEQUENCES + 1)
@@ -279,38 +311,45 @@ def drive(port: int, seconds: float, expected: np.ndarray) -> tuple[float, int]:
     if errors:
         raise RuntimeError(f"a client failed: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
     total = sum(counts)
-    return total / elapsed, total
+    return total / elapsed, total, elapsed
 
 
-def served(tmp: Path, package: Path, seconds: float, on: list[str], off: list[str]) -> dict[str, float] | None:
+def served(
+    tmp: Path, package: Path, vocab: int, seconds: float, on: list[str], off: list[str]
+) -> dict[str, float] | None:
     try:
         import tritonclient.grpc  # noqa: F401
     except ImportError:
         print("served: skipped (tritonclient[grpc] is not installed)")
         return None
-    expected = expected_logits(package, 3)
+    expected = expected_logits(package, vocab, 3)
     rates: dict[str, float] = {}
-    for label, options, port in (("off", off, 18310), ("on", on, 18320)):
+    for label, options in (("off", off), ("on", on)):
+        port = free_port()
         server = Server(
-            f"neuropod serve, sequence batching {label}", package.parent, options, port, tmp / f"{label}.log"
+            f"neuropod serve, sequence batching {label}", package.parent, options, port, tmp / f"{label}{vocab}.log"
         )
         try:
             drive(port + 1, min(1.0, seconds), expected)  # warm up (and check)
-            rates[label], total = drive(port + 1, seconds, expected)
+            cpu0, client0 = server.cpu(), time.process_time()
+            rates[label], total, elapsed = drive(port + 1, seconds, expected)
+            server_cores, client_cores = (server.cpu() - cpu0) / elapsed, (time.process_time() - client0) / elapsed
         except BaseException:
             print(f"{server.label} failed; its log ends:\n{log_tail(server.log)}")
             raise
         finally:
             server.stop()
         print(f"  neuropod serve, sequence batching {label:<3} ({' '.join(options) or 'no options'}): "
-              f"{rates[label]:9.0f} steps/s   ({total} steps in {seconds:g} s)")  # fmt: skip
+              f"{rates[label]:9.0f} steps/s   ({total} steps in {elapsed:.1f} s; CPU: server "
+              f"{server_cores:.2f}, clients {client_cores:.2f} of a core)")  # fmt: skip
     ratio = rates["on"] / rates["off"]
     print(f"  throughput ratio, batching on / off: {ratio:.2f}x")
-    _common.record(f"{SEQUENCES} GRU sequences through neuropod serve (gRPC), batching on vs off", "seq_gru_serve",
+    _common.record(f"{SEQUENCES} GRU sequences (vocabulary {vocab}) through neuropod serve (gRPC), batching on vs off",
+                   f"seq_gru{vocab}_serve",
                    method=f"steps/s over {seconds:g} s, {SEQUENCES} client threads", on=rates["on"],
                    off=rates["off"], ratio=ratio)  # fmt: skip
     _common.verdict(f"served, batching on >= {BATCHING_TARGET:g}x off", ratio >= BATCHING_TARGET, f"{ratio:.2f}x",
-                    key="seq_gru_serve")  # fmt: skip
+                    key=f"seq_gru{vocab}_serve")  # fmt: skip
     return {**rates, "ratio": ratio}
 
 
@@ -320,6 +359,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=21, help="rounds of the tiny model (default 21)")
     parser.add_argument("--rounds-gru", type=int, default=15, help="rounds of the GRU in process (default 15)")
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds each server is driven (default 5)")
+    parser.add_argument("--vocab", type=int, nargs="+", default=list(VOCABS), metavar="N",
+                        help=f"the GRU's vocabularies (default {' '.join(map(str, VOCABS))})")  # fmt: skip
     parser.add_argument("--no-serve", action="store_true", help="in process only")
     parser.add_argument("--serve-on", default=DEFAULT_ON, help=f"neuropod serve's options with sequence batching on "
                         f"(default {DEFAULT_ON!r})")  # fmt: skip
@@ -341,10 +382,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-sequences-") as d:
         tmp = Path(d)
         step_cost(tmp, args.calls, args.rounds)
-        package = gru_package(tmp)
-        in_process(package, args.rounds_gru)
-        if not args.no_serve:
-            served(tmp, package, args.seconds, args.serve_on.split(), args.serve_off.split())
+        for vocab in args.vocab:
+            package = gru_package(tmp, vocab)
+            in_process(package, vocab, args.rounds_gru)
+            if not args.no_serve:
+                served(tmp, package, vocab, args.seconds, args.serve_on.split(), args.serve_off.split())
     versions = {"neuropod": neuropod.__version__, "torch": torch.__version__}
     _common.write_json(args.json, "bench_sequences", versions)
     missed = [t for t in _common.TARGETS if not t["met"]]
