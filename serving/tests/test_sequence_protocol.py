@@ -13,6 +13,7 @@ their words on both protocols.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import shutil
 import tempfile
@@ -38,11 +39,14 @@ from tritonclient.grpc import model_config_pb2  # noqa: E402
 from tritonclient.grpc import service_pb2 as triton_pb  # noqa: E402
 from tritonclient.grpc import service_pb2_grpc as triton_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
+from tritonclient.utils import shared_memory as shm  # noqa: E402
 
 from neuropod_serving.errors import ProtocolError  # noqa: E402
-from neuropod_serving.server import Engine, ModelRegistry, create_app  # noqa: E402
+from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry, create_app  # noqa: E402
 from neuropod_serving.server.grpc_server import start_grpc_server  # noqa: E402
+from neuropod_serving.server.model_config import model_config, model_config_message  # noqa: E402
 from neuropod_serving.server.sequence_config import sequence_settings  # noqa: E402
+from neuropod_serving.server.shm_regions import SharedMemoryRegistry  # noqa: E402
 
 from conftest import onnx_package, private_caches, serve_in_thread  # noqa: E402
 
@@ -101,7 +105,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(packages: Path) -> Iterator[Server]:
-    engine = Engine(ModelRegistry.load([packages]))
+    engine = Engine(ModelRegistry.load([packages]), shared_memory=SharedMemoryRegistry())
     grpc_server, grpc_port = start_grpc_server(engine, "127.0.0.1:0", access_log=False)
     try:
         with serve_in_thread(create_app(engine)) as port:
@@ -451,3 +455,45 @@ def test_sequence_settings_dims_follow_max_batch_size() -> None:
     ):
         with pytest.raises(ProtocolError, match=word.replace("(", r"\(")):
             sequence_settings(bad, 8, "config")
+
+
+def test_one_sequence_across_both_protocols_with_inputs_in_shared_memory(server: Server) -> None:
+    key = f"/neuropod_seq_protocol_{os.getpid()}"
+    handle = shm.create_shared_memory_region("seq_in", key, 4)
+    try:
+        server.rest.register_system_shared_memory("seq_in", key, 4)
+        values = [5, 6, 7]
+        out = []
+        for (v, start, end), (module, client) in zip(
+            _steps(values), [(httpclient, server.rest), (grpcclient, server.grpc), (httpclient, server.rest)]
+        ):
+            shm.set_shared_memory_region(handle, [np.array([[v]], np.int32)])
+            x = module.InferInput("INPUT", [1, 1], "INT32")
+            x.set_shared_memory("seq_in", 4)
+            result = client.infer("acc", [x], sequence_id=61, sequence_start=start, sequence_end=end)
+            out.append(int(result.as_numpy("OUTPUT")[0, 0]))
+        assert out == np.cumsum(values).tolist()
+    finally:
+        server.rest.unregister_system_shared_memory("seq_in")
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_configuration_of_a_sequence_batched_model(packages: Path) -> None:
+    engine = Engine(ModelRegistry.load([packages / "acc"]), batching=BatchPolicy(8, 0.0005))
+    try:
+        config = model_config(engine, engine.get("acc"))
+    finally:
+        engine.close()
+    limits = engine.sequence_limits
+    assert config["max_batch_size"] == 8 and "dynamic_batching" not in config
+    block = config["sequence_batching"]
+    # Sequences share runs (Triton's oldest strategy); a state's dims leave out the batch dimension.
+    assert block["oldest"] == {"max_queue_delay_microseconds": 500, "max_candidate_sequences": limits.max_sequences}
+    assert block["max_sequence_idle_microseconds"] == limits.max_idle_us
+    assert block["state"][0]["dims"] == [1] and block["state"][0]["initial_state"][0]["dims"] == [1]
+    assert [t["dims"] for t in config["input"]] == [[1]]
+    # The gRPC message, read back by tritonclient's own class, holds the same block.
+    wire = model_config_message(config).SerializeToString()
+    theirs = triton_pb.ModelConfigResponse.FromString(wire).config
+    assert theirs.sequence_batching == json_format.ParseDict(block, model_config_pb2.ModelSequenceBatching())
+    assert theirs.sequence_batching.WhichOneof("strategy_choice") == "oldest"

@@ -21,6 +21,9 @@ authentication, status codes and access log:
     its last response until it has ended, and holding each response back until
     the next one would delay every response by a step;
   * any other model's request with its one answer (``triton_final_response: true``);
+    a stateful model's request is a step of the sequence its ``sequence_id``
+    names (Triton's ``simple_grpc_sequence_stream_infer_client.py``), run as a
+    unary ModelInfer runs it, so one stream can carry interleaved sequences;
   * a request that fails (unknown model, bad input, too many open streams of its
     model, its model raising after some responses, a response off its output
     spec) with ``error_message`` (the text a unary ModelInfer would have as its
