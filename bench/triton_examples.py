@@ -24,20 +24,30 @@ data types, shapes and batching they expect:
   Triton's ``repeat`` example backend: INT32 ``IN`` [n], UINT32 ``DELAY`` [n]
   (microseconds before each response), UINT32 ``WAIT`` [1] (after the last)
   -> one response per element of ``IN``: ``OUT`` INT32 [1] (the element),
-  ``IDX`` UINT32 [1] (its index).
+  ``IDX`` UINT32 [1] (its index);
+* the sequence examples' stateful models, declared with the packaging keywords
+  ``sequence_controls`` and ``state_spec``: ``simple_sequence`` (INT32
+  ``INPUT``, controls ``START``, ``READY`` [batch, 1] -> ``OUTPUT`` =
+  READY * (INPUT + START), as Triton's ONNX example model), ``simple_dyna_sequence``
+  (adds ``END`` and UINT64 ``CORRID``: + END * CORRID) and
+  ``simple_string_dyna_sequence`` (Triton's ``dyna_sequence`` test backend: an
+  accumulator kept as implicit state, a STRING ``CORRID`` added on END). They are
+  served by a second ``neuropod serve`` (``--max-batch-size 8``, free ports), as
+  ``simple_http_model_control.py`` counts the first one's models.
 
 It starts one ``neuropod serve`` over that repository (on 8000/8001 when they
 are free, as ``memory_growth_test.py`` hard-codes them, else on free ports;
-``--allow-client-shm``, ``--max-batch-size 8``), loads ``densenet_onnx`` with
+``--allow-client-shm``, ``--max-batch-size 8``) and the sequence models' server, loads ``densenet_onnx`` with
 a configuration naming its input format (Triton reads that from the model's
 ``config.pbtxt``), runs every example as a subprocess of this interpreter,
 one run per protocol variant (``-u host:port``, ``-i http|grpc`` where a
-script takes them), each with a timeout, and prints one line a run: PASS,
+script takes them; the sequence examples plainly and with ``-d``, as Triton's QA
+runs them), each with a timeout, and prints one line a run: PASS,
 FAIL (with the last line of its output, and ``[expected: why]`` where the
 example checks something only Triton itself has: its name, its test
 repository) or SKIP (with the reason: a feature neuropod serve does not have,
 or a GPU or cuda-python this machine lacks); then the totals, "N of M runs
-pass". The server is stopped and the temporary folder removed at the end.
+pass". The servers are stopped and the temporary folder removed at the end.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +72,6 @@ from typing import Any
 from _servers import log_tail, stop_group, wait_ready
 
 #: Why runs of features neuropod serve does not have are skipped.
-SEQUENCE = "needs a sequence-batched (stateful) model; neuropod serve has no sequence batching"
 ENSEMBLE = "needs a Triton ensemble (image preprocessing model chained to a classifier); not served"
 #: Why runs that fail are expected to: checks of Triton itself or of Triton's test repository.
 TRITON_NAME = "checks that the server's name is 'triton'; neuropod serve's is 'neuropod'"
@@ -75,8 +85,8 @@ IMAGE_ARGS = ["-m", "densenet_onnx", "-c", "3", "-s", "INCEPTION"]
 @dataclass
 class Run:
     script: str
-    variant: str  # "http", "grpc" or "-"
-    args: list[str] = field(default_factory=list)  # placeholders {http}, {grpc}, {image}
+    variant: str  # "http", "grpc" or "-"; "-d" added for a sequence example's dyna run
+    args: list[str] = field(default_factory=list)  # placeholders {http}, {grpc}, {seq_http}, {seq_grpc}, {image}
     skip: str = ""
     needs_gpu: bool = False
     needs_default_ports: bool = False
@@ -111,13 +121,15 @@ def plan() -> list[Run]:
     runs.append(Run("simple_grpc_cudashm_client.py", "grpc", ["-u", "{grpc}"], needs_gpu=True))
     runs.append(Run("simple_grpc_custom_repeat.py", "grpc", ["-u", "{grpc}"]))
     for name in ("aio_sequence_stream", "sequence_stream", "sequence_sync"):
-        runs.append(Run(f"simple_grpc_{name}_infer_client.py", "grpc", ["-u", "{grpc}"], skip=SEQUENCE))
+        runs.append(Run(f"simple_grpc_{name}_infer_client.py", "grpc", ["-u", "{seq_grpc}"]))
+        runs.append(Run(f"simple_grpc_{name}_infer_client.py", "grpc-d", ["-u", "{seq_grpc}", "-d"]))
     for name in ("aio_infer", "async_infer", "health_metadata", "infer", "shm", "shm_string", "string_infer"):
         health = name == "health_metadata"
         runs.append(Run(f"simple_http_{name}_client.py" if not health else "simple_http_health_metadata.py", "http",
                         ["-u", "{http}"], known=TRITON_NAME if health else ""))  # fmt: skip
     runs.append(Run("simple_http_cudashm_client.py", "http", ["-u", "{http}"], needs_gpu=True))
-    runs.append(Run("simple_http_sequence_sync_infer_client.py", "http", ["-u", "{http}"], skip=SEQUENCE))
+    runs.append(Run("simple_http_sequence_sync_infer_client.py", "http", ["-u", "{seq_http}"]))
+    runs.append(Run("simple_http_sequence_sync_infer_client.py", "http-d", ["-u", "{seq_http}", "-d"]))
     runs.append(Run("simple_grpc_model_control.py", "grpc", ["-u", "{grpc}"],
                     known=TRITON_REPO.format(n=8) + NO_FILE_LOADS))  # fmt: skip
     # The repository here holds seven models (build_models), the number this one checks for: it passes
@@ -242,6 +254,60 @@ def build_models(repo: Path) -> list[str]:
             "repeat_int32"]  # fmt: skip
 
 
+def build_sequence_models(repo: Path) -> list[str]:
+    """The sequence examples' models in ``repo``, stateful by their packaging keywords; returns their names.
+
+    What each computes is Triton's (its ``docs/examples/model_repository`` ONNX models and its
+    ``dyna_sequence`` test backend); ``serving/tests/sequence_models.py`` builds the same for the tests.
+    """
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    from neuropod.packagers import create_onnx_neuropod
+
+    types = {"int32": T.INT32, "uint64": T.UINT64, "string": T.STRING}
+    row = ["batch_size", 1]
+
+    def package(name: str, nodes: list[Any], inputs: list[tuple[str, str, list[Any]]], controls: list[str],
+                corrid: str | None, inits: list[Any] = (), state: bool = False) -> None:  # type: ignore[assignment]  # fmt: skip
+        if corrid is not None:
+            inputs = [*inputs, ("CORRID", corrid, row)]
+        outputs = [("OUTPUT", "int32", row), *([("ACC_OUT", "int32", row)] if state else [])]
+        inputs = [*inputs, *((c, "int32", row) for c in controls), *([("ACC_IN", "int32", row)] if state else [])]
+        model = _onnx(nodes, [(n, types[t], s) for n, t, s in inputs], [(n, types[t], s) for n, t, s in outputs], inits)
+        kinds = [(c, c) for c in controls] + ([("CORRID", "CORRID")] if corrid else [])
+        create_onnx_neuropod(repo / name, name, input_spec=_spec(inputs), output_spec=_spec(outputs), onnx_model=model,
+                             sequence_controls=[{"name": n, "kind": f"CONTROL_SEQUENCE_{k}"} for n, k in kinds],
+                             state_spec=[{"input_name": "ACC_IN", "output_name": "ACC_OUT"}] if state else None)  # fmt: skip
+
+    value = [("INPUT", "int32", row)]
+    package("simple_sequence", [helper.make_node("Add", ["INPUT", "START"], ["sum"]),
+                                helper.make_node("Mul", ["READY", "sum"], ["OUTPUT"])],
+            value, ["START", "READY"], None)  # fmt: skip
+    package("simple_dyna_sequence", [
+        helper.make_node("Cast", ["CORRID"], ["corrid"], to=T.INT32), helper.make_node("Add", ["INPUT", "START"], ["a"]),
+        helper.make_node("Mul", ["END", "corrid"], ["b"]), helper.make_node("Add", ["a", "b"], ["sum"]),
+        helper.make_node("Mul", ["READY", "sum"], ["OUTPUT"]),
+    ], value, ["START", "END", "READY"], "uint64")  # fmt: skip
+    # acc = (START ? 0 : acc) + sum(INPUT) + END * int(CORRID) when READY, else unchanged; OUTPUT = acc.
+    accumulate = [
+        helper.make_node("Sub", ["one", "START"], ["not_start"]), helper.make_node("Mul", ["ACC_IN", "not_start"], ["kept"]),
+        helper.make_node("ReduceSum", ["INPUT", "axis1"], ["total"], keepdims=1),
+        helper.make_node("Add", ["kept", "total"], ["acc0"]), helper.make_node("Cast", ["CORRID"], ["corrid"], to=T.INT32),
+        helper.make_node("Mul", ["END", "corrid"], ["at_end"]), helper.make_node("Add", ["acc0", "at_end"], ["acc1"]),
+        helper.make_node("Sub", ["acc1", "ACC_IN"], ["change"]), helper.make_node("Mul", ["READY", "change"], ["ready"]),
+        helper.make_node("Add", ["ACC_IN", "ready"], ["ACC_OUT"]), helper.make_node("Identity", ["ACC_OUT"], ["OUTPUT"]),
+    ]  # fmt: skip
+    inits = [helper.make_tensor("one", T.INT32, [], [1]), helper.make_tensor("axis1", T.INT64, [1], [1])]
+    with warnings.catch_warnings():
+        # Packaging's check of the state runs one step with an id that is not a decimal string, which this model
+        # refuses (as Triton's backend does): the check is skipped with a warning.
+        warnings.filterwarnings("ignore", "The state outputs of model", UserWarning)
+        package("simple_string_dyna_sequence", accumulate, value, ["START", "END", "READY"], "string", inits,
+                state=True)  # fmt: skip
+    return ["simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence"]
+
+
 #: What Triton's densenet_onnx ``config.pbtxt`` says that a package does not: the input's layout.
 DENSENET_CONFIG = {"input": [{"name": "data_0", "data_type": "TYPE_FP32", "format": "FORMAT_NCHW", "dims": [3, 224, 224]}]}
 
@@ -278,8 +344,8 @@ def _free_port() -> int:
 class Server:
     """``neuropod serve`` in its own process group, its output in a log file."""
 
-    def __init__(self, repo: Path, log: Path) -> None:
-        if _port_free(8000) and _port_free(8001):
+    def __init__(self, repo: Path, log: Path, *, default_ports: bool = True) -> None:
+        if default_ports and _port_free(8000) and _port_free(8001):
             self.http_port, self.grpc_port = 8000, 8001
         else:
             self.http_port, self.grpc_port = _free_port(), _free_port()
@@ -370,7 +436,8 @@ def last_line(text: str) -> str:
     return lines[-1][:160] if lines else "(no output)"
 
 
-def execute(run: Run, folder: Path, server: Server, image: Path, timeout: float, no_cuda: str, verbose: bool) -> None:
+def execute(run: Run, folder: Path, server: Server, seq: Server, image: Path, timeout: float, no_cuda: str,
+            verbose: bool) -> None:  # fmt: skip
     if run.skip:
         run.status, run.detail = "SKIP", run.skip
         return
@@ -380,7 +447,8 @@ def execute(run: Run, folder: Path, server: Server, image: Path, timeout: float,
     if run.needs_default_ports and not server.default_ports:
         run.status, run.detail = "SKIP", "hard-codes localhost:8000/8001, which another process holds"
         return
-    values = {"http": f"localhost:{server.http_port}", "grpc": f"localhost:{server.grpc_port}", "image": str(image)}
+    values = {"http": f"localhost:{server.http_port}", "grpc": f"localhost:{server.grpc_port}", "image": str(image),
+              "seq_http": f"localhost:{seq.http_port}", "seq_grpc": f"localhost:{seq.grpc_port}"}  # fmt: skip
     cmd = [sys.executable, str(folder / run.script), *(a.format(**values) for a in run.args)]
     t0 = time.monotonic()
     try:
@@ -411,6 +479,7 @@ def main() -> int:
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="neuropod-triton-examples-"))
     server: Server | None = None
+    seq: Server | None = None
     old_cache = os.environ.get("NEUROPOD_CACHE_DIR")
     try:
         folder = tmp / "examples"
@@ -419,27 +488,35 @@ def main() -> int:
         repo.mkdir()
         os.environ["NEUROPOD_CACHE_DIR"] = str(tmp / "cache")
         models = build_models(repo)
+        seq_repo = tmp / "sequence_models"
+        seq_repo.mkdir()
+        seq_models = build_sequence_models(seq_repo)
         image = tmp / "image.jpg"
         write_image(image)
         no_cuda = cuda_shm_missing()
         server = Server(repo, tmp / "server.log")
         server.start(models)
+        seq = Server(seq_repo, tmp / "sequence_server.log", default_ports=False)
+        seq.start(seq_models)
         status, body = server.post("/v2/repository/models/densenet_onnx/load",
                                    {"parameters": {"config": json.dumps(DENSENET_CONFIG)}})  # fmt: skip
         if status != 200:
             print(f"note: densenet_onnx did not load with its input format ({status}: {body})", flush=True)
-        print(f"neuropod serve on HTTP {server.http_port}, gRPC {server.grpc_port}; examples from {source}", flush=True)
+        print(f"neuropod serve on HTTP {server.http_port}, gRPC {server.grpc_port} (sequence models: HTTP "
+              f"{seq.http_port}, gRPC {seq.grpc_port}); examples from {source}", flush=True)  # fmt: skip
         runs = [r for r in plan() if not args.only or any(o in r.script for o in args.only)]
         for run in runs:
-            execute(run, folder, server, image, args.timeout, no_cuda, args.verbose)
+            execute(run, folder, server, seq, image, args.timeout, no_cuda, args.verbose)
             known = f"  [expected: {run.known}]" if run.status == "FAIL" and run.known else ""
-            print(f"{run.script:<52} {run.variant:<5} {run.status:<5} {run.detail}{known}", flush=True)
-            if server.proc is not None and server.proc.poll() is not None:
-                print(f"the server exited ({server.proc.returncode}):\n{server.tail()}", flush=True)
+            print(f"{run.script:<52} {run.variant:<6} {run.status:<5} {run.detail}{known}", flush=True)
+            exited = next((s for s in (server, seq) if s.proc is not None and s.proc.poll() is not None), None)
+            if exited is not None and exited.proc is not None:
+                print(f"a server exited ({exited.proc.returncode}):\n{exited.tail()}", flush=True)
                 break
     finally:
-        if server is not None:
-            server.stop()
+        for s in (server, seq):
+            if s is not None:
+                s.stop()
         if old_cache is None:
             os.environ.pop("NEUROPOD_CACHE_DIR", None)
         else:
