@@ -12,7 +12,7 @@ Policy: the oldest waiting request whose sequence is not in a run opens a batch;
 the waiting requests after it (in arrival order) of other sequences that share its batch key
 (input names, dims past the first and dtypes, requested outputs, parameters), one request per
 sequence, up to ``max_batch_size`` sequences, waiting at most ``max_queue_delay`` after that
-oldest request for more to come. A sequence is in at most one batch in flight: a request of a
+oldest request for more to come (unless a preferred batch size is reached first). A sequence is in at most one batch in flight: a request of a
 sequence whose earlier request waits or runs waits for a later batch, so the steps of a sequence
 run in the order they arrived. A request that cannot join a batch (its key differs) holds back
 the later requests of its sequence too.
@@ -108,6 +108,10 @@ class SequenceBatcher:
         self._busy = 0
         self._running: set[int | str] = set()
         self._closed = False
+        #: The collector is waiting out a queue delay for a batch to fill: woken only once it may be full.
+        self._filling = False
+        #: The fewest waiting requests that may make a batch worth running before the delay is out.
+        self._enough = min((*policy.preferred_batch_sizes, policy.max_batch_size))
         self._pool = concurrent.futures.ThreadPoolExecutor(inflight, thread_name_prefix=f"neuropod-seqbatch-{name}")
         self._thread = threading.Thread(target=self._collect, name=f"neuropod-sequencer-{name}", daemon=True)
         self._thread.start()
@@ -138,7 +142,8 @@ class SequenceBatcher:
             if self._closed:
                 raise NeuropodError(f"model {self.name!r} is unloading")
             self._queue.append(item)
-            self._cv.notify()
+            if not self._filling or len(self._queue) >= self._enough:
+                self._cv.notify()
         return item.future
 
     def close(self) -> None:
@@ -169,12 +174,15 @@ class SequenceBatcher:
                     self._cv.wait()
                 deadline = first.arrived + policy.max_queue_delay_s
                 while not self._closed and policy.max_queue_delay_s > 0:
-                    if len(self._eligible(first)) >= policy.max_batch_size:
+                    # Only a queue this long may hold a full (or preferred) batch: counting costs a pass over it.
+                    if len(self._queue) >= self._enough and self._full(len(self._eligible(first))):
                         break
                     left = deadline - time.perf_counter()
                     if left <= 0:
                         break
+                    self._filling = True
                     self._cv.wait(left)
+                    self._filling = False
                     if first.future.cancelled():
                         break
                 if first.future.cancelled():  # its caller gave up while it waited: choose again
@@ -191,6 +199,11 @@ class SequenceBatcher:
                 self._pool.submit(self._run_batch, batch)
             except RuntimeError as e:  # the pool shut down under us: only at interpreter exit
                 self._finish(batch, None, NeuropodError(f"model {self.name!r} is shutting down ({e})"))
+
+    def _full(self, sequences: int) -> bool:
+        """Whether a batch of this many sequences runs without waiting out the delay (Triton's
+        ``oldest.preferred_batch_size``, or ``max_batch_size``)."""
+        return sequences >= self.policy.max_batch_size or sequences in self.policy.preferred_batch_sizes
 
     def _oldest(self) -> _Item | None:
         """The oldest waiting request whose sequence is in no run (requests given up are dropped)."""
