@@ -8,11 +8,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from neuropod.errors import NeuropodError
-from neuropod_serving.defaults import DEFAULT_MAX_REQUEST_BYTES
+from neuropod_serving.defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_SEQUENCE_IDLE_US, DEFAULT_MAX_SEQUENCES
 from neuropod_serving.ray._extra import ray, serve
 from neuropod_serving.ray.deployment import DEPLOYMENT_NAME, NeuropodDeployment
 from neuropod_serving.ray.grpc_servicer import GRPC_SERVICER
 from neuropod_serving.ray.packages import PackageRef, publish
+
+#: The request router of a stateful package's deployment (imported by Ray Serve where it routes).
+SEQUENCE_ROUTER = "neuropod_serving.ray.sequence_router.SequenceRouter"
 
 
 def build(
@@ -29,6 +32,8 @@ def build(
     auth_token: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     load_options: Mapping[str, Any] | None = None,
+    max_sequence_idle_us: int = DEFAULT_MAX_SEQUENCE_IDLE_US,
+    max_sequences: int = DEFAULT_MAX_SEQUENCES,
 ) -> Any:
     """A Ray Serve application serving one package (publishes it to the cluster first; see :func:`publish`).
 
@@ -47,11 +52,16 @@ def build(
     :param auth_token: require ``Authorization: Bearer <token>`` (gRPC: ``authorization`` metadata)
         on everything but the health routes, as ``neuropod serve --auth-token-file``.
     :param load_options: more keyword arguments for :func:`neuropod.load_neuropod` in each replica.
+    :param max_sequence_idle_us: a stateful model's sequence idle this long is freed, as ``neuropod
+        serve --max-sequence-idle-us`` (Triton's default, 1 s).
+    :param max_sequences: a stateful model's live sequences in each replica, as ``neuropod serve
+        --max-sequences``.
     :raises PackageError: the package cannot be read.
     :raises ValueError: an option is out of range.
     """
     for label, value, low in (("workers", workers, 1), ("max_batch_size", max_batch_size, 1),
-                              ("max_request_bytes", max_request_bytes, 1), ("max_queue_delay_us", max_queue_delay_us, 0)):  # fmt: skip
+                              ("max_request_bytes", max_request_bytes, 1), ("max_queue_delay_us", max_queue_delay_us, 0),
+                              ("max_sequence_idle_us", max_sequence_idle_us, 1), ("max_sequences", max_sequences, 1)):  # fmt: skip
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{label} must be a whole number of at least {low}, not {value!r}")
     if max_queue_delay_us > 10_000_000:
@@ -71,6 +81,8 @@ def build(
         "max_request_bytes": max_request_bytes,
         "load_options": dict(load_options or {}),
         "gpu": bool(actor_options.get("num_gpus")),
+        "max_sequence_idle_us": max_sequence_idle_us,
+        "max_sequences": max_sequences,
     }
     deployment_options: dict[str, Any] = {"name": name or DEPLOYMENT_NAME, "ray_actor_options": actor_options}
     if autoscaling_config is not None:
@@ -79,6 +91,10 @@ def build(
         deployment_options["num_replicas"] = num_replicas
     # Enough requests in a replica for batches to fill and OPE workers to stay busy.
     deployment_options["max_ongoing_requests"] = max_ongoing_requests or max(8, 2 * workers * max_batch_size)
+    if ref.stateful or (load_options or {}).get("sequences"):
+        # A sequence's steps go to the replica that holds its state (see sequence_router).
+        deployment_options["request_router_config"] = {"request_router_class": SEQUENCE_ROUTER}
+        options["stateful"] = True
     deployment = serve.deployment(NeuropodDeployment).options(**deployment_options)
     return deployment.bind(ref, options)
 
@@ -100,6 +116,8 @@ _ARGS: dict[str, Any] = {
     "max_ongoing_requests": int,
     "auth_token": str,
     "max_request_bytes": int,
+    "max_sequence_idle_us": int,
+    "max_sequences": int,
     "num_cpus": float,
     "num_gpus": float,
     "min_replicas": int,
@@ -115,7 +133,7 @@ def app(args: Mapping[str, Any]) -> Any:
 
     Keys: ``package`` (required), :func:`build`'s ``name``, ``workers``, ``max_batch_size``,
     ``max_queue_delay_us``, ``num_replicas``, ``max_ongoing_requests``, ``auth_token``,
-    ``max_request_bytes``; ``num_cpus``/``num_gpus`` (into ``ray_actor_options``);
+    ``max_request_bytes``, ``max_sequence_idle_us``, ``max_sequences``; ``num_cpus``/``num_gpus`` (into ``ray_actor_options``);
     ``min_replicas``/``max_replicas``/``target_ongoing_requests`` (into ``autoscaling_config``).
     A config's ``deployments:`` section can set Serve's own options (replicas, autoscaling,
     ``ray_actor_options``) on the deployment ``NeuropodModel`` instead.

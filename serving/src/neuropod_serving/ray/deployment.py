@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -12,14 +13,18 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from neuropod import load_neuropod
-from neuropod_serving.defaults import DEFAULT_MAX_REQUEST_BYTES
+from neuropod.errors import NeuropodError
+from neuropod_serving.defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_SEQUENCE_IDLE_US, DEFAULT_MAX_SEQUENCES
 from neuropod_serving.errors import ProtocolError
+from neuropod_serving.protocol.options import request_options
 from neuropod_serving.ray._extra import ray, serve
 from neuropod_serving.ray.metrics import RayMetrics
 from neuropod_serving.ray.packages import PackageRef, fetch
+from neuropod_serving.ray.sequence_router import LOST_HEADER, LOST_PARAMETER, grpc_parameters, lost_error, lost_message
 from neuropod_serving.ray.streaming import handle_stream, model_stream_infer
 from neuropod_serving.server import BatchPolicy, Engine, ModelRegistry, ServedModel, create_app
 from neuropod_serving.server.grpc_service import METHODS, Servicer, authenticate, status_of
+from neuropod_serving.server.sequence_batching import SequenceLimits
 
 log = logging.getLogger("neuropod_serving.ray")
 
@@ -43,16 +48,39 @@ class _Serialized:
         return self.data
 
 
-def _absolute_paths(app: Any) -> Any:
+def _absolute_paths(app: Any, stateful: bool = False) -> Any:
     """``app`` seeing every path whole: Ray sets ``root_path`` to the application's route
-    prefix, and the Open Inference Protocol's routes are absolute (``/v2/models/...``)."""
+    prefix, and the Open Inference Protocol's routes are absolute (``/v2/models/...``). For a
+    stateful model, a step the router marked lost (its sequence's replica is gone) is refused
+    with 400 and the reason."""
 
     async def asgi(scope: Any, receive: Any, send: Any) -> None:
         if scope.get("root_path"):
             scope = {**scope, "root_path": ""}
+        if stateful and scope.get("type") == "http":
+            lost = _lost_http_step(scope)
+            if lost is not None:
+                body = json.dumps({"error": lost}).encode()
+                await send({"type": "http.response.start", "status": 400,
+                            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+                await send({"type": "http.response.body", "body": body})
+                return
         await app(scope, receive, send)
 
     return asgi
+
+
+def _lost_http_step(scope: Any) -> str | None:
+    """Why an HTTP request is refused: the router marked it a step of a lost sequence (None: it did not)."""
+    headers = dict(scope.get("headers") or ())
+    replica = headers.get(LOST_HEADER)
+    if replica is None:
+        return None
+    try:
+        sequence_id = json.loads(headers.get(b"neuropod-sequence", b"[null]"))[0]
+    except (ValueError, IndexError, TypeError):
+        sequence_id = None
+    return lost_message(sequence_id, replica.decode("latin-1"))
 
 
 @serve.ingress()
@@ -80,11 +108,17 @@ class NeuropodDeployment:
             batch = int(self._options.get("max_batch_size", 1))
             batching = BatchPolicy(batch, int(self._options.get("max_queue_delay_us", 0)) / 1e6) if batch > 1 else None
             metrics = RayMetrics(self._replica, context.app_name)
-            self._engine = Engine(registry, batching=batching, metrics=metrics)
+            sequences = SequenceLimits(
+                int(self._options.get("max_sequence_idle_us", DEFAULT_MAX_SEQUENCE_IDLE_US)),
+                int(self._options.get("max_sequences", DEFAULT_MAX_SEQUENCES)),
+            )
+            self._engine = Engine(registry, batching=batching, metrics=metrics, sequences=sequences)
         except BaseException:
             model.close()
             raise
         self._servicer = Servicer(self._engine)
+        #: Whether the model runs in sequences: their steps are routed by SequenceRouter, which marks lost ones.
+        self._stateful = bool(self._options.get("stateful")) or model.stateful
         self._max_request_bytes = int(self._options.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
         token = self._options.get("auth_token")
         self._expected_auth = None if not token else f"Bearer {token}".encode()
@@ -99,13 +133,14 @@ class NeuropodDeployment:
             auth_token=self._options.get("auth_token") or None,
             max_request_bytes=self._max_request_bytes,
         )
-        return _absolute_paths(app)
+        return _absolute_paths(app, self._stateful)
 
     def info(self) -> dict[str, Any]:
         """Where this replica runs and what it serves (for operators and tests)."""
         (served,) = list(self._engine.registry)
         model = served.model
         runtime = ray.get_runtime_context()
+        table = getattr(model, "_sequences", None)
         return {
             "replica": self._replica,
             "actor_name": runtime.get_actor_name(),
@@ -116,7 +151,34 @@ class NeuropodDeployment:
             "device": model.device,
             "package_path": str(self._path),
             "batched": self._engine.batched(model.name)[0],
+            "live_sequences": model.live_sequences,
+            # The first live sequences' ids (a stateful model in this process): which replica holds which.
+            "sequences": list(table.ids())[:1000] if table is not None else [],
         }
+
+    async def infer(
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None,
+        parameters: Mapping[str, Any] | None = None, *, sequence_id: int | str | None = None,
+        sequence_start: bool = False, sequence_end: bool = False, _sequence_lost: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The model's outputs for ``inputs`` (numpy arrays), for Ray's handles:
+        ``handle.infer.remote(inputs)``; a stateful model's step with ``sequence_id=``,
+        ``sequence_start=``, ``sequence_end=`` (the deployment's router sends every step of a
+        sequence to the replica holding its state).
+
+        :raises SequenceError: the sequence is not live here, or its replica is gone.
+        """
+        if _sequence_lost is not None:
+            raise lost_error(sequence_id, _sequence_lost)
+        (served,) = list(self._engine.registry)
+        if not isinstance(inputs, Mapping):
+            raise NeuropodError(f"infer takes a dict of input name to numpy array, not {type(inputs).__name__}")
+        params = dict(parameters or {})
+        if sequence_id is not None:
+            params.update(sequence_id=sequence_id, sequence_start=bool(sequence_start), sequence_end=bool(sequence_end))
+        options = request_options(params) if params else None
+        requested = None if requested_outputs is None else list(requested_outputs)
+        return await self._engine.infer(served, dict(inputs), requested, options)
 
     async def infer_stream(
         self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None,
@@ -148,6 +210,10 @@ class NeuropodDeployment:
                     f"the request is {len(data):,} bytes, more than this server's limit of "
                     f"{self._max_request_bytes:,} (max_request_bytes)"
                 )
+            if self._stateful and method == "ModelInfer":
+                params = grpc_parameters(data)
+                if LOST_PARAMETER in params:
+                    raise lost_error(params.get("sequence_id"), str(params[LOST_PARAMETER]))
             request = _parse(spec, data)
             handler = getattr(self._servicer, spec.handler)
             if method == "ModelInfer":

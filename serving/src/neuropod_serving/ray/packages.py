@@ -41,6 +41,9 @@ class PackageRef:
     #: What the package asks of a device (see :func:`neuropod.resolve.gpu_preference`).
     prefers_gpu: bool = False
     requires_gpu: bool = False
+    #: The package declares state or sequence controls (its sequences need routing: see
+    #: :mod:`~neuropod_serving.ray.sequence_router`).
+    stateful: bool = False
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -150,7 +153,9 @@ def publish(path: str | os.PathLike[str]) -> PackageRef:
     if not ray.get(store.has.remote(digest)):
         ray.get(store.put.remote(digest, data))
         log.info("published package %r (%s, %d bytes) to the cluster's object store", config.name, path, len(data))
-    return PackageRef(digest, config.name, len(data), str(path), prefers_gpu=prefers, requires_gpu=requires)
+    stateful = bool(config.state_spec or config.sequence_controls)
+    return PackageRef(digest, config.name, len(data), str(path), prefers_gpu=prefers, requires_gpu=requires,
+                      stateful=stateful)  # fmt: skip
 
 
 def forget(package: PackageRef | str) -> bool:
