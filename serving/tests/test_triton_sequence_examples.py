@@ -127,6 +127,11 @@ def test_tritons_sequence_example_unchanged(server: Server, script: str, dyna: b
     printed = [tuple(int(v) for v in m.groups()) for m in re.finditer(r"^\[\d+\] (-?\d+) : (-?\d+) : (-?\d+)$",
                                                                        proc.stdout, re.MULTILINE)]  # fmt: skip
     assert printed == _expected(dyna), proc.stdout
+    # Each sequence's last step (END) freed its state on the server.
+    with urllib.request.urlopen(f"{server.http}/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    live = dict(re.findall(r'^neuropod_sequences_live\{model="([^"]+)"\} (\S+)$', metrics, re.MULTILINE))
+    assert {name: float(v) for name, v in live.items()} == dict.fromkeys([SIMPLE, DYNA, STRING_DYNA], 0.0), live
 
 
 @pytest.mark.parametrize(("name", "sequence_id"), [(SIMPLE, 1000), (SIMPLE, "4b9e-a-uuid"), (DYNA, 1001),
