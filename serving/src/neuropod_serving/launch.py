@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from neuropod.errors import NeuropodError, PluginNotInstalledError
 from neuropod.plugins import pip_install
 from neuropod.storage import is_package_url
+from neuropod_serving.defaults import DEFAULT_MAX_SEQUENCE_IDLE_US, DEFAULT_MAX_SEQUENCES
 from neuropod_serving.processes import check_options, run_group
 from neuropod_serving.server import find_packages
 from neuropod_serving.server.launcher import (
@@ -122,6 +123,7 @@ def run_ray(args: argparse.Namespace, out: TextIO) -> int:
                 ref, num_replicas=args.replicas, workers=args.workers, max_batch_size=args.max_batch_size,
                 max_queue_delay_us=args.max_queue_delay_us, auth_token=token, max_request_bytes=args.max_request_bytes,
                 ray_actor_options=None if args.num_cpus is None else {"num_cpus": args.num_cpus},
+                max_sequence_idle_us=_sequence_limits(args)[0], max_sequences=_sequence_limits(args)[1],
             )  # fmt: skip
             # The first model answers the server-wide routes (/v2, health); the others their own paths.
             prefix = "/" if i == 0 else f"/v2/models/{ref.name}"
@@ -143,6 +145,13 @@ def run_ray(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     finally:
         _leave_ray(serve, ray, names)
+
+
+def _sequence_limits(args: Any) -> tuple[int, int]:
+    """``--max-sequence-idle-us`` and ``--max-sequences`` (their defaults when not parsed)."""
+    idle = getattr(args, "max_sequence_idle_us", None)
+    live = getattr(args, "max_sequences", None)
+    return (DEFAULT_MAX_SEQUENCE_IDLE_US if idle is None else int(idle), DEFAULT_MAX_SEQUENCES if live is None else int(live))
 
 
 def _wait_for_ctrl_c() -> None:
