@@ -48,7 +48,7 @@ from neuropod.errors import WorkerError
 
 MAX_MESSAGE = 1 << 24
 MAX_FDS = 253  # the kernel's SCM_MAX_FD
-PROTOCOL = 3  # bumped whenever messages change: a worker from another core refuses to serve
+PROTOCOL = 4  # bumped whenever messages change: a worker from another core refuses to serve
 _LENGTH = struct.Struct("<I")
 #: How long a reader polls before it sleeps (NEUROPOD_OPE_SPIN_US overrides; 0 never polls).
 SPIN_SECONDS = float(os.environ.get("NEUROPOD_OPE_SPIN_US", "1000")) * 1e-6

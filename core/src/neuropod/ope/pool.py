@@ -21,6 +21,7 @@ from neuropod.errors import NeuropodError, WorkerError
 from neuropod.ope._channel import Block
 from neuropod.ope.fingerprint import package_fingerprint
 from neuropod.ope.process import HandedBlock, WorkerProcess
+from neuropod.ope.sequences import declaration
 from neuropod.package import Package
 
 #: Seconds a closed worker gets to exit by itself before it is killed.
@@ -45,8 +46,14 @@ class WorkerPool:
     def __init__(
         self, name: str, python: str, package_root: str, backend_id: str, device: str, options: Mapping[str, Any],
         workers: int, restart: bool, timeout: float | None, gpu_uuid: str | None, package: Package | None,
+        sequences: str | None = None,
     ):  # fmt: skip
         self.name = name
+        #: A stateful model's ``state_spec`` and ``sequence_controls`` (JSON), sent to each worker
+        #: after it loads the model: the worker keeps its sequences' state. Its calls name their
+        #: worker (:meth:`take_worker`); None for other models, whose calls take any idle one.
+        self.sequences = sequences
+        self.pinned = sequences is not None
         self.python = python
         self.package_root = package_root
         self.backend_id = backend_id
@@ -82,7 +89,8 @@ class WorkerPool:
         try:
             for w in self.workers:
                 w.start()
-                self.idle.put(w)
+                if not self.pinned:
+                    self.idle.put(w)
             if self.fingerprint is not None:
                 self.fingerprint.wait()
         except BaseException:
@@ -119,12 +127,33 @@ class WorkerPool:
     def take(self) -> WorkerProcess:
         """An idle worker, ready for a call (restarted after a failure when allowed): hand it back
         with :meth:`give_back`. Raises (the worker handed back) when it cannot serve."""
+        if self.pinned:  # a stateful model's calls name their worker; any other takes a free one
+            worker = next((w for w in self.workers if not w.lock.locked()), self.workers[0])
+            taken = self.take_worker(worker)
+            assert taken is not None
+            return taken
         self._check_usable()
         if not self.forgotten.empty():
             self._collect()
         if self.stream_workers:
             self._check_not_waiting_on_self()
         worker = self.idle.get()
+        self._ready(worker)
+        return worker
+
+    def take_worker(self, worker: WorkerProcess, wait: bool = True) -> WorkerProcess | None:
+        """:meth:`take` for a pinned pool: this worker, once its call (if any) is done; None when
+        it is busy and not ``wait``. Hand it back with :meth:`give_back`."""
+        self._check_usable()
+        if not self.forgotten.empty():
+            self._collect()
+        if not worker.lock.acquire(wait):
+            return None
+        self._ready(worker)
+        return worker
+
+    def _ready(self, worker: WorkerProcess) -> None:
+        """Make a taken worker ready for a call, or hand it back and raise."""
         try:
             if self.closed:  # while this call waited for a worker
                 raise NeuropodError(f"Model {self.name!r} is closed")
@@ -142,13 +171,15 @@ class WorkerPool:
         except BaseException:
             self.give_back(worker)
             raise
-        return worker
 
     def give_back(self, worker: WorkerProcess) -> None:
         """Make ``worker`` idle again (after a call, or a stream's end)."""
         if self.closed and self._own():
             worker._teardown()
-        self.idle.put(worker)
+        if self.pinned:
+            worker.lock.release()
+        else:
+            self.idle.put(worker)
 
     def take_for_stream(self) -> WorkerProcess:
         """:meth:`take`, for a stream that holds the worker until :meth:`stream_ended`."""
@@ -220,11 +251,13 @@ class WorkerPool:
         if not self._own():
             return  # a forked child: the workers are its parent's
         idle = []
-        while True:
+        while not self.pinned:
             try:
                 idle.append(self.idle.get_nowait())
             except queue.Empty:
                 break
+        if self.pinned:
+            idle = [w for w in self.workers if w.lock.acquire(False)]
         for w in self.workers:
             if w not in idle:
                 w.kill()  # its call fails now; the thread that runs it tears the worker down
@@ -239,8 +272,11 @@ class WorkerPool:
             # Workers that open streams hold may never be given back (a stream nobody reads): a call
             # waiting for a worker must not wait for them.
             idle += [w for w in self.stream_workers if w not in idle]
-        for w in idle:
-            self.idle.put(w)  # a call that passed the closed check before close() must not wait forever
+        for w in idle:  # a call that passed the closed check before close() must not wait forever
+            if self.pinned:
+                w.lock.release()
+            else:
+                self.idle.put(w)
         with self.lock:
             handed, self.handed = list(self.handed.values()), {}
         for h in handed:
@@ -267,6 +303,8 @@ def start_pool(
     :param package: the package as the caller read (and verified) it: with
         ``restart=True``, a restart checks the files against its manifest.
         Without it, the manifest on disk is read now.
+        A stateful package (its config as amended at load, if it was) makes a pool whose
+        workers keep the state of its sequences (see :mod:`neuropod.ope.sequences`).
     :raises TypeError, ValueError: ``workers``, ``restart`` or ``timeout`` is of the wrong type or value.
     """
     _check_start_args(workers, restart, timeout)
@@ -275,6 +313,7 @@ def start_pool(
     return WorkerPool(
         name, python, package_root, backend_id, device, options, int(workers), bool(restart),
         None if timeout is None else float(timeout), gpu_uuid, package,
+        None if package is None else declaration(package.config),
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -75,6 +76,10 @@ class WorkerProcess:
         self.reason = ""
         self.pid = 0
         self._reply_fds: list[int] = []
+        #: Held by a call that names this worker (a stateful model's, whose sequences live here).
+        self.lock = threading.Lock()
+        #: Counts the processes started: sequences pinned to an earlier one lost their state with it.
+        self.generation = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -89,6 +94,8 @@ class WorkerProcess:
         self.drops: list[int] = []
         #: A stream dropped unread asked the worker to end it: the worker's answer is still to be read.
         self.ending_stream = False
+        #: The layout of inputs posted without waiting for the answer (see :meth:`post_steps`).
+        self._posted: list[_Place] | None = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -147,6 +154,15 @@ class WorkerProcess:
             self.reason = f"it failed to load the model: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             raise
         self.pid, self.backend_id, self.python = reply[1], reply[2], reply[3]
+        if pool.sequences is not None:  # a stateful model: the worker keeps its sequences' state
+            try:
+                self._request(("sequences", pool.sequences), [], None)
+            except BaseException as e:
+                self._teardown()
+                self.failed = True
+                self.reason = f"it failed to set up the model's sequences: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                raise
+        self.generation += 1
 
     def restart(self) -> None:
         """Start a new worker after a failure, only if the package's files are still those first loaded."""
@@ -272,6 +288,11 @@ class WorkerProcess:
             raise self._failure(f"sent shared memory this process could not take: {e}", kill=True) from None
 
     def _request(self, message: tuple[Any, ...], fds: list[int], timeout: float | None) -> tuple[Any, ...]:
+        self._post(message, fds)
+        return self._answer(timeout)
+
+    def _post(self, message: tuple[Any, ...], fds: list[int]) -> None:
+        """Send a request; its answer is read by :meth:`_answer`."""
         channel = self.channel
         if channel is None:
             raise WorkerError(f"The worker for model {self.pool.name!r} is not running")
@@ -279,6 +300,12 @@ class WorkerProcess:
             channel.send(message, fds)
         except ChannelClosed:
             raise self._failure("died") from None
+
+    def _answer(self, timeout: float | None) -> tuple[Any, ...]:
+        """The answer to the request :meth:`_post` sent (an error it carries raised here)."""
+        channel = self.channel
+        if channel is None:
+            raise WorkerError(f"The worker for model {self.pool.name!r} is not running")
         reply, reply_fds = self._receive(channel, timeout, "answer")
         tag = reply[0]
         if tag == "error":
@@ -331,13 +358,19 @@ class WorkerProcess:
 
     def _send(
         self, kind: str, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None,
-        parameters: Mapping[str, Any] | None,
+        parameters: Mapping[str, Any] | None, tail: tuple[Any, ...] | None = None, wait: bool = True,
     ) -> tuple[Any, ...]:  # fmt: skip
-        """Send a request with inputs (``"infer"``, or ``"stream"`` to open a stream) and return the reply."""
+        """Send a request with inputs (``"infer"``, ``"stream"`` to open a stream, ``"steps"`` with
+        ``tail``) and return the reply; with ``wait=False`` only send it (:meth:`steps_answer` reads
+        the reply) and return ``()``."""
         pool = self.pool
         leases = self.out_leases
-        # Request parameters ride at the end of the message, only when there are some.
-        extra: tuple[Any, ...] = () if parameters is None else (dict(parameters),)
+        # Request parameters ride at the end of the message, only when there are some; a request
+        # with a tail always has them (None for none), then the tail.
+        if tail is not None:
+            extra: tuple[Any, ...] = (None if parameters is None else dict(parameters), *tail)
+        else:
+            extra = () if parameters is None else (dict(parameters),)
         free = [b for b in self.out_blocks if (ref := leases.get(b)) is None or ref() is None]
         wanted = None if requested is None else tuple(requested)
         drops = self.drops
@@ -345,6 +378,10 @@ class WorkerProcess:
             drops = drops + self._handed_drops()
         if self._same_layout(inputs):
             self.drops = []
+            if not wait:
+                self._posted = self.layout
+                self._post((kind, None, wanted, (), free, drops, *extra), [])
+                return ()
             return self._request((kind, None, wanted, (), free, drops, *extra), [], pool.timeout)
         # Where each input goes: (name, array or encoded strings, dtype text, shape, offset or handed block).
         plan: list[tuple[str, Any, str, tuple[int, ...], int, HandedBlock | None]] = []
@@ -406,12 +443,49 @@ class WorkerProcess:
                 sent.append((name, arena.id if arena is not None else 0, offset, dt, shape))
             self.drops = []
             self.layout = None
+            if not wait:  # the kernel holds the descriptors once sent: ours close below
+                self._post((kind, sent, wanted, new, free, drops, *extra), fds)
+                self._posted = layout
+                return ()
             reply = self._request((kind, sent, wanted, new, free, drops, *extra), fds, pool.timeout)
             self.layout = layout
         finally:
             for fd in own_fds:
                 os.close(fd)
         return reply
+
+    # -- a stateful model's sequences, whose state this worker keeps (see neuropod.ope.sequences) --
+
+    def post_steps(
+        self, inputs: Mapping[str, np.ndarray], requested: Sequence[str] | None, steps: list[tuple[Any, ...]],
+        parameters: Mapping[str, Any] | None, ended: list[Any],
+    ) -> None:  # fmt: skip
+        """Send one step of each of ``steps`` (``(id, start, end, rows)``) on ``inputs``, without
+        waiting: :meth:`steps_answer` reads the outputs. ``ended``: sequences to free first."""
+        self._send("steps", inputs, requested, parameters, (steps, ended), wait=False)
+
+    def steps_answer(self) -> dict[str, np.ndarray]:
+        """The outputs of the steps :meth:`post_steps` sent."""
+        layout, self._posted = self._posted, None
+        reply = self._answer(self.pool.timeout)
+        self.layout = layout
+        return self._finish(reply)
+
+    def end_sequences(self, ids: list[Any]) -> int:
+        """Free these sequences' state in the worker (unknown ids are skipped); how many it held."""
+        return int(self._request(("end", ids), [], self.pool.timeout)[1])
+
+    def live_sequences(self, ended: list[Any]) -> int:
+        """How many sequences the worker holds, after freeing ``ended``."""
+        return int(self._request(("live", ended), [], self.pool.timeout)[1])
+
+    def sequence_state(self, sequence_id: Any) -> dict[str, np.ndarray]:
+        """A copy of a sequence's state, copied out of the worker."""
+        leases = self.out_leases
+        free = [b for b in self.out_blocks if (ref := leases.get(b)) is None or ref() is None]
+        state = self._response(self._request(("state", sequence_id, free), [], self.pool.timeout))
+        assert state is not None
+        return state
 
     # -- one stream's responses (see neuropod.ope.streaming) ------------------------
 

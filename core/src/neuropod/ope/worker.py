@@ -22,12 +22,21 @@ inputs, as ``"infer"``: opens the model's generator and answers with its
 first response), ``"next"`` (the next response) and ``"cancel"`` (closes the
 generator). A response is an ``"item"`` (laid out as an ``"ok"`` answer), or
 ``"end"``; an error ends the stream (the generator is closed first).
+
+A stateful model's worker keeps the state of the sequences its client pins to it (see
+:mod:`neuropod.ope.sequences`): ``"sequences"`` (after ``"load"``: the state pairs and controls
+the client loaded the model with) builds its :class:`~neuropod.sequences.SequenceTable`;
+``"steps"`` (the caller's inputs, as ``"infer"``, with the steps ``(id, start, end, rows)`` and
+the ids of sequences to free first) runs one step of each, taking and keeping their state here,
+and answers with the caller's outputs only; ``"end"`` frees sequences, ``"state"`` copies one's
+state out, ``"live"`` counts them. Limits (idle time, live sequences) are the client's to keep.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import fcntl
+import json
 import os
 import select
 import signal
@@ -36,6 +45,7 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -56,7 +66,8 @@ from neuropod.ope._channel import (
     string_bytes,
     string_size,
 )
-from neuropod.package import read_package
+from neuropod.package import Package, parse_config, read_package
+from neuropod.sequences import NOT_FAST, SequenceStep, SequenceTable, build_table
 from neuropod.streams import cannot_stream
 
 _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's value; the fcntl module names it from Python 3.12 on
@@ -93,6 +104,9 @@ class Worker:
         self.stream: Any = None
         self.stream_wanted: list[str] | None = None
         self.backend_id = "?"
+        self.package: Package | None = None
+        #: A stateful model's live sequences and their state (see :meth:`set_sequences`).
+        self.table: SequenceTable | None = None
 
     def load(self, protocol: int, package_path: str, backend_id: str, device: str, options: dict[str, Any]) -> tuple[Any, ...]:
         if protocol != PROTOCOL:
@@ -100,7 +114,7 @@ class Worker:
                 f"This worker ({sys.executable}, neuropod {__version__}) speaks protocol {PROTOCOL}, the client "
                 f"{protocol}: recreate the environment with the same neuropod (neuropod env create ... --replace)"
             )
-        package = read_package(package_path, verify=False)  # the client verified it
+        package = self.package = read_package(package_path, verify=False)  # the client verified it
         self.name = package.name
         found = [b for b in plugins.installed_backends() if b.id == backend_id]
         if not found:
@@ -136,6 +150,99 @@ class Worker:
         reply, out_fds = self._reply(outputs, free)
         # The backend's own time last: the client tells it from the round trip (WorkerModel.worker_run_time).
         return (*reply, ran), out_fds
+
+    # -- a stateful model's sequences ---------------------------------------------------------
+
+    def set_sequences(self, declared: str) -> tuple[Any, ...]:
+        """Make the model stateful with the client's state pairs and controls (JSON: the package's
+        own, or those it was loaded with), checked against its specs as a package's are."""
+        package = self.package
+        if package is None:
+            raise WorkerError("This worker has not loaded its model")
+        data = package.config.to_dict()
+        data.pop("state_spec", None)
+        data.pop("sequence_controls", None)
+        data.update(json.loads(declared))
+        config = parse_config(data, f"model {package.name!r} with the sequences of its client")
+        self.package = replace(package, config=config)
+        self.table = build_table(package.name, config, package.root, config.input_spec, config.output_spec)
+        return ("ok",)
+
+    def _table(self) -> SequenceTable:
+        if self.table is None:
+            raise WorkerError(f"Model {self.name!r} is not stateful in this worker")
+        return self.table
+
+    def run_steps(self, message: tuple[Any, ...], fds: list[int]) -> tuple[tuple[Any, ...], list[int]]:
+        """One step of each sequence of a ``"steps"`` request, as a model in the client's process
+        runs them (:meth:`~neuropod.model.NeuropodModel._run_steps`): their state in, the new
+        state kept here (dropped at a sequence's end; as it was when the run fails), the
+        controls filled; only the caller's outputs go back."""
+        _, _, requested, _, free, _, parameters, steps, ended = message
+        arrays = self._inputs(message, fds)
+        table = self._table()
+        for sequence_id in ended:
+            table.end(sequence_id)
+        started = time.perf_counter()
+        outputs: Any = NOT_FAST
+        if len(steps) == 1 and requested is None and not parameters and not steps[0][1]:
+            # A live sequence's next step (see SequenceTable.run_one); NOT_FAST when it is not one.
+            outputs = table.run_one(steps[0][0], steps[0][2], arrays, self._run_detached, self.model, False)
+        if outputs is NOT_FAST:
+            outputs = self._general_steps(table, arrays, requested, [SequenceStep(*s) for s in steps], parameters)
+        ran = time.perf_counter() - started
+        reply, out_fds = self._reply(outputs, free)
+        return (*reply, ran), out_fds
+
+    def _general_steps(
+        self, table: SequenceTable, arrays: dict[str, np.ndarray], requested: Any, steps: list[SequenceStep],
+        parameters: Any,
+    ) -> dict[str, Any]:  # fmt: skip
+        states = table.take(steps)
+        done = False
+        try:
+            full = table.inputs(arrays, steps, states)
+            wanted = None if requested is None else [*requested, *(p.output_name for p in table.pairs)]
+            if parameters and self.infer_with_parameters is not None:
+                outputs = self._detached(self.infer_with_parameters(self.model, full, wanted, parameters))
+            else:
+                outputs = self._run_detached(self.model, full, wanted)
+            if not isinstance(outputs, Mapping):
+                raise BackendError(
+                    f"Backend {self.backend_id} returned {type(outputs).__name__} for model {self.name!r}, "
+                    "not a dict of output name to numpy array"
+                )
+            mine, new_states = table.outputs(dict(outputs), steps)
+            table.give(steps, new_states)
+            done = True
+            return mine
+        finally:
+            if not done:
+                table.abandon(steps)
+
+    def _run_detached(self, model: Any, inputs: dict[str, Any], wanted: Any) -> Any:
+        return self._detached(self.infer(model, inputs, wanted))
+
+    def _detached(self, outputs: Any) -> Any:
+        """The model's outputs, with a copy of any that is a view of the client's input blocks
+        (a model that hands an input back): the client refills those blocks on its next call,
+        and a state must not change under its sequence."""
+        if type(outputs) is not dict:
+            return outputs
+        for name, value in outputs.items():
+            if type(value) is np.ndarray and value.base is not None:
+                address = value.__array_interface__["data"][0]
+                if any(b.address <= address < b.address + b.size for b in self.in_blocks.values()):
+                    outputs[name] = value.copy()
+        return outputs
+
+    def sequence_state(self, sequence_id: Any, free: list[int]) -> tuple[tuple[Any, ...], list[int]]:
+        """A copy of a live sequence's state, laid out as an ``"ok"`` answer."""
+        return self._reply(self._table().state(sequence_id), free)
+
+    def end_sequences(self, ids: list[Any]) -> int:
+        table = self._table()
+        return sum(1 for sequence_id in ids if table.end(sequence_id))
 
     def open_stream(self, message: tuple[Any, ...], fds: list[int]) -> tuple[tuple[Any, ...], list[int]]:
         """Start a decoupled model's stream on the inputs (``"stream"``): its first response."""
@@ -280,6 +387,17 @@ class Worker:
             try:
                 if kind == "infer":
                     reply, out_fds = self.run(message, fds)
+                elif kind == "steps":
+                    reply, out_fds = self.run_steps(message, fds)
+                elif kind == "end":
+                    reply = ("ended", self.end_sequences(message[1]))
+                elif kind == "live":
+                    self.end_sequences(message[1])
+                    reply = ("live", self._table().live)
+                elif kind == "state":
+                    reply, out_fds = self.sequence_state(message[1], message[2])
+                elif kind == "sequences":
+                    reply = self.set_sequences(message[1])
                 elif kind == "next":
                     reply, out_fds = self.next_response(message[1])
                 elif kind == "stream":

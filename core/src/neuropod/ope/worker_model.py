@@ -14,9 +14,11 @@ import numpy as np
 from neuropod.errors import NeuropodError, SpecError
 from neuropod.model import NeuropodModel
 from neuropod.ope.pool import WorkerPool
+from neuropod.ope.sequences import WorkerSequences
 from neuropod.ope.streaming import WorkerStream
 from neuropod.package import Package
 from neuropod.resolve import Resolution
+from neuropod.sequences import SequenceStep
 from neuropod.spec import DTYPES
 
 
@@ -25,7 +27,12 @@ class WorkerModel(NeuropodModel):
     generator runs in a worker: see :mod:`neuropod.ope.streaming`), specs and errors.
 
     Extra: :meth:`empty` hands out input arrays in shared memory (filling one
-    and passing it to ``infer`` costs no copy), :attr:`worker_pids`, :attr:`worker_run_time`.
+    and passing it to ``infer`` costs no copy), :attr:`worker_pids`, :attr:`worker_run_time`,
+    :attr:`worker_sequences`.
+
+    A stateful model's sequences keep their state in the workers (see :mod:`neuropod.ope.sequences`):
+    a step sends the caller's inputs and gets the caller's outputs, and ``seq.state()`` copies a
+    state back from its worker.
 
     A model dropped without :meth:`close` stops its workers when it is
     garbage-collected, or at interpreter exit.
@@ -36,6 +43,42 @@ class WorkerModel(NeuropodModel):
         super().__init__(package, resolution, pool)
         # The pool, not the model: the finalizer must not keep the model alive.
         weakref.finalize(self, pool.close)
+        self._in_workers: WorkerSequences | None = None
+        if self._sequences is not None:
+            if not pool.pinned:
+                raise NeuropodError(f"Model {self.name!r} is stateful, but its workers were started without its sequences")
+            table = self._sequences
+            self._initial = [table.initial[p.input_name] for p in table.pairs]
+            # The books only: the workers keep the state, and each step goes to its sequence's worker.
+            self._sequences = self._in_workers = WorkerSequences(table, pool)
+            self._fast_step = None
+
+    def _workers_table(self) -> WorkerSequences:
+        self._stateful_table()  # closed, or not stateful: says so
+        assert self._in_workers is not None
+        return self._in_workers
+
+    def _run_steps(
+        self, inputs: dict[str, Any], requested: list[str] | None, steps: list[SequenceStep],
+        parameters: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        return self._workers_table().run(inputs, requested, steps, parameters)
+
+    def _end_sequence(self, sequence_id: int | str) -> bool:
+        return self._workers_table().end_sequence(sequence_id)
+
+    def _sequence_state(self, sequence_id: int | str) -> dict[str, Any]:
+        return self._workers_table().copy_state(sequence_id)
+
+    def _initial_states(self) -> list[Any]:
+        self._workers_table()
+        return self._initial
+
+    @property
+    def worker_sequences(self) -> list[int]:
+        """How many sequences each worker holds the state of (a stateful model; asks each worker,
+        after freeing in it the sequences that ended or expired)."""
+        return self._workers_table().worker_counts()
 
     def _bind_infer(self) -> None:
         pool = self._pool
