@@ -251,7 +251,7 @@ def test_sequences_only_for_stateful_models(tmp_path: Path, acc: Any) -> None:
         acc.infer_stream({"x": x})
     with pytest.raises(SequenceError, match="appears more than once"):
         acc.infer_sequences({"x": np.ones((2, 4), np.float32)}, [SequenceStep(5, start=True), SequenceStep(5)])
-    with pytest.raises(NeuropodError, match="rows"):
+    with pytest.raises(SequenceError, match="rows"):
         acc.infer_sequences(
             {"x": np.ones((3, 4), np.float32)}, [SequenceStep(5, start=True), SequenceStep(6, start=True)]
         )

@@ -13,7 +13,7 @@ from neuropod import plugins
 from neuropod._args import check_flag, check_parameters
 from neuropod.backend import Backend
 from neuropod.devices import parse_device
-from neuropod.errors import BackendError, NeuropodError, NoBackendError, SequenceError, SpecError
+from neuropod.errors import BackendError, NeuropodError, NoBackendError, SequenceError
 from neuropod.package import Package
 from neuropod.resolve import Resolution
 from neuropod.sequences import (
@@ -347,7 +347,7 @@ class NeuropodModel:
             rows = sum(s.rows for s in steps)
             for name, array in checked.items():
                 if getattr(array, "ndim", 0) == 0 or array.shape[0] != rows:
-                    raise SpecError(
+                    raise SequenceError(
                         f"model {self.name!r}: input {name!r} has {array.shape[0] if getattr(array, 'ndim', 0) else 0} "
                         f"rows, but the call's {len(steps)} sequence step(s) take {rows}, one per sequence"
                     )

@@ -7,7 +7,7 @@ from typing import Any
 
 from neuropod_numpy_expr.packager import create_numpy_expr_neuropod
 
-from neuropod.testing import ALL_DTYPES, BackendConformance
+from neuropod.testing import ALL_DTYPES, BackendConformance, accumulator_spec
 
 
 class TestNumpyExprConformance(BackendConformance):
@@ -24,4 +24,12 @@ class TestNumpyExprConformance(BackendConformance):
         expressions = {o["name"]: i["name"] for i, o in zip(input_spec, output_spec)}
         return create_numpy_expr_neuropod(
             tmp_path / name, name, input_spec, output_spec, expressions=expressions, **packager_kwargs
+        )
+
+    def make_accumulator_package(self, tmp_path: Path, name: str, **packager_kwargs: Any) -> Path:
+        """The suite's stateful model: y and the new state acc_out are both acc_in + x."""
+        input_spec, output_spec = accumulator_spec()
+        return create_numpy_expr_neuropod(
+            tmp_path / name, name, input_spec, output_spec,
+            expressions={"y": "acc_in + x", "acc_out": "acc_in + x"}, **packager_kwargs,
         )
