@@ -600,10 +600,10 @@ def bench_sequences(session: nox.Session) -> None:
     """Stateful models: what a sequence step adds to a tiny ONNX model's call (against its stateless
     twin given the state by hand), and 32 sequences of a GRU step model (torch.export, hidden 512)
     batched against unbatched, in process (infer_sequences) and through neuropod serve driven by 32
-    tritonclient gRPC sequences (about 2 min; taskset, two cores)."""
+    tritonclient sequences over gRPC and REST (about 3 min; taskset, two cores)."""
     session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{ROOT / 'plugins/neuropod-torch'}",
                     f"{SERVING}[server]", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", f"torch=={TORCH_DEFAULT}",
-                    "tritonclient[grpc]>=2.73")  # fmt: skip
+                    "tritonclient[grpc,http]>=2.73")  # fmt: skip
     session.run("python", "bench/bench_sequences.py", *session.posargs)
 
 

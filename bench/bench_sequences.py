@@ -19,7 +19,8 @@
    * in process: one ``infer_sequences`` call running a step of each of the 32 sequences, against
      32 ``infer(..., sequence_id=...)`` calls, one per sequence; steps per second, medians over
      ``--rounds-gru`` rounds, and their ratio;
-   * through ``neuropod serve`` (gRPC), 32 client threads (tritonclient.grpc, one client each),
+   * through ``neuropod serve``, over gRPC and over REST (``--protocols``), 32 client threads
+     (tritonclient.grpc or tritonclient.http, one client each),
      each running one sequence (``sequence_start`` on its first request, ``sequence_end`` on its
      last) as fast as the server answers, for ``--seconds`` seconds: steps per second with sequence
      batching on (``--serve-on``, default ``--max-batch-size 32 --max-queue-delay-us 500``) against
@@ -64,6 +65,9 @@ VOCABS = (256, 10_000)
 SERVER_CORE, CLIENT_CORE = 0, 1
 GRU = "gru"
 DEFAULT_ON = "--max-batch-size 32 --max-queue-delay-us 500"
+#: Both servers' options: an idle limit of 30 s, as a step's wait in the server's queue counts as
+#: its sequence's idle time (on a busy machine, unbatched, it can pass the default 1 s).
+SERVE_COMMON = ["--max-sequence-idle-us", "30000000"]
 
 
 # --- 1. the added cost of a step ------------------------------------------------
@@ -238,7 +242,7 @@ class Server:
         self.label, self.port, self.log = label, port, log
         pinned = ["taskset", "-c", str(SERVER_CORE)] if shutil.which("taskset") else []
         command = [sys.executable, "-m", "neuropod", "serve", str(repo), "--http-port", str(port),
-                   "--grpc-port", str(port + 1), "--metrics-port", "0", "--quiet", *options]  # fmt: skip
+                   "--grpc-port", str(port + 1), "--metrics-port", "0", "--quiet", *SERVE_COMMON, *options]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with open(log, "wb") as out:
             self.proc = subprocess.Popen([*pinned, *command], stdout=out, stderr=subprocess.STDOUT,
@@ -260,9 +264,13 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def drive(port: int, seconds: float, expected: np.ndarray) -> tuple[float, int, float]:
-    """32 client threads, one sequence each, for ``seconds``: (steps per second, steps, seconds)."""
-    import tritonclient.grpc as grpcclient
+def drive(protocol: str, port: int, seconds: float, expected: np.ndarray) -> tuple[float, int, float]:
+    """32 client threads, one sequence each, for ``seconds`` over ``protocol`` ("grpc" or "http",
+    at ``port``): (steps per second, steps, seconds)."""
+    if protocol == "grpc":
+        import tritonclient.grpc as client_module
+    else:
+        import tritonclient.http as client_module  # type: ignore[no-redef]
 
     checked, vocab = expected.shape[0], expected.shape[2]
     toks = tokens(checked, vocab)
@@ -272,15 +280,17 @@ def drive(port: int, seconds: float, expected: np.ndarray) -> tuple[float, int, 
     stop = threading.Event()
 
     def one(s: int) -> None:
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        client = client_module.InferenceServerClient(f"127.0.0.1:{port}")
         try:
-            token = grpcclient.InferInput("token", [1, 1], "INT64")
+            token = client_module.InferInput("token", [1, 1], "INT64")
+            wanted = [client_module.InferRequestedOutput("logits")]
             barrier.wait()
             k = 0
             while True:
                 last = stop.is_set()
                 token.set_data_from_numpy(toks[k % checked, s : s + 1, None])
-                result = client.infer(GRU, [token], sequence_id=s + 1, sequence_start=k == 0, sequence_end=last)
+                result = client.infer(GRU, [token], outputs=wanted, sequence_id=s + 1, sequence_start=k == 0,
+                                      sequence_end=last)  # fmt: skip
                 if k < checked:
                     np.testing.assert_allclose(result.as_numpy("logits")[0], expected[k, s], rtol=1e-4, atol=1e-5)
                 k += 1
@@ -314,43 +324,48 @@ def drive(port: int, seconds: float, expected: np.ndarray) -> tuple[float, int, 
     return total / elapsed, total, elapsed
 
 
+PROTOCOLS = {"grpc": "gRPC", "http": "REST"}
+
+
 def served(
-    tmp: Path, package: Path, vocab: int, seconds: float, on: list[str], off: list[str]
-) -> dict[str, float] | None:
-    try:
-        import tritonclient.grpc  # noqa: F401
-    except ImportError:
-        print("served: skipped (tritonclient[grpc] is not installed)")
-        return None
+    tmp: Path, package: Path, vocab: int, seconds: float, on: list[str], off: list[str], protocols: list[str]
+) -> dict[str, dict[str, float]]:
     expected = expected_logits(package, vocab, 3)
-    rates: dict[str, float] = {}
+    rates: dict[str, dict[str, float]] = {p: {} for p in protocols}
+    print(f"  through neuropod serve, {SEQUENCES} tritonclient threads, one sequence each ({seconds:g} s per cell):")
     for label, options in (("off", off), ("on", on)):
         port = free_port()
         server = Server(
             f"neuropod serve, sequence batching {label}", package.parent, options, port, tmp / f"{label}{vocab}.log"
         )
         try:
-            drive(port + 1, min(1.0, seconds), expected)  # warm up (and check)
-            cpu0, client0 = server.cpu(), time.process_time()
-            rates[label], total, elapsed = drive(port + 1, seconds, expected)
-            server_cores, client_cores = (server.cpu() - cpu0) / elapsed, (time.process_time() - client0) / elapsed
+            for protocol in protocols:
+                at = port + 1 if protocol == "grpc" else port
+                drive(protocol, at, min(1.0, seconds), expected)  # warm up (and check)
+                cpu0, client0 = server.cpu(), time.process_time()
+                rate, total, elapsed = drive(protocol, at, seconds, expected)
+                server_cores = (server.cpu() - cpu0) / elapsed
+                client_cores = (time.process_time() - client0) / elapsed
+                rates[protocol][label] = rate
+                print(f"    {PROTOCOLS[protocol]:<5} batching {label:<3} ({' '.join(options) or 'no options'}): "
+                      f"{rate:7.0f} steps/s ({total} steps in {elapsed:.1f} s; CPU: server {server_cores:.2f}, "
+                      f"clients {client_cores:.2f} of a core; server {server_cores / rate * 1e6:.0f} us/step)")  # fmt: skip
         except BaseException:
             print(f"{server.label} failed; its log ends:\n{log_tail(server.log)}")
             raise
         finally:
             server.stop()
-        print(f"  neuropod serve, sequence batching {label:<3} ({' '.join(options) or 'no options'}): "
-              f"{rates[label]:9.0f} steps/s   ({total} steps in {elapsed:.1f} s; CPU: server "
-              f"{server_cores:.2f}, clients {client_cores:.2f} of a core)")  # fmt: skip
-    ratio = rates["on"] / rates["off"]
-    print(f"  throughput ratio, batching on / off: {ratio:.2f}x")
-    _common.record(f"{SEQUENCES} GRU sequences (vocabulary {vocab}) through neuropod serve (gRPC), batching on vs off",
-                   f"seq_gru{vocab}_serve",
-                   method=f"steps/s over {seconds:g} s, {SEQUENCES} client threads", on=rates["on"],
-                   off=rates["off"], ratio=ratio)  # fmt: skip
-    _common.verdict(f"served, batching on >= {BATCHING_TARGET:g}x off", ratio >= BATCHING_TARGET, f"{ratio:.2f}x",
-                    key=f"seq_gru{vocab}_serve")  # fmt: skip
-    return {**rates, "ratio": ratio}
+    for protocol in protocols:
+        ratio = rates[protocol]["on"] / rates[protocol]["off"]
+        rates[protocol]["ratio"] = ratio
+        name = PROTOCOLS[protocol]
+        print(f"    {name:<5} throughput ratio, batching on / off: {ratio:.2f}x")
+        key = f"seq_gru{vocab}_serve_{protocol}"
+        _common.record(f"{SEQUENCES} GRU sequences (vocabulary {vocab}), neuropod serve ({name}), batching on vs off",
+                       key, method=f"steps/s over {seconds:g} s, {SEQUENCES} client threads", **rates[protocol])  # fmt: skip
+        _common.verdict(f"served ({name}, vocabulary {vocab}), batching on >= {BATCHING_TARGET:g}x off",
+                        ratio >= BATCHING_TARGET, f"{ratio:.2f}x", key=key)  # fmt: skip
+    return rates
 
 
 def main() -> int:
@@ -361,6 +376,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds each server is driven (default 5)")
     parser.add_argument("--vocab", type=int, nargs="+", default=list(VOCABS), metavar="N",
                         help=f"the GRU's vocabularies (default {' '.join(map(str, VOCABS))})")  # fmt: skip
+    parser.add_argument("--protocols", nargs="+", choices=list(PROTOCOLS), default=list(PROTOCOLS),
+                        help="the clients' protocols (default: grpc http)")  # fmt: skip
     parser.add_argument("--no-serve", action="store_true", help="in process only")
     parser.add_argument("--serve-on", default=DEFAULT_ON, help=f"neuropod serve's options with sequence batching on "
                         f"(default {DEFAULT_ON!r})")  # fmt: skip
@@ -386,7 +403,7 @@ def main() -> int:
             package = gru_package(tmp, vocab)
             in_process(package, vocab, args.rounds_gru)
             if not args.no_serve:
-                served(tmp, package, vocab, args.seconds, args.serve_on.split(), args.serve_off.split())
+                served(tmp, package, vocab, args.seconds, args.serve_on.split(), args.serve_off.split(), args.protocols)
     versions = {"neuropod": neuropod.__version__, "torch": torch.__version__}
     _common.write_json(args.json, "bench_sequences", versions)
     missed = [t for t in _common.TARGETS if not t["met"]]
