@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--max-batch-size", type=_positive, default=1, metavar="B",
-        help="above 1, batch requests to models whose spec has a batch dimension, up to B rows per run",
+        help="above 1, batch requests to models whose spec has a batch dimension, up to B rows per run (a stateful "
+        "model's: one step of each of up to B sequences per run)",
     )  # fmt: skip
     parser.add_argument(
         "--max-queue-delay-us", type=_delay_us, default=0, metavar="D",
