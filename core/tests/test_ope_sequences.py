@@ -8,6 +8,7 @@ import signal
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from onnx import TensorProto, helper
 
 import neuropod
 from neuropod.errors import SequenceError, SequenceLimitError, WorkerError
+from neuropod.package import read_package
 from neuropod.sequences import SequenceStep
 from neuropod.testing import run_in_threads
 
@@ -61,35 +63,42 @@ def acc(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return accumulator(tmp_path_factory.mktemp("acc") / "acc")
 
 
+@pytest.fixture(scope="module")
+def pair(acc: Path) -> Iterator[neuropod.NeuropodModel]:
+    """The accumulator in two workers, shared by the tests that leave no sequence live."""
+    with neuropod.load_neuropod(acc, use_ope=True, workers=2) as model:
+        yield model
+
+
 def steps_of(n: int, seed: int) -> np.ndarray:
     """``n`` steps' inputs of one sequence: small integers as float32, so sums are exact."""
     return np.random.default_rng(seed).integers(-50, 50, (n, 1, 4)).astype(np.float32)
 
 
-def test_a_sequence_runs_with_its_state_in_the_worker(acc: Path) -> None:
-    with neuropod.load_neuropod(acc, use_ope=True) as model:
-        assert model.stateful and model.inputs[0].name == "x" and len(model.inputs) == 1
-        xs = steps_of(20, 1)
-        with model.sequence() as seq:
-            got = [seq.infer({"x": x})["y"] for x in xs]
-            np.testing.assert_array_equal(np.concatenate(got), np.cumsum(xs, axis=0)[:, 0])
-            state = seq.state()  # copied from the worker, only when asked
-            np.testing.assert_array_equal(state["acc_in"], xs.sum(axis=0))
-            state["acc_in"][...] = 1000  # a copy: the sequence's state does not change
-            assert model.worker_sequences == [1] and model.live_sequences == 1
-            np.testing.assert_array_equal(seq.infer({"x": xs[0]})["y"], xs.sum(axis=0) + xs[0])
-        # Leaving the block frees the state in the worker at once.
-        assert model.worker_sequences == [0] and model.live_sequences == 0
-        with pytest.raises(SequenceError, match=r"sequence 5 is not live on model 'acc': it was never started"):
-            model.infer({"x": xs[0]}, sequence_id=5)
-        # A step with end=True frees it too; and a sequence's first step in the worker is the initial state.
-        with model.sequence(7) as seq:
-            assert seq.state()["acc_in"].tolist() == [[0.0] * 4]
+def test_a_sequence_runs_with_its_state_in_the_worker(pair: neuropod.NeuropodModel) -> None:
+    model = pair
+    assert model.stateful and model.inputs[0].name == "x" and len(model.inputs) == 1
+    xs = steps_of(20, 1)
+    with model.sequence() as seq:
+        got = [seq.infer({"x": x})["y"] for x in xs]
+        np.testing.assert_array_equal(np.concatenate(got), np.cumsum(xs, axis=0)[:, 0])
+        state = seq.state()  # copied from the worker, only when asked
+        np.testing.assert_array_equal(state["acc_in"], xs.sum(axis=0))
+        state["acc_in"][...] = 1000  # a copy: the sequence's state does not change
+        assert sum(model.worker_sequences) == 1 and model.live_sequences == 1
+        np.testing.assert_array_equal(seq.infer({"x": xs[0]})["y"], xs.sum(axis=0) + xs[0])
+    # Leaving the block frees the state in the worker at once.
+    assert model.worker_sequences == [0, 0] and model.live_sequences == 0
+    with pytest.raises(SequenceError, match=r"sequence 5 is not live on model 'acc': it was never started"):
+        model.infer({"x": xs[0]}, sequence_id=5)
+    # A step with end=True frees it too; and a sequence's first step in the worker is the initial state.
+    with model.sequence(7) as seq:
+        assert seq.state()["acc_in"].tolist() == [[0.0] * 4]
+        seq.infer({"x": xs[0]})
+        np.testing.assert_array_equal(seq.infer({"x": xs[1]}, end=True)["y"], xs[0] + xs[1])
+        assert model.worker_sequences == [0, 0]
+        with pytest.raises(SequenceError, match="has ended"):
             seq.infer({"x": xs[0]})
-            np.testing.assert_array_equal(seq.infer({"x": xs[1]}, end=True)["y"], xs[0] + xs[1])
-            assert model.worker_sequences == [0]
-            with pytest.raises(SequenceError, match="has ended"):
-                seq.infer({"x": xs[0]})
 
 
 def test_no_state_crosses_between_the_processes_per_step(tmp_path: Path) -> None:
@@ -106,67 +115,70 @@ def test_no_state_crosses_between_the_processes_per_step(tmp_path: Path) -> None
         assert state.shape == (1, width) and (state == 15).all()
 
 
-def test_interleaved_sequences_from_threads_over_two_workers(acc: Path) -> None:
-    with neuropod.load_neuropod(acc, use_ope=True, workers=2) as model:
-        started = []
+def test_interleaved_sequences_from_threads_over_two_workers(pair: neuropod.NeuropodModel) -> None:
+    model = pair
+    started = []
 
-        def work(n: int) -> None:
-            xs = steps_of(40, 100 + n)
-            with model.sequence() as seq:
-                for i, x in enumerate(xs):
-                    y = seq.infer({"x": x})["y"]
-                    np.testing.assert_array_equal(y, xs[: i + 1].sum(axis=0), err_msg=f"sequence {n}, step {i}")
-                    if i == 0:
-                        started.append(n)
-                        while len(started) < 6:  # all six live at once: three on each worker
-                            time.sleep(0.001)
-                        if n == 0:
-                            assert sorted(model.worker_sequences) == [3, 3]
+    def work(n: int) -> None:
+        xs = steps_of(40, 100 + n)
+        with model.sequence() as seq:
+            for i, x in enumerate(xs):
+                y = seq.infer({"x": x})["y"]
+                np.testing.assert_array_equal(y, xs[: i + 1].sum(axis=0), err_msg=f"sequence {n}, step {i}")
+                if i == 0:
+                    started.append(n)
+                    while len(started) < 6:  # all six live at once: three on each worker
+                        time.sleep(0.001)
+                    if n == 0:
+                        assert sorted(model.worker_sequences) == [3, 3]
 
-        run_in_threads(work, 6)
-        assert model.worker_sequences == [0, 0] and model.live_sequences == 0
+    run_in_threads(work, 6)
+    assert model.worker_sequences == [0, 0] and model.live_sequences == 0
 
 
-def test_one_call_of_sequences_held_by_two_workers(acc: Path) -> None:
-    with neuropod.load_neuropod(acc, use_ope=True, workers=2) as model:
-        assert model.sequence_batching
-        xs = {i: steps_of(3, i) for i in (1, 2, 3)}
-        first = model.infer_sequences(
-            {"x": np.concatenate([xs[i][0] for i in (1, 2, 3)])}, [SequenceStep(i, start=True) for i in (1, 2, 3)]
+def test_one_call_of_sequences_held_by_two_workers(pair: neuropod.NeuropodModel) -> None:
+    model = pair
+    assert model.sequence_batching
+    xs = {i: steps_of(3, i) for i in (1, 2, 3)}
+    first = model.infer_sequences(
+        {"x": np.concatenate([xs[i][0] for i in (1, 2, 3)])}, [SequenceStep(i, start=True) for i in (1, 2, 3)]
+    )
+    np.testing.assert_array_equal(first["y"], np.concatenate([xs[i][0] for i in (1, 2, 3)]))
+    assert sorted(model.worker_sequences) == [1, 2], "new sequences went to the worker holding fewer"
+    for step, order in ((1, (3, 1, 2)), (2, (2, 3, 1))):  # each call in another order, split by worker
+        out = model.infer_sequences(
+            {"x": np.concatenate([xs[i][step] for i in order])},
+            [SequenceStep(i, end=step == 2) for i in order],
         )
-        np.testing.assert_array_equal(first["y"], np.concatenate([xs[i][0] for i in (1, 2, 3)]))
-        assert sorted(model.worker_sequences) == [1, 2], "new sequences went to the worker holding fewer"
-        for step, order in ((1, (3, 1, 2)), (2, (2, 3, 1))):  # each call in another order, split by worker
-            out = model.infer_sequences(
-                {"x": np.concatenate([xs[i][step] for i in order])},
-                [SequenceStep(i, end=step == 2) for i in order],
-            )
-            np.testing.assert_array_equal(out["y"], np.concatenate([xs[i][: step + 1].sum(axis=0) for i in order]))
-        assert model.worker_sequences == [0, 0] and model.live_sequences == 0
+        np.testing.assert_array_equal(out["y"], np.concatenate([xs[i][: step + 1].sum(axis=0) for i in order]))
+    assert model.worker_sequences == [0, 0] and model.live_sequences == 0
 
 
-def test_idle_limit_and_bound_on_live_sequences_hold_across_workers(acc: Path) -> None:
+def test_idle_limit_and_bound_on_live_sequences_hold_across_workers(pair: neuropod.NeuropodModel) -> None:
+    model = pair
     x = np.ones((1, 4), np.float32)
-    with neuropod.load_neuropod(acc, use_ope=True, workers=2) as model:
-        model.configure_sequences(max_live=2)
-        model.infer({"x": x}, sequence_id=1, sequence_start=True)
-        model.infer({"x": x}, sequence_id=2, sequence_start=True)
-        assert model.worker_sequences == [1, 1]
-        with pytest.raises(SequenceLimitError, match=r"has 2 live sequences, its most \(2\); sequence 3 cannot start"):
-            model.infer({"x": x}, sequence_id=3, sequence_start=True)
-        model.infer({"x": x}, sequence_id=1, sequence_end=True)
+    model.configure_sequences(max_live=2)
+    model.infer({"x": x}, sequence_id=1, sequence_start=True)
+    model.infer({"x": x}, sequence_id=2, sequence_start=True)
+    assert model.worker_sequences == [1, 1]
+    with pytest.raises(SequenceLimitError, match=r"has 2 live sequences, its most \(2\); sequence 3 cannot start"):
         model.infer({"x": x}, sequence_id=3, sequence_start=True)
-        assert sorted(model.worker_sequences) == [1, 1]
+    model.infer({"x": x}, sequence_id=1, sequence_end=True)
+    model.infer({"x": x}, sequence_id=3, sequence_start=True)
+    assert sorted(model.worker_sequences) == [1, 1]
 
-        model.configure_sequences(max_idle_s=0.05)
-        time.sleep(0.15)
-        with pytest.raises(
-            SequenceError, match=r"sequence 2 is not live .* sat idle longer than the model's idle limit \(0.05 s\)"
-        ):
-            model.infer({"x": x}, sequence_id=2)
-        assert model.live_sequences == 0
-        assert model.worker_sequences == [0, 0], "expired sequences are freed in their workers"
-        assert model.infer({"x": x}, sequence_id=2, sequence_start=True)["y"].tolist() == [[1.0] * 4]
+    model.configure_sequences(max_idle_s=0.05)
+    time.sleep(0.15)
+    with pytest.raises(
+        SequenceError, match=r"sequence 2 is not live .* sat idle longer than the model's idle limit \(0.05 s\)"
+    ):
+        model.infer({"x": x}, sequence_id=2)
+    assert model.live_sequences == 0
+    assert model.worker_sequences == [0, 0], "expired sequences are freed in their workers"
+    assert model.infer({"x": x}, sequence_id=2, sequence_start=True)["y"].tolist() == [[1.0] * 4]
+    model.configure_sequences()
+    model.infer({"x": x}, sequence_id=2, sequence_end=True)
+    assert model.worker_sequences == [0, 0]
 
 
 def test_a_killed_worker_ends_its_sequences_with_a_clear_error(acc: Path) -> None:
@@ -236,8 +248,7 @@ def test_a_worker_killed_during_a_step(tmp_path: Path) -> None:
 def test_sequences_given_at_load_run_in_the_worker(tmp_path: Path) -> None:
     path = accumulator(tmp_path / "plain", declare=False)
     xs = steps_of(5, 3)
-    with neuropod.load_neuropod(path, use_ope=True) as plain:
-        assert not plain.stateful
+    assert not read_package(path).config.state_spec
     with neuropod.load_neuropod(path, use_ope=True, sequences={"state_spec": STATE}) as model:
         assert model.stateful and [s.name for s in model.inputs] == ["x"]
         with model.sequence() as seq:
