@@ -310,16 +310,20 @@ class RemoteModel(NeuropodModel):
                 assert home is not None
                 outputs = self._pool.call_on(home, call, timeout)
         except RemoteError as e:
-            with self._homes_lock:
-                self._homes.pop(sequence_id, None)
-            if home is not None and not start and e.code in ("unavailable", "deadline_exceeded"):
+            mapped = sequence_error(e)
+            lost = home is not None and not start and e.code == "unavailable"
+            if lost or isinstance(mapped, SequenceError):  # else (the model failed, a timeout) it may go on
+                with self._homes_lock:
+                    self._homes.pop(sequence_id, None)
+            if lost:
+                assert home is not None
                 raise RemoteSequenceError(
                     f"sequence {sequence_id!r} of remote model {self.name!r}: the server that holds its state "
                     f"({home.transport.target.url}) cannot be reached ({e}); its state is lost with it or out of "
                     "reach. Start the sequence again (sequence_start=True)",
                     url=e.url, code=e.code, server_message=e.server_message,
                 ) from None  # fmt: skip
-            raise sequence_error(e) from None
+            raise mapped from None
         with self._homes_lock:
             if end:
                 self._homes.pop(sequence_id, None)

@@ -4,7 +4,8 @@ that holds its state, and a step whose replica is gone fails with a clear error.
 :class:`SequenceRouter` is the deployment's Ray Serve request router (``request_router_config``).
 A request that is a sequence's step goes to one replica, chosen so:
 
-- a sequence this router has routed before goes where it went (its replica holds the state);
+- a sequence this router has routed before goes where it went (its replica holds the state; a
+  restart, ``sequence_start`` for a live id, too);
 - its first step (``sequence_start``), or a step of a sequence this router has not seen (another
   proxy or handle routed its start), goes to the replica that ranks first for its id among all
   replicas (rendezvous hashing on the replica ids: every router picks the same one while the
@@ -85,7 +86,8 @@ class SequenceRouter(PowerOfTwoChoicesRequestRouter):  # type: ignore[misc]
         if homes is None:
             homes = self._homes = OrderedDict()
         home = homes.get(key)
-        chosen = replicas.get(home) if home is not None and not start else None
+        # A live sequence's steps, a restart (sequence_start) too, go where its state is.
+        chosen = replicas.get(home) if home is not None else None
         if chosen is None:
             chosen = _ranked_first(key, candidate_replicas)
             if home is not None and not start:
