@@ -116,10 +116,6 @@ class Plan:
                 (t.name, t.datatype, wire, shape, size, {"name": t.name, "datatype": t.datatype, "shape": list(shape)})
             )
         self.tensors = tuple(tensors)
-        if "sequence_id" in self.parameters:
-            # Each step of a sequence is a form of its own (its id and flags): remembering them would
-            # only push out the forms that come again.
-            self._key = None
         if self._cache is not None and self._key is not None:
             self._cache.put(self._key, self, len(self._key))
             self._key = None
