@@ -12,6 +12,7 @@ The parts: :mod:`neuropod.ope.pool` (a model's workers, :func:`start_pool`),
 :mod:`neuropod.ope.fingerprint` (the package files a restart must find again),
 :mod:`neuropod.ope._channel` (the channel and the shared-memory blocks),
 :mod:`neuropod.ope.streaming` (a decoupled model's stream from a worker),
+:mod:`neuropod.ope.sequences` (a stateful model's sequences, whose state the workers keep),
 :mod:`neuropod.ope.worker` (the worker's own side) and
 :mod:`neuropod.ope.worker_model` (the model class).
 
@@ -19,6 +20,8 @@ The parts: :mod:`neuropod.ope.pool` (a model's workers, :func:`start_pool`),
   response per ``next`` of the caller (see :mod:`neuropod.ope.streaming`):
   each response is copied out of the worker's block as it arrives, and a
   stream holds its worker from its first response to its end.
+* A stateful model's sequences keep their state in the worker that ran their first step (see
+  :mod:`neuropod.ope.sequences`): a step's inputs and outputs cross, its state does not.
 * Inputs are copied once into one block per worker that is reused across
   calls (grown when a call needs more), or not at all when they were made
   with :meth:`~neuropod.ope.worker_model.WorkerModel.empty`. Outputs come back as numpy arrays over
