@@ -220,6 +220,7 @@ def model_config_message(config: dict[str, Any]) -> triton_config_pb2.ModelConfi
     # lazy: protobuf, kept out of a REST-only server (the REST app imports this module)
     from google.protobuf import json_format
 
+    # lazy: protobuf, kept out of a REST-only server (the REST app imports this module)
     from neuropod_serving.protocol._grpc import triton_config_pb2 as tc
 
     def tensors(entries: list[dict[str, Any]], kind: Any) -> list[Any]:
