@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 import neuropod
 from neuropod.errors import SequenceError, SequenceLimitError, WorkerError
 from neuropod.package import read_package
-from neuropod.sequences import SequenceStep
+from neuropod.sequences import SequenceStep, StateMismatchError
 from neuropod.testing import run_in_threads
 
 from _ope_toy import gone
@@ -219,6 +219,8 @@ def test_a_worker_killed_during_a_step(tmp_path: Path) -> None:
             def run(x, acc_in):
                 if (x < 0).any():
                     os.kill(os.getpid(), signal.SIGKILL)
+                if (x > 100).any():  # a state output that does not fit the state
+                    return {"y": acc_in + x, "acc_out": (acc_in + x)[:, :1]}
                 return {"y": acc_in + x, "acc_out": acc_in + x}
             return run
     """)
@@ -235,6 +237,11 @@ def test_a_worker_killed_during_a_step(tmp_path: Path) -> None:
     with neuropod.load_neuropod(tmp_path / "fragile.neuropod", use_ope=True, restart=True) as model:
         with model.sequence("a") as seq:
             seq.infer({"x": ok})
+            with pytest.raises(
+                StateMismatchError, match=r"state output 'acc_out' is float64 \[1, 1\], but its state_spec"
+            ):
+                seq.infer({"x": 1000 * ok})
+            assert seq.state()["acc_in"].tolist() == [[1.0, 1.0]], "the state stays as it was"
             with pytest.raises(WorkerError, match=r"(?s)died .*Sequence\(s\) 'a' of model 'fragile' lost their state"):
                 seq.infer({"x": -ok})
             with pytest.raises(SequenceError, match="'a' is not live .* lost its state"):

@@ -38,6 +38,7 @@ from neuropod.ope._channel import (
     string_bytes,
     string_size,
 )
+from neuropod.sequences import StateMismatchError
 
 if TYPE_CHECKING:
     from neuropod.ope.pool import WorkerPool
@@ -580,7 +581,7 @@ class WorkerProcess:
 def worker_exception(reply: tuple[Any, ...], model: str) -> NeuropodError:
     """The error a worker sent back (``("error", class name, message, traceback)``), raised here as its own class."""
     _, cls_name, message, tb = reply
-    cls = getattr(errors, cls_name, None)
+    cls = getattr(errors, cls_name, None) or (StateMismatchError if cls_name == "StateMismatchError" else None)
     if isinstance(cls, type) and issubclass(cls, NeuropodError):
         exc = cls(message)
     else:
