@@ -115,16 +115,20 @@ def xs(seq: int, n: int) -> np.ndarray:
 # --- the engine -----------------------------------------------------------------------------
 
 
-def test_steps_of_concurrent_sequences_share_runs_value_exact(repo: Path) -> None:
+@pytest.mark.parametrize("delay_s", [0.0, 0.001])
+def test_steps_of_concurrent_sequences_share_runs_value_exact(repo: Path, delay_s: float) -> None:
     """32 sequences from 32 threads, 30 steps each, with gRPC's blocking path: every answer is
-    that sequence's running sum; runs hold several sequences, never one twice."""
+    that sequence's running sum; runs hold several sequences, never one twice. Without a queue
+    delay, a step that finds the batcher idle runs on its caller's thread, and steps arriving
+    while a run holds the slot share the next."""
     metrics = ServerMetrics()
-    engine = engine_for(repo, ["acc"], delay_s=0.001, size=16, metrics=metrics)
+    engine = engine_for(repo, ["acc"], delay_s=delay_s, size=16, metrics=metrics)
     try:
         served = engine.get("acc")
         assert engine.batched("acc") == (True, "sequence batching")
         assert engine._runners[("acc", "1")].batcher is None  # never the ordinary batcher
-        runs = Runs(served.model)
+        # Without a delay, runs this model's length (10 us) rarely overlap another arrival: held for 1 ms, they do.
+        runs = Runs(served.model, hold_s=0.001 if delay_s == 0 else 0.0)
         steps = 30
 
         def client(seq: int) -> None:

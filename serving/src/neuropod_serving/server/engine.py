@@ -390,7 +390,7 @@ class Engine(ModelLifecycle):
                 try:
                     if sequencer is not None:  # a stateful model's step, run with other sequences' steps
                         assert step is not None
-                        future = sequencer.submit(inputs, step, requested, options.parameters)
+                        future = sequencer.submit(inputs, step, requested, options.parameters, here=True)
                     else:
                         assert runner.batcher is not None
                         future = runner.batcher.submit(inputs, requested, options.parameters)

@@ -112,16 +112,22 @@ class SequenceBatcher:
         self._filling = False
         #: The fewest waiting requests that may make a batch worth running before the delay is out.
         self._enough = min((*policy.preferred_batch_sizes, policy.max_batch_size))
+        #: Whether a step that finds the batcher idle may run on its caller's thread (no queue delay).
+        self._idle = policy.max_queue_delay_s == 0
         self._pool = concurrent.futures.ThreadPoolExecutor(inflight, thread_name_prefix=f"neuropod-seqbatch-{name}")
         self._thread = threading.Thread(target=self._collect, name=f"neuropod-sequencer-{name}", daemon=True)
         self._thread.start()
 
     def submit(
         self, inputs: Arrays, step: SequenceStep, requested: list[str] | None,
-        parameters: Mapping[str, Any] | None = None,
+        parameters: Mapping[str, Any] | None = None, *, here: bool = False,
     ) -> concurrent.futures.Future[Arrays]:  # fmt: skip
         """Queue one step of a sequence (its inputs already passed the spec check).
 
+        :param here: a caller on a thread of its own (gRPC's): when the batcher is idle (no queue
+            delay, nothing waiting, a run slot free), the step runs at once on this thread, as a
+            batch of one: the collector would have taken it alone at once, and two thread hops
+            are spared. The future it returns is then done.
         :returns: its future; cancelling it before its batch runs leaves it out of the run.
         :raises SpecError: its inputs do not hold one step's rows (:attr:`rows`).
         :raises NeuropodError: the batcher is closing (the model is being unloaded).
@@ -141,9 +147,19 @@ class SequenceBatcher:
         with self._cv:
             if self._closed:
                 raise NeuropodError(f"model {self.name!r} is unloading")
-            self._queue.append(item)
-            if not self._filling or len(self._queue) >= self._enough:
-                self._cv.notify()
+            alone = (
+                here and self._idle and not self._queue and self._busy < self._inflight
+                and step.sequence_id not in self._running
+            )  # fmt: skip
+            if alone:
+                self._busy += 1
+                self._running.add(step.sequence_id)
+            else:
+                self._queue.append(item)
+                if not self._filling or len(self._queue) >= self._enough:
+                    self._cv.notify()
+        if alone:
+            self._run_batch([item])
         return item.future
 
     def close(self) -> None:
