@@ -37,6 +37,7 @@ cores allow; torch runs with one thread on each side.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -46,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +259,12 @@ class Server:
     def stop(self) -> None:
         stop_group(self.proc)
 
+    def counts(self) -> tuple[int, int]:
+        """The model's (inference_count, execution_count) so far: steps, and runs of the model."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/models/{GRU}/stats", timeout=10) as r:
+            stats = json.load(r)["model_stats"][0]
+        return int(stats["inference_count"]), int(stats["execution_count"])
+
     def cpu(self) -> float:
         """CPU seconds (user + system) the server process has used so far."""
         with open(f"/proc/{self.proc.pid}/stat") as f:
@@ -342,14 +350,18 @@ def served(
             for protocol in protocols:
                 at = port + 1 if protocol == "grpc" else port
                 drive(protocol, at, min(1.0, seconds), expected)  # warm up (and check)
-                cpu0, client0 = server.cpu(), time.process_time()
+                cpu0, client0, counts0 = server.cpu(), time.process_time(), server.counts()
                 rate, total, elapsed = drive(protocol, at, seconds, expected)
                 server_cores = (server.cpu() - cpu0) / elapsed
                 client_cores = (time.process_time() - client0) / elapsed
+                counts = server.counts()
+                runs = counts[1] - counts0[1]
+                per_run = (counts[0] - counts0[0]) / runs if runs else float("nan")
                 rates[protocol][label] = rate
                 print(f"    {PROTOCOLS[protocol]:<5} batching {label:<3} ({' '.join(options) or 'no options'}): "
                       f"{rate:7.0f} steps/s ({total} steps in {elapsed:.1f} s; CPU: server {server_cores:.2f}, "
-                      f"clients {client_cores:.2f} of a core; server {server_cores / rate * 1e6:.0f} us/step)")  # fmt: skip
+                      f"clients {client_cores:.2f} of a core; server {server_cores / rate * 1e6:.0f} us/step; "
+                      f"{per_run:.1f} steps/run)")  # fmt: skip
         except BaseException:
             print(f"{server.label} failed; its log ends:\n{log_tail(server.log)}")
             raise
