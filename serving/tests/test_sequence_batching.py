@@ -199,6 +199,30 @@ def test_a_sequence_is_never_in_two_runs_at_once(repo: Path) -> None:
         registry.close()
 
 
+def test_a_step_whose_timeout_passes_while_it_waits_never_runs(repo: Path) -> None:
+    """A step queued behind its sequence's running step gives up at its timeout (not run); the
+    sequence's next step continues from the state the running step left."""
+    from neuropod_serving.errors import RequestTimeoutError
+
+    engine = engine_for(repo, ["acc"], size=4)
+    try:
+        served = engine.get("acc")
+        runs = Runs(served.model, hold_s=0.3)
+        one = np.ones((1, 4), np.float32)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(engine.infer_blocking, served, {"x": one}, None, step(5, True))
+            time.sleep(0.05)  # the first step runs (held)
+            late = RequestOptions(timeout_s=0.05, timeout_us=50_000, sequence=SequenceStep(5))
+            with pytest.raises(RequestTimeoutError, match="50000"):
+                engine.infer_blocking(served, {"x": 10 * one}, None, late)
+            np.testing.assert_array_equal(first.result(10)["y"], one)
+        runs.hold_s = 0.0
+        np.testing.assert_array_equal(engine.infer_blocking(served, {"x": 2 * one}, None, step(5))["y"], 3 * one)
+        assert runs.calls == [[5], [5]]
+    finally:
+        engine.close()
+
+
 def test_a_failing_run_answers_each_of_its_requests_and_keeps_their_state(repo: Path) -> None:
     engine = engine_for(repo, ["lookup"], delay_s=0.5, size=3, sequences=SequenceLimits(30_000_000, 10))
     try:

@@ -247,7 +247,9 @@ class SequenceBatcher:
             if not started:  # older than first: its sequence is in a run, and so are its later steps
                 held.add(sequence_id)
                 continue
-            if sequence_id in held or sequence_id in seen or item.key != first.key or item.future.cancelled():
+            if item.future.cancelled():  # its caller gave up: it will not run, and holds nothing back
+                continue
+            if sequence_id in held or sequence_id in seen or item.key != first.key:
                 held.add(sequence_id)  # its later steps wait for it
                 continue
             seen.add(sequence_id)
