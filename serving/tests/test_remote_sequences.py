@@ -26,6 +26,9 @@ from neuropod.errors import RemoteError, SequenceError, SequenceLimitError
 from neuropod.sequences import SequenceStep
 from neuropod.testing import served
 from neuropod_serving.client import RemoteSequenceError
+from neuropod_serving.client._grpc import GrpcTransport
+from neuropod_serving.client._http import HttpTransport
+from neuropod_serving.client._target import parse_url
 
 from conftest import onnx_package, private_caches
 
@@ -171,3 +174,15 @@ def test_two_servers_keep_each_sequence_where_its_state_is(models: Path, server:
             for k in on_first:  # the others go on
                 y = seqs[k].infer({"x": xs[k][3]}, end=True)["y"]
                 np.testing.assert_array_equal(y, np.cumsum(xs[k], axis=0)[3])
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_model_configuration_says_stateful_as_triton_does(server: Any, protocol: str) -> None:
+    """What a remote model of another server (Triton) reads: ``sequence_batching`` in the model's
+    configuration, over each protocol (here from neuropod serve, which writes it as Triton does)."""
+    target = parse_url(_url(server, protocol))
+    transport = GrpcTransport(target) if protocol == "grpc" else HttpTransport(target)
+    try:
+        assert transport.config_flags(10) == (False, True)  # not decoupled; stateful
+    finally:
+        transport.close()
