@@ -25,6 +25,12 @@ them: REST ``infer_stream`` through Ray's HTTP proxy, gRPC ``ModelStreamInfer``
 through its gRPC proxy, and the deployment's ``infer_stream`` generator method
 for Ray's streaming handles (:mod:`neuropod_serving.ray.streaming`).
 
+A stateful package (``state_spec`` or ``sequence_controls``) keeps each
+sequence's state in one replica: its deployment's request router
+(:class:`~neuropod_serving.ray.sequence_router.SequenceRouter`) sends every
+step of a sequence there, and refuses a step whose replica is gone with a
+:class:`~neuropod.errors.SequenceError` saying so.
+
 Packages reach replicas through Ray's object store, not a shared file system:
 :func:`build` reads the package once, on the machine it runs on, and hands it
 to a small detached actor (:class:`PackageStore`) that keeps it in the object
