@@ -27,13 +27,15 @@ work.
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from neuropod.errors import NeuropodError, WorkerError
-from neuropod.sequences import SequenceStep, SequenceTable
+from neuropod.sequences import NOT_FAST, SequenceStep, SequenceTable
 
 if TYPE_CHECKING:
     from neuropod.ope.pool import WorkerPool
@@ -80,6 +82,8 @@ class WorkerSequences(SequenceTable):
         self._load: dict[WorkerProcess, int] = {w: 0 for w in pool.workers}
         #: Sequences forgotten here that a worker still holds: freed with its next message.
         self._ended: dict[WorkerProcess, list[int | str]] = {}
+        #: A step's rows (the state's leading dim when calls stack sequences), as the model counts them.
+        self._rows = table.pairs[0].shape[0] if table.batching and table.pairs else 1
 
     def _forget(self, sequence_id: int | str, why: str) -> None:
         # Called with the table's lock held, whenever a sequence stops being live.
@@ -122,6 +126,56 @@ class WorkerSequences(SequenceTable):
                 self.abandon([s for s in steps if s not in settled])
             if self._ended:
                 self._flush_all()
+
+    def run_one(self, sequence_id: Any, end: bool, inputs: dict[str, Any], run: Any, handle: Any,
+                with_device: bool) -> Any:  # fmt: skip
+        """The common step (see :meth:`SequenceTable.run_one`): one live sequence that is not
+        starting and not busy, whose worker is up: sent to that worker, the outputs back (``run``,
+        ``handle`` and ``with_device`` are not used: the worker runs the model). :data:`NOT_FAST`
+        without sending anything otherwise; :meth:`run` then says what is wrong, if anything."""
+        cond = self._cond
+        with cond:
+            live = self._live.get(sequence_id)
+            pin = self._pins.get(sequence_id)
+            if live is None or live.busy or pin is None:
+                return NOT_FAST
+            idle = self.max_idle_s
+            if idle is not None:
+                now = time.monotonic()
+                if now - live.used > idle or now - self._swept >= idle / 2:
+                    return NOT_FAST
+            live.busy = True
+        worker, pool = pin.worker, self.pool
+        outputs: Any = NOT_FAST
+        error: BaseException | None = None
+        worker.lock.acquire()
+        try:
+            if not pool.closed and not worker.failed and pin.generation == worker.generation \
+                    and pool.forgotten.empty() and os.getpid() == pool.pid and worker.alive:  # fmt: skip
+                ended: list[int | str] = []
+                if self._ended:
+                    with cond:
+                        ended = self._ended.pop(worker, [])
+                worker.post_steps(inputs, None, [(sequence_id, False, end, self._rows)], None, ended)
+                outputs = worker.steps_answer()
+        except BaseException as e:  # noqa: BLE001 - raised below, once the books are straight
+            error = e
+        finally:
+            pool.give_back(worker)
+            with cond:
+                if outputs is not NOT_FAST and end:
+                    if self._pins.pop(sequence_id, None) is not None:
+                        self._load[worker] -= 1
+                    self._forget(sequence_id, "ended")
+                else:
+                    if outputs is not NOT_FAST:
+                        live.used = time.monotonic()
+                    live.busy = False
+                if self._waiting:
+                    cond.notify_all()
+        if error is not None:
+            raise self._lost_with(worker, [SequenceStep(sequence_id)], error)
+        return outputs
 
     def _route(self, steps: list[SequenceStep]) -> dict[WorkerProcess, list[int]]:
         """Each step's worker (by index in ``steps``): its sequence's, or for a new sequence the

@@ -51,7 +51,10 @@ class WorkerModel(NeuropodModel):
             self._initial = [table.initial[p.input_name] for p in table.pairs]
             # The books only: the workers keep the state, and each step goes to its sequence's worker.
             self._sequences = self._in_workers = WorkerSequences(table, pool)
-            self._fast_step = None
+            # The common step's path (see NeuropodModel.infer) with this table's run_one, which
+            # sends the step to the sequence's worker; none if that path is not as expected.
+            fast = self._fast_step
+            self._fast_step = None if fast is None or fast[1] is not table else (fast[0], self._in_workers, *fast[2:])
 
     def _workers_table(self) -> WorkerSequences:
         self._stateful_table()  # closed, or not stateful: says so
