@@ -254,9 +254,6 @@ class ModelLifecycle:
                 observe=functools.partial(_observe, self.metrics, model.name),
                 rows=model.state_spec[0].shape[0] if model.state_spec else 1,
             )  # fmt: skip
-        if stateful and self._sweeper is None:
-            self._sweeper = threading.Thread(target=self._sweep, name="neuropod-sequence-sweep", daemon=True)
-            self._sweeper.start()
         if batched:
             assert policy is not None
             # Batched runs are timed as unbatched ones are: whether the model may run on the event
@@ -267,6 +264,9 @@ class ModelLifecycle:
                 rows_promised=shared_symbols(model),
             )  # fmt: skip
         self._runners[(served.name, served.version)] = runner
+        if stateful and self._sweeper is None:
+            self._sweeper = threading.Thread(target=self._sweep, name="neuropod-sequence-sweep", daemon=True)
+            self._sweeper.start()
 
     def _configure_sequences(self, model: Any, settings: ModelSettings) -> float:
         """Bound a stateful model's sequences by its settings (else the server's); its idle limit in seconds."""
