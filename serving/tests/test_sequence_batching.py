@@ -179,6 +179,36 @@ def test_pipelined_steps_of_one_sequence_run_in_order_one_per_run(repo: Path) ->
         engine.close()
 
 
+def test_steps_with_different_parameters_never_share_a_run(repo: Path) -> None:
+    engine = engine_for(repo, ["acc"], delay_s=0.3, size=4)
+    try:
+        served = engine.get("acc")
+        runs = Runs(served.model)
+        seen: list[tuple[list[int | str], Any]] = []
+        real = runs.real
+
+        def recording(inputs: Any, steps: list[SequenceStep], *args: Any, **kw: Any) -> Any:
+            seen.append(([s.sequence_id for s in steps], kw.get("parameters")))
+            return real(inputs, steps, *args, **kw)
+
+        runs.real = recording
+        one = np.ones((1, 4), np.float32)
+
+        def send(seq: int) -> Any:
+            options = RequestOptions(parameters={"p": seq % 2}, sequence=SequenceStep(seq, True))
+            return engine.infer_blocking(served, {"x": seq * one}, None, options)
+
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(send, [1, 2, 3, 4]))
+        for seq, out in zip([1, 2, 3, 4], outs):
+            np.testing.assert_array_equal(out["y"], seq * one)
+        # Each run's steps share its parameters (1 and 3: p=1; 2 and 4: p=0): at least two runs.
+        assert sorted(i for ids, _ in seen for i in ids) == [1, 2, 3, 4] and len(seen) >= 2
+        assert all(dict(p) == {"p": i % 2} for ids, p in seen for i in ids), seen
+    finally:
+        engine.close()
+
+
 def test_a_sequence_is_never_in_two_runs_at_once(repo: Path) -> None:
     """Three runs in flight at once (as with OPE workers): a sequence's next step waits for its run."""
     registry = ModelRegistry.load([repo / "models" / "acc"])
