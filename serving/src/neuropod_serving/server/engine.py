@@ -114,6 +114,11 @@ class Engine(ModelLifecycle):
     :param limits: runs at once and queue of each model (default: :class:`~.admission.ModelLimits`'s).
     :param shared_memory: the regions clients register for tensors in shared memory (Triton's
         shared-memory extensions); None: this server takes no tensors in shared memory.
+    :param stream_limits: open streams of one model and their buffers (default: :class:`~.streams.StreamLimits`'s).
+    :param sequences: a stateful model's idle limit and bound on live sequences unless its load config
+        sets its own (default: :data:`~neuropod_serving.defaults.DEFAULT_MAX_SEQUENCE_IDLE_US`, 1 s,
+        and :data:`~neuropod_serving.defaults.DEFAULT_MAX_SEQUENCES`); idle sequences are freed
+        every half idle limit even while no request comes.
     """
 
     # -- requests ----------------------------------------------------------------
