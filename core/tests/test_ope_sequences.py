@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,7 +118,8 @@ def test_no_state_crosses_between_the_processes_per_step(tmp_path: Path) -> None
 
 def test_interleaved_sequences_from_threads_over_two_workers(pair: neuropod.NeuropodModel) -> None:
     model = pair
-    started = []
+    together = threading.Barrier(6, timeout=60)  # broken, not hung, if a thread fails first
+    counts: list[int] = []
 
     def work(n: int) -> None:
         xs = steps_of(40, 100 + n)
@@ -125,14 +127,14 @@ def test_interleaved_sequences_from_threads_over_two_workers(pair: neuropod.Neur
             for i, x in enumerate(xs):
                 y = seq.infer({"x": x})["y"]
                 np.testing.assert_array_equal(y, xs[: i + 1].sum(axis=0), err_msg=f"sequence {n}, step {i}")
-                if i == 0:
-                    started.append(n)
-                    while len(started) < 6:  # all six live at once: three on each worker
-                        time.sleep(0.001)
+                if i == 0:  # all six live at once: three on each worker
+                    together.wait()
                     if n == 0:
-                        assert sorted(model.worker_sequences) == [3, 3]
+                        counts.extend(model.worker_sequences)
+                    together.wait()
 
     run_in_threads(work, 6)
+    assert counts == [3, 3]
     assert model.worker_sequences == [0, 0] and model.live_sequences == 0
 
 
@@ -176,9 +178,13 @@ def test_idle_limit_and_bound_on_live_sequences_hold_across_workers(pair: neurop
     assert model.live_sequences == 0
     assert model.worker_sequences == [0, 0], "expired sequences are freed in their workers"
     assert model.infer({"x": x}, sequence_id=2, sequence_start=True)["y"].tolist() == [[1.0] * 4]
+    # A server's sweep frees expired sequences in their workers with no step coming.
+    model.infer({"x": x}, sequence_id=4, sequence_start=True)
+    assert model.worker_sequences == [1, 1]
+    time.sleep(0.15)
+    assert model.sweep_sequences() == 2
+    assert model.live_sequences == 0 and model.worker_sequences == [0, 0]
     model.configure_sequences()
-    model.infer({"x": x}, sequence_id=2, sequence_end=True)
-    assert model.worker_sequences == [0, 0]
 
 
 def test_a_killed_worker_ends_its_sequences_with_a_clear_error(acc: Path) -> None:

@@ -309,6 +309,14 @@ class WorkerSequences(SequenceTable):
 
     # -- ending, copying, counting ------------------------------------------------------------
 
+    def sweep(self) -> int:
+        """Free expired sequences now (see :meth:`SequenceTable.sweep`), in their workers too (a
+        worker busy with a call frees them with its next message); how many were freed."""
+        freed = super().sweep()
+        if self._ended:
+            self._flush_all()
+        return freed
+
     def end_sequence(self, sequence_id: int | str) -> bool:
         """Free a sequence now, in its worker too (waiting for a call that runs it); whether it was live."""
         with self._cond:
@@ -339,14 +347,12 @@ class WorkerSequences(SequenceTable):
             self.pool.give_back(worker)
 
     def worker_counts(self) -> list[int]:
-        """How many sequences each worker holds (after freeing those forgotten here)."""
+        """How many sequences each worker holds the state of now."""
         counts = []
         for worker in self.pool.workers:
             self.pool.take_worker(worker)
             try:
-                with self._cond:
-                    ended = self._ended.pop(worker, [])
-                counts.append(worker.live_sequences(ended))
+                counts.append(worker.live_sequences([]))
             except NeuropodError as e:
                 raise self._lost_with(worker, [], e) from None
             finally:

@@ -79,8 +79,8 @@ class WorkerModel(NeuropodModel):
 
     @property
     def worker_sequences(self) -> list[int]:
-        """How many sequences each worker holds the state of (a stateful model; asks each worker,
-        after freeing in it the sequences that ended or expired)."""
+        """How many sequences each worker holds the state of now (a stateful model; asks each
+        worker, waiting for a call it runs)."""
         return self._workers_table().worker_counts()
 
     def _bind_infer(self) -> None:
