@@ -188,6 +188,7 @@ def test_idle_limit_and_bound_on_live_sequences_hold_across_workers(pair: neurop
 
 
 def test_a_killed_worker_ends_its_sequences_with_a_clear_error(acc: Path) -> None:
+    fds = len(os.listdir("/proc/self/fd"))
     with neuropod.load_neuropod(acc, use_ope=True, workers=2, restart=True) as model:
         xs = steps_of(3, 7)
         model.infer({"x": xs[0]}, sequence_id=1, sequence_start=True)
@@ -211,6 +212,7 @@ def test_a_killed_worker_ends_its_sequences_with_a_clear_error(acc: Path) -> Non
         pids = model.worker_pids
     for pid in pids:
         assert gone(pid)
+    assert len(os.listdir("/proc/self/fd")) <= fds, "no pipe, socket or shared-memory descriptor left open"
 
 
 def test_a_worker_killed_during_a_step(tmp_path: Path) -> None:
