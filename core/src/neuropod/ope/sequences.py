@@ -368,8 +368,11 @@ class WorkerSequences(SequenceTable):
             return
         try:
             taken = self.pool.take_worker(worker, wait)
-        except NeuropodError:
-            return  # closed, or the worker stopped: the state went with it
+        except NeuropodError:  # closed, or the worker stopped: the state went with it
+            if worker.failed:
+                with self._cond:
+                    self._lose_worker(worker)
+            return
         if taken is None:
             with self._cond:
                 self._ended.setdefault(worker, [])[:0] = ended
