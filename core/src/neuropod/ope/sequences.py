@@ -369,9 +369,8 @@ class WorkerSequences(SequenceTable):
         try:
             taken = self.pool.take_worker(worker, wait)
         except NeuropodError:  # closed, or the worker stopped: the state went with it
-            if worker.failed:
-                with self._cond:
-                    self._lose_worker(worker)
+            with self._cond:
+                self._lose_worker(worker)  # (only if it stopped)
             return
         if taken is None:
             with self._cond:
