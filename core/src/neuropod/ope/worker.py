@@ -230,10 +230,14 @@ class Worker:
         if type(outputs) is not dict:
             return outputs
         for name, value in outputs.items():
-            if type(value) is np.ndarray and value.base is not None:
-                address = value.__array_interface__["data"][0]
-                if any(b.address <= address < b.address + b.size for b in self.in_blocks.values()):
+            # A view of an input is an array whose base (numpy's, or its base's) is a block's whole:
+            # cheaper to find than the address of every output (a framework's is a capsule's).
+            base = value.base if type(value) is np.ndarray else None
+            while type(base) is np.ndarray:
+                if any(base is b.whole for b in self.in_blocks.values()):
                     outputs[name] = value.copy()
+                    break
+                base = base.base
         return outputs
 
     def sequence_state(self, sequence_id: Any, free: list[int]) -> tuple[tuple[Any, ...], list[int]]:
