@@ -428,6 +428,10 @@ def test_a_load_config_with_sequence_batching_makes_a_model_stateful(server: Ser
         for change, word in refusals:
             for client, status in ((server.rest, "400"), (server.grpc, "StatusCode.INVALID_ARGUMENT")):
                 _refused(status, (word,), client.load_model, "plain_acc", config=_triton_config(**change))
+        listed = json.loads(_triton_config())
+        listed["input"].append({"name": "START", "data_type": "TYPE_INT32", "dims": [1]})
+        _refused("400", ("input 'START' is a control or state tensor",), server.rest.load_model, "plain_acc",
+                 config=json.dumps(listed))  # fmt: skip
         assert server.engine.get("plain_acc").stateful
     finally:
         server.rest.load_model("plain_acc")  # without a config: the package's own (stateless) declaration

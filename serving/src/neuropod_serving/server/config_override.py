@@ -55,7 +55,7 @@ from neuropod.spec import TensorSpec
 from neuropod_serving.protocol import ProtocolError, oip_datatype
 from neuropod_serving.server.batching import batch_symbol
 from neuropod_serving.server.registry import ModelSettings
-from neuropod_serving.server.sequence_config import sequence_settings
+from neuropod_serving.server.sequence_config import check_listed, sequence_settings
 
 #: Fields that set how the model is served.
 APPLIED = ("max_batch_size", "dynamic_batching", "sequence_batching", "instance_group")
@@ -166,6 +166,7 @@ def settings_from_config(text: object, package: ModelConfig, defaults: ModelSett
             raise ProtocolError(f"{where}: dynamic_batching and sequence_batching exclude each other; use one")
         triton_batch = _int(config.get("max_batch_size", 0), f"{where}: max_batch_size", 0, MAX_BATCH_SIZE)
         found = sequence_settings(config["sequence_batching"], triton_batch, where)
+        check_listed(config, found, where)
         sequences = found.sequences
         idle = found.max_sequence_idle_us if found.max_sequence_idle_us is not None else idle
         bound = found.max_sequences if found.max_sequences is not None else bound

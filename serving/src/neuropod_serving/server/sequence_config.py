@@ -128,6 +128,28 @@ def sequence_settings(block: object, max_batch_size: int, where: str) -> Sequenc
     )  # fmt: skip
 
 
+def check_listed(config: Mapping[str, Any], settings: SequenceSettings, where: str) -> None:
+    """Refuse a config whose ``input`` or ``output`` lists a tensor the server fills or keeps:
+    Triton's lists leave out the control inputs, and the state inputs and outputs.
+
+    :raises ProtocolError: naming the tensor.
+    """
+    declared = json.loads(settings.sequences)
+    hidden = {
+        "input": {c["name"] for c in declared.get("sequence_controls", [])}
+        | {p["input_name"] for p in declared.get("state_spec", [])},
+        "output": {p["output_name"] for p in declared.get("state_spec", [])},
+    }
+    for field, names in hidden.items():
+        entries = config.get(field)
+        listed = {e.get("name") for e in entries if isinstance(e, dict)} if isinstance(entries, list) else set()
+        for name in sorted(names & listed):
+            raise ProtocolError(
+                f"{where}: {field} {name!r} is a control or state tensor of sequence_batching, which the server "
+                f"fills or keeps; leave it out of {field}, as Triton's configuration does"
+            )
+
+
 def _control(entry: object, where: str) -> dict[str, str]:
     entry = _object(entry, where)
     _only(entry, ("name", "control"), where)
@@ -227,4 +249,4 @@ def _int(value: object, where: str, low: int, high: int) -> int:
     return value
 
 
-__all__ = ["DTYPES", "SequenceSettings", "sequence_settings"]
+__all__ = ["DTYPES", "SequenceSettings", "check_listed", "sequence_settings"]
