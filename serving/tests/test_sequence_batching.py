@@ -255,6 +255,36 @@ def test_a_step_whose_timeout_passes_while_it_waits_never_runs(repo: Path) -> No
         engine.close()
 
 
+def test_sequences_batched_across_ope_workers(repo: Path) -> None:
+    """With two OPE workers (two runs in flight), value-exact from 16 threads; the sweep reaches
+    state held in the workers."""
+    registry = ModelRegistry.load([repo / "models" / "acc"], workers=2)
+    engine = Engine(registry, batching=BatchPolicy(8, 0.001), sequences=SequenceLimits(300_000, 100))
+    try:
+        served = engine.get("acc")
+        assert engine.batched("acc") == (True, "sequence batching")
+        n = 12
+
+        def client(seq: int) -> None:
+            sent = xs(seq, n)
+            want = np.cumsum(sent, axis=0)
+            for k in range(n):
+                out = engine.infer_blocking(served, {"x": sent[k]}, None, step(seq, k == 0, k == n - 1))
+                np.testing.assert_array_equal(out["y"], want[k])
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(client, range(1, 17)))
+        assert engine.live_sequences() == {"acc": 0}
+        engine.infer_blocking(served, {"x": xs(1, 1)[0]}, None, step(99, True))
+        assert engine.live_sequences() == {"acc": 1}
+        deadline = time.monotonic() + 10
+        while engine.live_sequences()["acc"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.live_sequences() == {"acc": 0}
+    finally:
+        engine.close()
+
+
 def test_a_failing_run_answers_each_of_its_requests_and_keeps_their_state(repo: Path) -> None:
     # A long delay: the 3 requests of a round make a full batch however slowly their threads start.
     engine = engine_for(repo, ["lookup"], delay_s=5.0, size=3, sequences=SequenceLimits(60_000_000, 10))
