@@ -266,13 +266,15 @@ def test_a_worker_killed_during_a_step(tmp_path: Path) -> None:
 
 
 def test_sequences_given_at_load_run_in_the_worker(tmp_path: Path) -> None:
-    path = accumulator(tmp_path / "plain", declare=False)
-    xs = steps_of(5, 3)
+    path = accumulator(tmp_path / "plain", x_width=1, declare=False)
     assert not read_package(path).config.state_spec
-    with neuropod.load_neuropod(path, use_ope=True, sequences={"state_spec": STATE}) as model:
-        assert model.stateful and [s.name for s in model.inputs] == ["x"]
+    # Its state and a control input filled by the worker (x: 1 on each step), declared at load:
+    # each step adds 1 to the state.
+    declared = {"state_spec": STATE, "sequence_controls": [{"name": "x", "kind": "CONTROL_SEQUENCE_READY"}]}
+    with neuropod.load_neuropod(path, use_ope=True, sequences=declared) as model:
+        assert model.stateful and model.inputs == []
         with model.sequence() as seq:
-            got = np.concatenate([seq.infer({"x": x})["y"] for x in xs])
+            got = [seq.infer({})["y"].tolist() for _ in range(3)]
             assert model.worker_sequences == [1]
-        np.testing.assert_array_equal(got, np.cumsum(xs, axis=0)[:, 0])
+        assert got == [[[float(n)] * 4] for n in (1, 2, 3)]
         assert model.worker_sequences == [0]
