@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from neuropod.errors import NeuropodError, SequenceError, SequenceLimitError, SpecError
+from neuropod.errors import SequenceError, SequenceLimitError, SpecError
 from neuropod.spec import DTYPES, TensorSpec
-from neuropod.statespec import ZERO, SequenceControl, StatePair
+from neuropod.statespec import SequenceControl, StatePair, batch_symbol, initial_state
 
 if TYPE_CHECKING:
-    from neuropod.model import NeuropodModel
+    from neuropod.stateful import StatefulModel
 
 #: What :meth:`SequenceTable.run_one` answers for a step it does not take.
 NOT_FAST: Any = object()
@@ -367,9 +367,7 @@ class SequenceTable:
                     per_step[i][pair.input_name] = array[i * size : (i + 1) * size].copy()
         return outputs, per_step
 
-    def _check_state(
-        self, pair: StatePair, array: Any, wanted: tuple[int, ...], steps: Seq[SequenceStep]
-    ) -> Any:
+    def _check_state(self, pair: StatePair, array: Any, wanted: tuple[int, ...], steps: Seq[SequenceStep]) -> Any:
         ids = ", ".join(repr(s.sequence_id) for s in steps[:3]) + (", ..." if len(steps) > 3 else "")
         if array is None:
             raise StateMismatchError(
@@ -497,62 +495,6 @@ def build_table(model_name: str, config: Any, root: Any, input_spec: Iterable[Te
                          batch_symbol(inputs, outputs, pairs) is not None)  # fmt: skip
 
 
-def initial_state(pair: StatePair, root: Any, model_name: str) -> np.ndarray:
-    """One sequence's initial value of a state (read-only: a step never edits it)."""
-    dtype = DTYPES[pair.dtype]
-    if pair.initial_state == ZERO:
-        array = np.zeros(pair.shape, dtype=dtype) if dtype is not None else np.full(pair.shape, "", dtype=object)
-    else:
-        path = root / pair.initial_state
-        try:
-            array = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise NeuropodError(
-                f"model {model_name!r}: cannot read the initial state of {pair.input_name!r} from {pair.initial_state}: {e}"
-            ) from None
-        if array.shape != pair.shape or (dtype is not None and array.dtype != dtype):
-            raise NeuropodError(
-                f"model {model_name!r}: the initial state of {pair.input_name!r} in {pair.initial_state} is "
-                f"{array.dtype} {list(array.shape)}, not {pair.dtype} {list(pair.shape)}"
-            )
-    array.flags.writeable = False
-    return array
-
-
-def batch_symbol(
-    inputs: Mapping[str, TensorSpec], outputs: Mapping[str, TensorSpec], pairs: Seq[StatePair]
-) -> str | None:
-    """The symbol (or None dim, as ``"?"``) that leads every input, output and state of a stateful
-    model, along which a call stacks sequences; None when there is none (then a call runs one
-    sequence). :func:`why_not_batched` says why."""
-    return None if why_not_batched(inputs, outputs, pairs) else _lead(next(iter(inputs.values()), None))
-
-
-def why_not_batched(
-    inputs: Mapping[str, TensorSpec], outputs: Mapping[str, TensorSpec], pairs: Seq[StatePair]
-) -> str | None:
-    """Why a stateful model's calls cannot stack sequences (None: they can)."""
-    specs = [*inputs.values(), *outputs.values()]
-    if not specs:
-        return "it has no tensors"
-    lead = _lead(specs[0])
-    if lead is None:
-        return f"{specs[0].name!r} {specs[0].describe_shape()} does not lead with a batch symbol"
-    for spec in specs[1:]:
-        if _lead(spec) != lead:
-            return f"{spec.name!r} {spec.describe_shape()} does not lead with the batch symbol {specs[0].shape[0]!r}"
-    for pair in pairs:
-        if not pair.shape or pair.shape[0] < 1:
-            return f"state {pair.input_name!r} {list(pair.shape)} has no leading batch dim"
-    return None
-
-
-def _lead(spec: TensorSpec | None) -> str | None:
-    if spec is None or not spec.shape or isinstance(spec.shape[0], int):
-        return None
-    return "?" if spec.shape[0] is None else str(spec.shape[0])
-
-
 class Sequence:
     """One sequence of a stateful model: ``with model.sequence() as seq: seq.infer(inputs)``.
 
@@ -560,7 +502,7 @@ class Sequence:
     step, and :meth:`close` (leaving the ``with`` block) frees its state if it has not ended.
     """
 
-    def __init__(self, model: NeuropodModel, sequence_id: int | str | None = None):
+    def __init__(self, model: StatefulModel, sequence_id: int | str | None = None):
         self.model = model
         #: The sequence's id (a random one when none was given).
         self.id: int | str = new_sequence_id() if sequence_id is None else check_sequence_id(sequence_id)
@@ -631,10 +573,7 @@ __all__ = [
     "NOT_FAST",
     "SequenceTable",
     "StateMismatchError",
-    "batch_symbol",
     "build_table",
     "check_sequence_id",
-    "initial_state",
     "new_sequence_id",
-    "why_not_batched",
 ]

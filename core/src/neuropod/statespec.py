@@ -10,11 +10,13 @@ sequences run is :mod:`neuropod.sequences`'.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from neuropod.errors import PackageError
+import numpy as np
+
+from neuropod.errors import NeuropodError, PackageError
 from neuropod.spec import DTYPES, Dim, TensorSpec
 
 #: The kinds of control input, as Triton names them: 1 on a sequence's first request (START), on
@@ -258,13 +260,72 @@ def _initial(value: Any, where: str) -> str:
     )
 
 
+def batch_symbol(
+    inputs: Mapping[str, TensorSpec], outputs: Mapping[str, TensorSpec], pairs: Sequence[StatePair]
+) -> str | None:
+    """The symbol (or None dim, as ``"?"``) that leads every input, output and state of a stateful
+    model, along which a call stacks sequences; None when there is none (then a call runs one
+    sequence). :func:`why_not_batched` says why."""
+    return None if why_not_batched(inputs, outputs, pairs) else _lead(next(iter(inputs.values()), None))
+
+
+def why_not_batched(
+    inputs: Mapping[str, TensorSpec], outputs: Mapping[str, TensorSpec], pairs: Sequence[StatePair]
+) -> str | None:
+    """Why a stateful model's calls cannot stack sequences (None: they can)."""
+    specs = [*inputs.values(), *outputs.values()]
+    if not specs:
+        return "it has no tensors"
+    lead = _lead(specs[0])
+    if lead is None:
+        return f"{specs[0].name!r} {specs[0].describe_shape()} does not lead with a batch symbol"
+    for spec in specs[1:]:
+        if _lead(spec) != lead:
+            return f"{spec.name!r} {spec.describe_shape()} does not lead with the batch symbol {specs[0].shape[0]!r}"
+    for pair in pairs:
+        if not pair.shape or pair.shape[0] < 1:
+            return f"state {pair.input_name!r} {list(pair.shape)} has no leading batch dim"
+    return None
+
+
+def _lead(spec: TensorSpec | None) -> str | None:
+    if spec is None or not spec.shape or isinstance(spec.shape[0], int):
+        return None
+    return "?" if spec.shape[0] is None else str(spec.shape[0])
+
+
+def initial_state(pair: StatePair, root: Any, model_name: str) -> np.ndarray:
+    """One sequence's initial value of a state (read-only: a step never edits it)."""
+    dtype = DTYPES[pair.dtype]
+    if pair.initial_state == ZERO:
+        array = np.zeros(pair.shape, dtype=dtype) if dtype is not None else np.full(pair.shape, "", dtype=object)
+    else:
+        path = root / pair.initial_state
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise NeuropodError(
+                f"model {model_name!r}: cannot read the initial state of {pair.input_name!r} from {pair.initial_state}: {e}"
+            ) from None
+        if array.shape != pair.shape or (dtype is not None and array.dtype != dtype):
+            raise NeuropodError(
+                f"model {model_name!r}: the initial state of {pair.input_name!r} in {pair.initial_state} is "
+                f"{array.dtype} {list(array.shape)}, not {pair.dtype} {list(pair.shape)}"
+            )
+    array.flags.writeable = False
+    return array
+
+
 __all__ = [
     "CONTROL_KINDS",
     "STATE_DIR",
     "ZERO",
     "SequenceControl",
     "StatePair",
+    "batch_symbol",
     "check_state_names",
+    "initial_state",
     "parse_sequence_controls",
     "parse_state_spec",
+    "why_not_batched",
 ]

@@ -1,0 +1,276 @@
+"""The methods of a loaded model (:class:`~neuropod.model.NeuropodModel`) that run a stateful
+model in sequences: :class:`StatefulModel`, its base. How sequences and their state are kept is
+:mod:`neuropod.sequences`'; what a package declares is :mod:`neuropod.statespec`'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from neuropod._args import check_flag, check_parameters
+from neuropod.errors import BackendError, NeuropodError, SequenceError
+from neuropod.package import Package
+from neuropod.sequences import Sequence as ModelSequence
+from neuropod.sequences import SequenceStep, SequenceTable, build_table, check_sequence_id
+from neuropod.spec import SpecValidator, TensorSpec
+from neuropod.statespec import SequenceControl, StatePair, why_not_batched
+
+if TYPE_CHECKING:
+    from neuropod.backend import Backend
+
+
+def caller_specs(package: Package) -> tuple[SequenceTable | None, tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """A package's sequence table (None when it is not stateful) and its inputs and outputs as
+    callers see them: without the state inputs and outputs and the control inputs, which are the
+    runtime's."""
+    config = package.config
+    table = build_table(package.name, config, package.root, config.input_spec, config.output_spec)
+    hidden = {p.input_name for p in config.state_spec} | {c.name for c in config.sequence_controls}
+    hidden_out = {p.output_name for p in config.state_spec}
+    inputs = tuple(s for s in config.input_spec if s.name not in hidden)
+    outputs = tuple(s for s in config.output_spec if s.name not in hidden_out)
+    return table, inputs, outputs
+
+
+class StatefulModel:
+    """What :class:`~neuropod.model.NeuropodModel` does for a stateful model (see
+    :attr:`stateful`); its other models only answer that they are not."""
+
+    if TYPE_CHECKING:
+        package: Package
+        backend: Backend
+
+        @property
+        def name(self) -> str: ...
+        _sequences: SequenceTable | None
+        _inputs: tuple[TensorSpec, ...]
+        _validator: SpecValidator
+        _closed: bool
+        _handle: Any
+        _infer: Callable[..., Any]
+        _infer_with_parameters: Callable[[Any, Any, Any, Any], Any] | None
+        _run_is_the_hook: bool
+
+        def _run_failed(self, e: Exception) -> BackendError: ...
+        def _checked_outputs(
+            self, outputs: Any, bindings: Any, requested: Any, output_device: Any
+        ) -> dict[str, Any]: ...
+        def _output_device(self, output_device: str) -> str | None: ...
+        def _fast_call_unchecked(self) -> tuple[Any, ...]: ...
+        def infer(
+            self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None, *,
+            output_device: str | None = None, parameters: Mapping[str, Any] | None = None,
+            sequence_id: int | str | None = None, sequence_start: bool = False, sequence_end: bool = False,
+        ) -> dict[str, Any]: ...  # fmt: skip
+
+    def _fast_step_call(self) -> tuple[Any, ...] | None:
+        """What a live sequence's common step needs, looked up once (see ``infer``): the compiled
+        input check, the table, the hook and how to call it, the handle, the compiled output check,
+        and (batch symbol, rows) to check for a batch-leading model; None: no such path."""
+        table = self._sequences
+        if table is None or not self._run_is_the_hook or self._validator._fast_inputs is None:
+            return None
+        fast = self._fast_call_unchecked()
+        # A batch-leading model's step has the state's rows (normally 1): (symbol, rows) to check.
+        lead = self._inputs[0].shape[0] if table.batching and self._inputs and self._inputs[0].shape else None
+        rows = (lead, table.pairs[0].shape[0] if table.pairs else 1) if isinstance(lead, str) else None
+        return (fast[0], table, fast[1], fast[2], fast[3], fast[4], rows)
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the model runs in sequences: it carries state from one request of a sequence to
+        the next (:attr:`state_spec`), or takes control inputs (:attr:`sequence_controls`). Run it
+        with :meth:`sequence`, or :meth:`infer` with a ``sequence_id``."""
+        return self._sequences is not None
+
+    @property
+    def state_spec(self) -> tuple[StatePair, ...]:
+        """The state pairs the runtime carries between the steps of a sequence (empty for none)."""
+        return self.package.config.state_spec
+
+    @property
+    def sequence_controls(self) -> tuple[SequenceControl, ...]:
+        """The inputs the runtime fills with a sequence's flags and id (empty for none)."""
+        return self.package.config.sequence_controls
+
+    @property
+    def sequence_batching(self) -> bool:
+        """Whether one call (:meth:`infer_sequences`) can run many sequences at once: every input,
+        output, state and control leads with the batch symbol (see :attr:`sequence_batching_problem`)."""
+        return self._sequences is not None and self._sequences.batching
+
+    @property
+    def sequence_batching_problem(self) -> str | None:
+        """Why a stateful model's calls cannot run many sequences at once (None: they can, or the
+        model is not stateful)."""
+        if self._sequences is None or self._sequences.batching:
+            return None
+        config = self.package.config
+        return why_not_batched(
+            {s.name: s for s in config.input_spec}, {s.name: s for s in config.output_spec}, config.state_spec
+        )
+
+    @property
+    def live_sequences(self) -> int:
+        """How many sequences hold state now."""
+        return 0 if self._sequences is None else self._sequences.live
+
+    def sweep_sequences(self) -> int:
+        """Free the state of sequences idle past their limit now (a server calls this from time to
+        time, so that memory comes back without traffic); how many were freed."""
+        return 0 if self._sequences is None else self._sequences.sweep()
+
+    def configure_sequences(self, *, max_idle_s: float | None = None, max_live: int | None = None) -> None:
+        """Bound a stateful model's sequences: one idle longer than ``max_idle_s`` seconds is freed
+        (its next step without ``sequence_start`` is a :class:`SequenceError` saying so), and no
+        more than ``max_live`` are live at once (starting one more is a
+        :class:`~neuropod.errors.SequenceLimitError`). None: no limit (the default)."""
+        self._stateful_table().configure(max_idle_s=max_idle_s, max_live=max_live)
+
+    def sequence(self, sequence_id: int | str | None = None) -> ModelSequence:
+        """A new sequence of this stateful model: ``with model.sequence() as seq: seq.infer(inputs)``.
+
+        Its first ``infer`` starts it from the initial state, each later one continues from the
+        state the one before left, ``seq.infer(..., end=True)`` is its last step, and leaving the
+        ``with`` block (``seq.close()``) frees its state.
+
+        :param sequence_id: its id (an int >= 1 or a non-empty str, what a ``CORRID`` control
+            input gets); a random 64-bit one when None.
+        :raises SequenceError: the model is not stateful.
+        """
+        table = self._stateful_table()
+        return ModelSequence(self, table.new_id() if sequence_id is None else sequence_id)
+
+    def infer_sequences(
+        self, inputs: Mapping[str, Any], steps: Sequence[SequenceStep], requested_outputs: Sequence[str] | None = None,
+        *, parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Run one step of each of several sequences in one call of the model: ``inputs`` stack
+        the steps' rows along the batch symbol, in ``steps`` order (``step.rows`` rows each, the
+        state's leading dim, normally 1); their states are stacked the same way, and the
+        outputs are too. A sequence may appear once in ``steps``.
+
+        :raises SequenceError: the model is not stateful or cannot stack sequences
+            (:attr:`sequence_batching_problem`), a step's sequence is not live without ``start``,
+            a sequence appears twice, or the rows do not add up.
+        :raises SequenceLimitError: a new sequence would pass the bound on live sequences.
+        """
+        table = self._stateful_table()
+        steps = list(steps)
+        if not steps or not all(isinstance(s, SequenceStep) for s in steps):
+            raise TypeError("steps must be a non-empty list of neuropod.sequences.SequenceStep")
+        ids = [check_sequence_id(s.sequence_id) for s in steps]
+        if len(set(ids)) != len(ids):
+            twice = next(i for i in ids if ids.count(i) > 1)
+            raise SequenceError(f"sequence {twice!r} appears more than once in one call of model {self.name!r}")
+        if len(steps) > 1 and not table.batching:
+            raise SequenceError(
+                f"model {self.name!r} cannot run {len(steps)} sequences in one call: {self.sequence_batching_problem}; "
+                "run one step at a time"
+            )
+        return self._step(inputs, requested_outputs, parameters, steps)
+
+    def _stateful_table(self) -> SequenceTable:
+        if self._closed:
+            raise NeuropodError(f"Model {self.name!r} is closed")
+        if self._sequences is None:
+            raise SequenceError(
+                f"model {self.name!r} is not stateful: it was packaged without state_spec or sequence_controls, so "
+                "it runs without sequences (call infer without sequence_id)"
+            )
+        return self._sequences
+
+    def _infer_step(
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None, output_device: str | None,
+        parameters: Mapping[str, Any] | None, sequence_id: Any, start: Any, end: Any,
+    ) -> dict[str, Any]:  # fmt: skip
+        """:meth:`infer` with a sequence (or of a stateful model without one, which refuses)."""
+        table = self._stateful_table()
+        if sequence_id is None:
+            raise SequenceError(
+                f"model {self.name!r} carries state from one request of a sequence to the next: run it in a "
+                "sequence (with model.sequence() as seq: seq.infer(inputs)), or call infer(inputs, sequence_id=..., "
+                "sequence_start=True) for its first step"
+            )
+        check_flag("sequence_start", start)
+        check_flag("sequence_end", end)
+        if output_device is not None and self._output_device(output_device) is not None:
+            raise NeuropodError(f"output_device={output_device!r}: a sequence's step answers with numpy arrays")
+        rows = table.pairs[0].shape[0] if table.batching and table.pairs else 1
+        step = SequenceStep(check_sequence_id(sequence_id), bool(start), bool(end), rows)
+        return self._step(inputs, requested_outputs, parameters, [step])
+
+    def _step(
+        self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None,
+        parameters: Mapping[str, Any] | None, steps: list[SequenceStep],
+    ) -> dict[str, Any]:  # fmt: skip
+        validator = self._validator
+        requested = None if requested_outputs is None else validator.check_requested(requested_outputs)
+        if parameters:
+            check_parameters(parameters)
+        checked, bindings = validator.check_inputs(inputs)
+        table = self._sequences
+        assert table is not None
+        if len(steps) > 1 or table.batching:
+            rows = sum(s.rows for s in steps)
+            for name, array in checked.items():
+                if getattr(array, "ndim", 0) == 0 or array.shape[0] != rows:
+                    raise SequenceError(
+                        f"model {self.name!r}: input {name!r} has {array.shape[0] if getattr(array, 'ndim', 0) else 0} "
+                        f"rows, but the call's {len(steps)} sequence step(s) take {rows}, one per sequence"
+                    )
+        outputs = self._run_steps(checked, requested, steps, parameters or None)
+        return self._checked_outputs(outputs, bindings, requested, None)
+
+    def _run_steps(
+        self, inputs: dict[str, Any], requested: list[str] | None, steps: list[SequenceStep],
+        parameters: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Run checked caller inputs as one step of each of ``steps``' sequences: their state is
+        taken from (and kept in) this model's table, controls are filled, the state outputs are
+        split off; the caller's outputs, unchecked. A subclass that runs the model elsewhere (a
+        worker, which keeps the state there) overrides this."""
+        table = self._sequences
+        assert table is not None
+        states = table.take(steps)
+        done = False
+        try:
+            full = table.inputs(inputs, steps, states)
+            wanted = None if requested is None else [*requested, *(p.output_name for p in table.pairs)]
+            try:
+                if parameters and self._infer_with_parameters is not None:
+                    outputs = self._infer_with_parameters(self._handle, full, wanted, parameters)
+                else:
+                    outputs = self._infer(self._handle, full, wanted)
+            except NeuropodError:
+                raise
+            except Exception as e:
+                raise self._run_failed(e) from e
+            if not isinstance(outputs, Mapping):
+                raise BackendError(
+                    f"Backend {self.backend.id} returned {type(outputs).__name__} for model {self.name!r}, "
+                    "not a dict of output name to numpy array"
+                )
+            mine, new_states = table.outputs(dict(outputs), steps)
+            table.give(steps, new_states)
+            done = True
+            return mine
+        finally:
+            if not done:
+                table.abandon(steps)
+
+    def _end_sequence(self, sequence_id: int | str) -> bool:
+        """Free a sequence's state where the model runs; whether it was live."""
+        return self._stateful_table().end(sequence_id)
+
+    def _sequence_state(self, sequence_id: int | str) -> dict[str, Any]:
+        """A copy of a live sequence's state where the model runs."""
+        return self._stateful_table().state(sequence_id)
+
+    def _initial_states(self) -> list[Any]:
+        table = self._stateful_table()
+        return [table.initial[p.input_name] for p in table.pairs]
+
+
+__all__ = ["StatefulModel", "caller_specs"]
