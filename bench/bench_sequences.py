@@ -1,7 +1,8 @@
 """Stateful models: what a sequence step adds to a model's call, and sequence batching, in one run.
 
-    python bench/bench_sequences.py [--calls 2000] [--rounds 21] [--rounds-gru 15] [--seconds 5]
-        [--vocab 256 10000] [--no-serve] [--serve-on ARGS] [--serve-off ARGS] [--quick] [--json PATH] [--strict]
+    python bench/bench_sequences.py [--calls 2000] [--rounds 21] [--rounds-gru 15] [--seconds 3]
+        [--rounds-serve 3] [--vocab 256 10000] [--protocols grpc http] [--no-serve] [--serve-on ARGS]
+        [--serve-off ARGS] [--quick] [--json PATH] [--strict]
 
 1. The added cost of a sequence step, in process, on a tiny model: an ONNX accumulator
    (``y = acc_in + x``, ``acc_out = y``; float32 [1, 4]) packaged with ``state_spec`` (``acc_out`` ->
@@ -23,8 +24,10 @@
      (tritonclient.grpc or tritonclient.http, one client each),
      each running one sequence (``sequence_start`` on its first request, ``sequence_end`` on its
      last) as fast as the server answers, for ``--seconds`` seconds: steps per second with sequence
-     batching on (``--serve-on``, default ``--max-batch-size 32 --max-queue-delay-us 500``) against
-     off (``--serve-off``, default: no options), and the CPU the server and the clients used. The
+     batching on (``--serve-on``, default ``--max-batch-size 32``, no queue delay: Triton's default
+     for the oldest strategy) against off (``--serve-off``, default: no options), the CPU the server
+     and the clients used, and the server's steps per run of the model (its statistics). Both
+     servers run at once, driven in turn, ``--rounds-serve`` rounds alternating the order. The
      first three steps of every sequence are checked against the same sequence run in process
      (batching must not mix sequences' states).
 
@@ -66,7 +69,7 @@ EMBED, HIDDEN = 128, 512
 VOCABS = (256, 10_000)
 SERVER_CORE, CLIENT_CORE = 0, 1
 GRU = "gru"
-DEFAULT_ON = "--max-batch-size 32 --max-queue-delay-us 500"
+DEFAULT_ON = "--max-batch-size 32"
 #: Both servers' options: an idle limit of 30 s, as a step's wait in the server's queue counts as
 #: its sequence's idle time (on a busy machine, unbatched, it can pass the default 1 s).
 SERVE_COMMON = ["--max-sequence-idle-us", "30000000"]
@@ -336,48 +339,65 @@ PROTOCOLS = {"grpc": "gRPC", "http": "REST"}
 
 
 def served(
-    tmp: Path, package: Path, vocab: int, seconds: float, on: list[str], off: list[str], protocols: list[str]
-) -> dict[str, dict[str, float]]:
+    tmp: Path, package: Path, vocab: int, seconds: float, rounds: int, on: list[str], off: list[str],
+    protocols: list[str],
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Both servers up at once (the idle one costs nothing), driven in turn: ``rounds`` rounds of a
+    cell each (protocol x batching), the order of on and off alternating, so a change in the
+    machine's load meets both alike. Medians of the rounds; the ratio is the median of theirs."""
     expected = expected_logits(package, vocab, 3)
-    rates: dict[str, dict[str, float]] = {p: {} for p in protocols}
-    print(f"  through neuropod serve, {SEQUENCES} tritonclient threads, one sequence each ({seconds:g} s per cell):")
-    for label, options in (("off", off), ("on", on)):
-        port = free_port()
-        server = Server(
-            f"neuropod serve, sequence batching {label}", package.parent, options, port, tmp / f"{label}{vocab}.log"
-        )
-        try:
+    print(f"  through neuropod serve, {SEQUENCES} tritonclient threads, one sequence each "
+          f"({rounds} rounds of {seconds:g} s per cell, medians):")  # fmt: skip
+    servers: dict[str, Server] = {}
+    cells: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    try:
+        for label, options in (("off", off), ("on", on)):
+            port = free_port()
+            servers[label] = Server(f"neuropod serve, sequence batching {label}", package.parent, options, port,
+                                    tmp / f"{label}{vocab}.log")  # fmt: skip
+        for r in range(-1, rounds):  # round -1: warm-up (and the check of every sequence's first steps)
             for protocol in protocols:
-                at = port + 1 if protocol == "grpc" else port
-                drive(protocol, at, min(1.0, seconds), expected)  # warm up (and check)
-                cpu0, client0, counts0 = server.cpu(), time.process_time(), server.counts()
-                rate, total, elapsed = drive(protocol, at, seconds, expected)
-                server_cores = (server.cpu() - cpu0) / elapsed
-                client_cores = (time.process_time() - client0) / elapsed
-                counts = server.counts()
-                runs = counts[1] - counts0[1]
-                per_run = (counts[0] - counts0[0]) / runs if runs else float("nan")
-                rates[protocol][label] = rate
-                print(f"    {PROTOCOLS[protocol]:<5} batching {label:<3} ({' '.join(options) or 'no options'}): "
-                      f"{rate:7.0f} steps/s ({total} steps in {elapsed:.1f} s; CPU: server {server_cores:.2f}, "
-                      f"clients {client_cores:.2f} of a core; server {server_cores / rate * 1e6:.0f} us/step; "
-                      f"{per_run:.1f} steps/run)")  # fmt: skip
-        except BaseException:
-            print(f"{server.label} failed; its log ends:\n{log_tail(server.log)}")
-            raise
-        finally:
+                for label in ("off", "on") if r % 2 else ("on", "off"):
+                    server = servers[label]
+                    at = server.port + 1 if protocol == "grpc" else server.port
+                    if r < 0:
+                        drive(protocol, at, min(1.0, seconds), expected)
+                        continue
+                    cpu0, client0, counts0 = server.cpu(), time.process_time(), server.counts()
+                    rate, _total, elapsed = drive(protocol, at, seconds, expected)
+                    server_cores = (server.cpu() - cpu0) / elapsed
+                    client_cores = (time.process_time() - client0) / elapsed
+                    counts = server.counts()
+                    runs = counts[1] - counts0[1]
+                    per_run = (counts[0] - counts0[0]) / runs if runs else float("nan")
+                    cells.setdefault((protocol, label), []).append((rate, server_cores, client_cores, per_run))
+    except BaseException:
+        for server in servers.values():
+            print(f"{server.label}: its log ends:\n{log_tail(server.log)}")
+        raise
+    finally:
+        for server in servers.values():
             server.stop()
+    results: dict[str, dict[str, float]] = {}
     for protocol in protocols:
-        ratio = rates[protocol]["on"] / rates[protocol]["off"]
-        rates[protocol]["ratio"] = ratio
         name = PROTOCOLS[protocol]
-        print(f"    {name:<5} throughput ratio, batching on / off: {ratio:.2f}x")
+        for label, options in (("off", off), ("on", on)):
+            rate, server_cores, client_cores, per_run = (statistics.median(c) for c in zip(*cells[protocol, label]))
+            print(f"    {name:<5} batching {label:<3} ({' '.join(options) or 'no options'}): {rate:7.0f} steps/s "
+                  f"(CPU: server {server_cores:.2f}, clients {client_cores:.2f} of a core; server "
+                  f"{server_cores / rate * 1e6:.0f} us/step; {per_run:.1f} steps/run)")  # fmt: skip
+            results.setdefault(protocol, {})[label] = rate
+        ratios = [n[0] / f[0] for n, f in zip(cells[protocol, "on"], cells[protocol, "off"])]
+        ratio = results[protocol]["ratio"] = statistics.median(ratios)
+        print(f"    {name:<5} throughput ratio, batching on / off: {ratio:.2f}x "
+              f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")  # fmt: skip
         key = f"seq_gru{vocab}_serve_{protocol}"
         _common.record(f"{SEQUENCES} GRU sequences (vocabulary {vocab}), neuropod serve ({name}), batching on vs off",
-                       key, method=f"steps/s over {seconds:g} s, {SEQUENCES} client threads", **rates[protocol])  # fmt: skip
+                       key, method=f"steps/s, median of {rounds} rounds of {seconds:g} s, {SEQUENCES} client threads",
+                       **results[protocol])  # fmt: skip
         _common.verdict(f"served ({name}, vocabulary {vocab}), batching on >= {BATCHING_TARGET:g}x off",
                         ratio >= BATCHING_TARGET, f"{ratio:.2f}x", key=key)  # fmt: skip
-    return rates
+    return results
 
 
 def main() -> int:
@@ -385,7 +405,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=2000, help="calls per round of the tiny model (default 2000)")
     parser.add_argument("--rounds", type=int, default=21, help="rounds of the tiny model (default 21)")
     parser.add_argument("--rounds-gru", type=int, default=15, help="rounds of the GRU in process (default 15)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="seconds each server is driven (default 5)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds of each served cell (default 3)")
+    parser.add_argument("--rounds-serve", type=int, default=3, help="rounds of the served cells (default 3)")
     parser.add_argument("--vocab", type=int, nargs="+", default=list(VOCABS), metavar="N",
                         help=f"the GRU's vocabularies (default {' '.join(map(str, VOCABS))})")  # fmt: skip
     parser.add_argument("--protocols", nargs="+", choices=list(PROTOCOLS), default=list(PROTOCOLS),
@@ -399,7 +420,7 @@ def main() -> int:
     _common.add_json_option(parser)
     args = parser.parse_args()
     if args.quick:
-        args.calls, args.rounds, args.rounds_gru, args.seconds = 500, 7, 5, 2.0
+        args.calls, args.rounds, args.rounds_gru, args.seconds, args.rounds_serve = 500, 7, 5, 2.0, 1
     import torch
 
     torch.set_num_threads(1)
@@ -415,7 +436,8 @@ def main() -> int:
             package = gru_package(tmp, vocab)
             in_process(package, vocab, args.rounds_gru)
             if not args.no_serve:
-                served(tmp, package, vocab, args.seconds, args.serve_on.split(), args.serve_off.split(), args.protocols)
+                served(tmp, package, vocab, args.seconds, args.rounds_serve, args.serve_on.split(), args.serve_off.split(),
+                       args.protocols)  # fmt: skip
     versions = {"neuropod": neuropod.__version__, "torch": torch.__version__}
     _common.write_json(args.json, "bench_sequences", versions)
     missed = [t for t in _common.TARGETS if not t["met"]]
