@@ -33,6 +33,8 @@ httpx = pytest.importorskip("httpx")
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
+from sequence_models import simple_sequence_package  # noqa: E402
+
 from conftest import adder_and_echo, alive, descendants, free_port, private_caches  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT spreading and /proc")
@@ -481,3 +483,11 @@ def test_ready_and_metrics_of_a_process_follow_its_parent(repo: Path) -> None:
         member.stopping()  # the parent's end closing is then no reason to stop this (pytest's) process
         parent.close()
         engine.close()
+
+
+def test_a_stateful_model_is_refused_with_several_processes(tmp_path: Path) -> None:
+    # A sequence's state lives in one process, and the kernel spreads requests over them.
+    simple_sequence_package(tmp_path / "models")
+    err = _fails(tmp_path, "--processes", "2", "--http-port", str(free_port()), "--grpc-port", "0",
+                 "--metrics-port", "0")  # fmt: skip
+    assert "is stateful" in err and "--processes 1" in err and "--ray" in err, err

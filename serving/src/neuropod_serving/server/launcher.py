@@ -32,6 +32,7 @@ from neuropod_serving.defaults import (
 from neuropod_serving.server.admission import ModelLimits
 from neuropod_serving.server.batching import BatchPolicy
 from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.lifecycle import in_several_processes
 from neuropod_serving.server.metrics import ServerMetrics, WorkerRunWatch
 from neuropod_serving.server.registry import MODEL_VERSION, ModelRegistry
 from neuropod_serving.server.sequence_batching import SequenceLimits
@@ -184,6 +185,10 @@ def serve_models(
 
         metrics.watch = WorkerRunWatch(run_time, args.workers)
     if group is not None:
+        for served in registry:
+            if getattr(served.model, "stateful", False):
+                engine.close()
+                raise in_several_processes(served.model.name)
         engine.group = group
         group.attach(engine)
     poll = getattr(args, "poll_interval", None)

@@ -92,6 +92,16 @@ class Runner:
     sequence_idle_s: float | None = None
 
 
+def in_several_processes(name: str) -> NeuropodError:
+    """Why stateful model ``name`` cannot be served by a server of several processes."""
+    return NeuropodError(
+        f"model {name!r} is stateful, and this server runs in several processes "
+        "(--processes): a sequence's state lives in the one process that started it, while the kernel spreads "
+        "requests over the processes, so the steps of a sequence would not find it. Serve stateful models with "
+        "--processes 1, or on Ray Serve (--ray), which routes each sequence to the replica holding its state"
+    )
+
+
 class ModelLifecycle:
     """The engine's models: which are served and how (:meth:`get`, :meth:`serving`), and
     loading, reloading, polling, unloading and closing them. :class:`~.engine.Engine` (its
@@ -209,6 +219,8 @@ class ModelLifecycle:
         symbol, reason = batch_symbol(model.inputs, model.outputs)
         unbatched = "" if symbol is not None else f"no batch dimension: {reason}"
         stateful = bool(getattr(model, "stateful", False))
+        if stateful and self.group is not None:
+            raise in_several_processes(model.name)
         sequenced, idle_s = False, None
         if stateful:  # never the ordinary batcher: it would run the model without its sequences
             idle_s = self._configure_sequences(model, settings)
