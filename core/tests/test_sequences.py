@@ -220,6 +220,22 @@ def test_a_step_of_a_sequence_that_is_not_live_names_it(acc: Any) -> None:
             acc.infer({"x": x}, sequence_id=bad, sequence_start=True)
 
 
+def test_a_step_that_arrives_in_time_keeps_its_sequence_alive(acc: Any) -> None:
+    # A server queues a step before it runs: touch_sequence starts its idle time again on arrival.
+    x = np.ones((1, 4), np.float32)
+    acc.configure_sequences(max_idle_s=0.2)
+    try:
+        acc.infer({"x": x}, sequence_id=41, sequence_start=True)
+        time.sleep(0.12)
+        acc.touch_sequence(41)  # arrived in time; it waits in a queue past the limit
+        acc.touch_sequence(999)  # not live: nothing happens
+        time.sleep(0.12)
+        out = acc.infer({"x": x}, sequence_id=41, sequence_end=True)
+        np.testing.assert_array_equal(out["y"], 2 * x)
+    finally:
+        acc.configure_sequences()
+
+
 def test_the_bound_on_live_sequences(acc: Any) -> None:
     x = np.ones((1, 4), np.float32)
     acc.configure_sequences(max_live=2)

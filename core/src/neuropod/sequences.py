@@ -239,6 +239,17 @@ class SequenceTable:
                     live.busy = False
             self._cond.notify_all()
 
+    def touch(self, sequence_id: int | str) -> None:
+        """A step of a live sequence has arrived (a server queues it before it runs): its idle time
+        starts again now, so that time spent in a queue does not expire it."""
+        live = self._live.get(sequence_id)
+        if live is None or self.max_idle_s is None:
+            return
+        now = time.monotonic()
+        with self._cond:
+            if not live.busy and now - live.used <= self.max_idle_s:
+                live.used = now
+
     def end(self, sequence_id: int | str) -> bool:
         """Free a sequence's state now (waiting for a call that runs it); whether it was live."""
         with self._cond:

@@ -121,6 +121,13 @@ class StatefulModel:
         time, so that memory comes back without traffic); how many were freed."""
         return 0 if self._sequences is None else self._sequences.sweep()
 
+    def touch_sequence(self, sequence_id: int | str) -> None:
+        """Say that a step of a live sequence has arrived, before it runs: its idle time starts
+        again (a server calls this when it queues a step, so that time in its queue does not
+        count as the sequence sitting idle). Nothing happens for a sequence that is not live."""
+        if self._sequences is not None:
+            self._sequences.touch(sequence_id)
+
     def configure_sequences(self, *, max_idle_s: float | None = None, max_live: int | None = None) -> None:
         """Bound a stateful model's sequences: one idle longer than ``max_idle_s`` seconds is freed
         (its next step without ``sequence_start`` is a :class:`SequenceError` saying so), and no

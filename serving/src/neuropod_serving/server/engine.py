@@ -557,6 +557,8 @@ def _step(runner: Runner, options: RequestOptions) -> SequenceStep | None:
     step = options.sequence
     if step is None or not runner.served.model.stateful:
         return None
+    if not step.start:  # a step's idle time ends when it arrives, not when it runs
+        runner.served.model.touch_sequence(step.sequence_id)
     return step
 
 
