@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
 
 import neuropod
 from neuropod.errors import SequenceError, SequenceLimitError, WorkerError
@@ -25,7 +24,10 @@ from neuropod.testing import run_in_threads
 
 from _ope_toy import gone
 
-pytest.importorskip("neuropod_onnx")
+pytest.importorskip("onnxruntime", reason="needs onnxruntime (nox -s tests_onnx runs this file with it)")
+onnx = pytest.importorskip("onnx", reason="needs onnx (nox -s tests_onnx runs this file with it)")
+pytest.importorskip("neuropod_onnx", reason="needs neuropod-onnx")
+TensorProto, helper = onnx.TensorProto, onnx.helper
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OPE needs Linux")
 
 STATE = [{"input_name": "acc_in", "output_name": "acc_out"}]
