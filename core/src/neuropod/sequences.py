@@ -21,7 +21,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,7 +30,7 @@ import numpy as np
 
 from neuropod.errors import SequenceError, SequenceLimitError, SpecError
 from neuropod.spec import DTYPES, TensorSpec
-from neuropod.statespec import SequenceControl, StatePair, batch_symbol, initial_state
+from neuropod.statespec import SequenceControl, StatePair
 
 if TYPE_CHECKING:
     from neuropod.stateful import StatefulModel
@@ -285,6 +285,20 @@ class SequenceTable:
         finally:
             self._waiting -= 1
 
+    def _claim(self, sequence_id: Any) -> _Live | None:
+        """With the lock held, for :meth:`run_one`: a live sequence that no call runs and that is not
+        near its idle limit, marked busy; None for any other (the general path takes it)."""
+        live = self._live.get(sequence_id)
+        if live is None or live.busy:
+            return None
+        idle = self.max_idle_s
+        if idle is not None:
+            now = time.monotonic()
+            if now - live.used > idle or now - self._swept >= idle / 2:
+                return None
+        live.busy = True
+        return live
+
     def run_one(self, sequence_id: Any, end: bool, inputs: dict[str, Any], run: Callable[..., Any], handle: Any,
                 with_device: bool) -> Any:  # fmt: skip
         """The common step, in as few steps as it takes: one live sequence that is not starting
@@ -295,15 +309,9 @@ class SequenceTable:
         """
         cond = self._cond
         with cond:
-            live = self._live.get(sequence_id)
-            if live is None or live.busy or not self._fast_ok:
+            live = self._claim(sequence_id) if self._fast_ok else None
+            if live is None:
                 return NOT_FAST
-            idle = self.max_idle_s
-            if idle is not None:
-                now = time.monotonic()
-                if now - live.used > idle or now - self._swept >= idle / 2:
-                    return NOT_FAST
-            live.busy = True
         done = False
         try:
             full = inputs.copy()
@@ -488,24 +496,6 @@ class SequenceTable:
         )
 
 
-def build_table(model_name: str, config: Any, root: Any, input_spec: Iterable[TensorSpec],
-                output_spec: Iterable[TensorSpec]) -> SequenceTable | None:  # fmt: skip
-    """The :class:`SequenceTable` of a package's config (None when it declares no state or controls).
-
-    :param root: the package's root directory, where initial-state files are.
-    :raises NeuropodError: an initial-state file that is missing or does not fit its state.
-    """
-    pairs: tuple[StatePair, ...] = config.state_spec
-    controls: tuple[SequenceControl, ...] = config.sequence_controls
-    if not pairs and not controls:
-        return None
-    inputs = {s.name: s for s in input_spec}
-    outputs = {s.name: s for s in output_spec}
-    initial = {p.input_name: initial_state(p, root, model_name) for p in pairs}
-    return SequenceTable(model_name, pairs, initial, controls, {c.name: inputs[c.name] for c in controls},
-                         batch_symbol(inputs, outputs, pairs) is not None)  # fmt: skip
-
-
 class Sequence:
     """One sequence of a stateful model: ``with model.sequence() as seq: seq.infer(inputs)``.
 
@@ -584,7 +574,6 @@ __all__ = [
     "NOT_FAST",
     "SequenceTable",
     "StateMismatchError",
-    "build_table",
     "check_sequence_id",
     "new_sequence_id",
 ]

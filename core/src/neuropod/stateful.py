@@ -5,19 +5,82 @@ model in sequences: :class:`StatefulModel`, its base. How sequences and their st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from neuropod._args import check_flag, check_parameters
 from neuropod.errors import BackendError, NeuropodError, SequenceError
 from neuropod.package import Package
 from neuropod.sequences import Sequence as ModelSequence
-from neuropod.sequences import SequenceStep, SequenceTable, build_table, check_sequence_id
+from neuropod.sequences import SequenceStep, SequenceTable, check_sequence_id
 from neuropod.spec import SpecValidator, TensorSpec
-from neuropod.statespec import SequenceControl, StatePair, why_not_batched
+from neuropod.statespec import SequenceControl, StatePair, batch_symbol, initial_state, why_not_batched
 
 if TYPE_CHECKING:
     from neuropod.backend import Backend
+
+
+def check_steps(steps: Iterable[SequenceStep], model_name: str) -> list[SequenceStep]:
+    """The steps of a call of several sequences, checked: SequenceStep objects with valid ids,
+    each sequence once.
+
+    :raises TypeError: not a non-empty list of SequenceStep.
+    :raises SequenceError: an id that is not one, or a sequence twice.
+    """
+    steps = list(steps)
+    if not steps or not all(isinstance(s, SequenceStep) for s in steps):
+        raise TypeError("steps must be a non-empty list of neuropod.sequences.SequenceStep")
+    ids = [check_sequence_id(s.sequence_id) for s in steps]
+    if len(set(ids)) != len(ids):
+        twice = next(i for i in ids if ids.count(i) > 1)
+        raise SequenceError(f"sequence {twice!r} appears more than once in one call of model {model_name!r}")
+    return steps
+
+
+def run_steps(
+    table: SequenceTable, inputs: Mapping[str, Any], requested: list[str] | None, steps: Sequence[SequenceStep],
+    call: Callable[[dict[str, Any], list[str] | None], Any], backend_id: str,
+) -> dict[str, Any]:  # fmt: skip
+    """Run a call of ``steps`` where the state is kept (a model in this process, or a worker): take
+    the sequences' state from ``table``, fill the controls, ``call(full_inputs, outputs_wanted)``,
+    split the state outputs off and keep them (or, when anything fails, leave each sequence's state
+    as it was); the caller's outputs, unchecked."""
+    states = table.take(steps)
+    done = False
+    try:
+        full = table.inputs(inputs, steps, states)
+        wanted = None if requested is None else [*requested, *(p.output_name for p in table.pairs)]
+        outputs = call(full, wanted)
+        if not isinstance(outputs, Mapping):
+            raise BackendError(
+                f"Backend {backend_id} returned {type(outputs).__name__} for model {table.model!r}, "
+                "not a dict of output name to numpy array"
+            )
+        mine, new_states = table.outputs(dict(outputs), steps)
+        table.give(steps, new_states)
+        done = True
+        return mine
+    finally:
+        if not done:
+            table.abandon(steps)
+
+
+def build_table(model_name: str, config: Any, root: Any, input_spec: Iterable[TensorSpec],
+                output_spec: Iterable[TensorSpec]) -> SequenceTable | None:  # fmt: skip
+    """The :class:`SequenceTable` of a package's config (None when it declares no state or controls).
+
+    :param root: the package's root directory, where initial-state files are.
+    :raises NeuropodError: an initial-state file that is missing or does not fit its state.
+    """
+    pairs: tuple[StatePair, ...] = config.state_spec
+    controls: tuple[SequenceControl, ...] = config.sequence_controls
+    if not pairs and not controls:
+        return None
+    inputs = {s.name: s for s in input_spec}
+    outputs = {s.name: s for s in output_spec}
+    initial = {p.input_name: initial_state(p, root, model_name) for p in pairs}
+    return SequenceTable(model_name, pairs, initial, controls, {c.name: inputs[c.name] for c in controls},
+                         batch_symbol(inputs, outputs, pairs) is not None)  # fmt: skip
 
 
 def caller_specs(package: Package) -> tuple[SequenceTable | None, tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
@@ -43,6 +106,7 @@ class StatefulModel:
 
         @property
         def name(self) -> str: ...
+
         _sequences: SequenceTable | None
         _inputs: tuple[TensorSpec, ...]
         _validator: SpecValidator
@@ -164,13 +228,7 @@ class StatefulModel:
         :raises SequenceLimitError: a new sequence would pass the bound on live sequences.
         """
         table = self._stateful_table()
-        steps = list(steps)
-        if not steps or not all(isinstance(s, SequenceStep) for s in steps):
-            raise TypeError("steps must be a non-empty list of neuropod.sequences.SequenceStep")
-        ids = [check_sequence_id(s.sequence_id) for s in steps]
-        if len(set(ids)) != len(ids):
-            twice = next(i for i in ids if ids.count(i) > 1)
-            raise SequenceError(f"sequence {twice!r} appears more than once in one call of model {self.name!r}")
+        steps = check_steps(steps, self.name)
         if len(steps) > 1 and not table.batching:
             raise SequenceError(
                 f"model {self.name!r} cannot run {len(steps)} sequences in one call: {self.sequence_batching_problem}; "
@@ -240,32 +298,18 @@ class StatefulModel:
         worker, which keeps the state there) overrides this."""
         table = self._sequences
         assert table is not None
-        states = table.take(steps)
-        done = False
-        try:
-            full = table.inputs(inputs, steps, states)
-            wanted = None if requested is None else [*requested, *(p.output_name for p in table.pairs)]
+
+        def call(full: dict[str, Any], wanted: list[str] | None) -> Any:
             try:
                 if parameters and self._infer_with_parameters is not None:
-                    outputs = self._infer_with_parameters(self._handle, full, wanted, parameters)
-                else:
-                    outputs = self._infer(self._handle, full, wanted)
+                    return self._infer_with_parameters(self._handle, full, wanted, parameters)
+                return self._infer(self._handle, full, wanted)
             except NeuropodError:
                 raise
             except Exception as e:
                 raise self._run_failed(e) from e
-            if not isinstance(outputs, Mapping):
-                raise BackendError(
-                    f"Backend {self.backend.id} returned {type(outputs).__name__} for model {self.name!r}, "
-                    "not a dict of output name to numpy array"
-                )
-            mine, new_states = table.outputs(dict(outputs), steps)
-            table.give(steps, new_states)
-            done = True
-            return mine
-        finally:
-            if not done:
-                table.abandon(steps)
+
+        return run_steps(table, inputs, requested, steps, call, self.backend.id)
 
     def _end_sequence(self, sequence_id: int | str) -> bool:
         """Free a sequence's state where the model runs; whether it was live."""
@@ -280,4 +324,4 @@ class StatefulModel:
         return [table.initial[p.input_name] for p in table.pairs]
 
 
-__all__ = ["StatefulModel", "caller_specs"]
+__all__ = ["StatefulModel", "build_table", "caller_specs", "check_steps", "run_steps"]

@@ -135,16 +135,10 @@ class WorkerSequences(SequenceTable):
         without sending anything otherwise; :meth:`run` then says what is wrong, if anything."""
         cond = self._cond
         with cond:
-            live = self._live.get(sequence_id)
             pin = self._pins.get(sequence_id)
-            if live is None or live.busy or pin is None:
+            live = self._claim(sequence_id) if pin is not None else None
+            if live is None or pin is None:
                 return NOT_FAST
-            idle = self.max_idle_s
-            if idle is not None:
-                now = time.monotonic()
-                if now - live.used > idle or now - self._swept >= idle / 2:
-                    return NOT_FAST
-            live.busy = True
         worker, pool = pin.worker, self.pool
         outputs: Any = NOT_FAST
         error: BaseException | None = None

@@ -67,7 +67,8 @@ from neuropod.ope._channel import (
     string_size,
 )
 from neuropod.package import Package, parse_config, read_package
-from neuropod.sequences import NOT_FAST, SequenceStep, SequenceTable, build_table
+from neuropod.sequences import NOT_FAST, SequenceStep, SequenceTable
+from neuropod.stateful import build_table, run_steps
 from neuropod.streams import cannot_stream
 
 _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's value; the fcntl module names it from Python 3.12 on
@@ -198,27 +199,12 @@ class Worker:
         self, table: SequenceTable, arrays: dict[str, np.ndarray], requested: Any, steps: list[SequenceStep],
         parameters: Any,
     ) -> dict[str, Any]:  # fmt: skip
-        states = table.take(steps)
-        done = False
-        try:
-            full = table.inputs(arrays, steps, states)
-            wanted = None if requested is None else [*requested, *(p.output_name for p in table.pairs)]
+        def call(full: dict[str, Any], wanted: list[str] | None) -> Any:
             if parameters and self.infer_with_parameters is not None:
-                outputs = self._detached(self.infer_with_parameters(self.model, full, wanted, parameters))
-            else:
-                outputs = self._run_detached(self.model, full, wanted)
-            if not isinstance(outputs, Mapping):
-                raise BackendError(
-                    f"Backend {self.backend_id} returned {type(outputs).__name__} for model {self.name!r}, "
-                    "not a dict of output name to numpy array"
-                )
-            mine, new_states = table.outputs(dict(outputs), steps)
-            table.give(steps, new_states)
-            done = True
-            return mine
-        finally:
-            if not done:
-                table.abandon(steps)
+                return self._detached(self.infer_with_parameters(self.model, full, wanted, parameters))
+            return self._run_detached(self.model, full, wanted)
+
+        return run_steps(table, arrays, requested, steps, call, self.backend_id)
 
     def _run_detached(self, model: Any, inputs: dict[str, Any], wanted: Any) -> Any:
         return self._detached(self.infer(model, inputs, wanted))

@@ -16,6 +16,7 @@ from neuropod.model import NeuropodModel
 from neuropod.sequences import Sequence as ModelSequence
 from neuropod.sequences import SequenceStep, check_sequence_id
 from neuropod.spec import SpecValidator, TensorSpec
+from neuropod.stateful import check_steps
 from neuropod.streams import ResponseStream
 from neuropod_serving import __version__
 from neuropod_serving.client._errors import RemoteSequenceError, remote_error, sequence_error
@@ -205,13 +206,7 @@ class RemoteModel(NeuropodModel):
         """
         if self._closed:
             raise NeuropodError(f"Model {self.name!r} is closed")
-        steps = list(steps)
-        if not steps or not all(isinstance(s, SequenceStep) for s in steps):
-            raise TypeError("steps must be a non-empty list of neuropod.sequences.SequenceStep")
-        ids = [check_sequence_id(s.sequence_id) for s in steps]
-        if len(set(ids)) != len(ids):
-            twice = next(i for i in ids if ids.count(i) > 1)
-            raise SequenceError(f"sequence {twice!r} appears more than once in one call of model {self.name!r}")
+        steps = check_steps(steps, self.name)
         checked, _ = self._validator.check_inputs(inputs)
         rows = sum(s.rows for s in steps)
         for name, array in checked.items():

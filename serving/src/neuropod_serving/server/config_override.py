@@ -46,7 +46,6 @@ gRPC INVALID_ARGUMENT) raised before anything is loaded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from neuropod import _json
@@ -56,6 +55,8 @@ from neuropod_serving.protocol import ProtocolError, oip_datatype
 from neuropod_serving.server.batching import batch_symbol
 from neuropod_serving.server.registry import ModelSettings
 from neuropod_serving.server.sequence_config import check_listed, sequence_settings
+from neuropod_serving.server.sequence_config import only_fields as _only
+from neuropod_serving.server.sequence_config import whole_number as _int
 
 #: Fields that set how the model is served.
 APPLIED = ("max_batch_size", "dynamic_batching", "sequence_batching", "instance_group")
@@ -314,23 +315,6 @@ def _check_tensor(entry: dict[str, Any], spec: TensorSpec, symbol: str | None, w
         raise ProtocolError(
             f"{where}: dims {given} disagree with the package's shape {list(spec.shape)}, which is {full}{also}"
         )
-
-
-def _only(value: dict[str, Any], allowed: Sequence[str], where: str) -> None:
-    for key in value:
-        if key not in allowed:
-            raise ProtocolError(f"{where}: field {key!r} is not one this server takes (it takes {', '.join(allowed)})")
-
-
-def _int(value: object, where: str, low: int, high: int) -> int:
-    """A whole number from JSON, also as protobuf's JSON writes 64-bit ones (a string of digits)."""
-    if isinstance(value, str) and value.strip().isascii() and value.strip().lstrip("-").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"{where} is a whole number, not {value!r}")
-    if not low <= value <= high:
-        raise ProtocolError(f"{where} is {low} to {high:,}, not {value}")
-    return value
 
 
 __all__ = ["APPLIED", "CHECKED", "IGNORED", "TRITON_PLATFORMS", "settings_from_config"]

@@ -28,7 +28,7 @@ Every refusal is a :class:`~neuropod_serving.protocol.ProtocolError` naming the 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +78,7 @@ def sequence_settings(block: object, max_batch_size: int, where: str) -> Sequenc
     """
     where = f"{where}: sequence_batching"
     block = _object(block, where)
-    _only(block, _FIELDS, where)
+    only_fields(block, _FIELDS, where)
     if block.get("iterative_sequence", False) is not False:
         raise ProtocolError(f"{where}.iterative_sequence is not supported (only false)")
     controls = [
@@ -89,7 +89,7 @@ def sequence_settings(block: object, max_batch_size: int, where: str) -> Sequenc
     ]
     if not controls and not states:
         raise ProtocolError(f"{where} declares no control_input and no state: nothing makes the model stateful")
-    idle = _int(
+    idle = whole_number(
         block.get("max_sequence_idle_microseconds", 0), f"{where}.max_sequence_idle_microseconds", 0, MAX_IDLE_US
     )
     delay = bound = None
@@ -98,24 +98,28 @@ def sequence_settings(block: object, max_batch_size: int, where: str) -> Sequenc
         raise ProtocolError(f"{where} has both oldest and direct; a model's sequences are batched one way")
     if "oldest" in block:
         oldest = _object(block["oldest"], f"{where}.oldest")
-        _only(oldest, _OLDEST, f"{where}.oldest")
+        only_fields(oldest, _OLDEST, f"{where}.oldest")
         if "max_candidate_sequences" in oldest:
-            bound = _int(oldest["max_candidate_sequences"], f"{where}.oldest.max_candidate_sequences", 1, MAX_SEQUENCES)
+            bound = whole_number(
+                oldest["max_candidate_sequences"], f"{where}.oldest.max_candidate_sequences", 1, MAX_SEQUENCES
+            )
         if "max_queue_delay_microseconds" in oldest:
-            delay = _int(oldest["max_queue_delay_microseconds"], f"{where}.oldest.max_queue_delay_microseconds", 0,
+            delay = whole_number(oldest["max_queue_delay_microseconds"], f"{where}.oldest.max_queue_delay_microseconds", 0,
                          10_000_000)  # fmt: skip
         if "preferred_batch_size" in oldest:
             sizes = oldest["preferred_batch_size"]
             if not isinstance(sizes, list):
                 raise ProtocolError(f"{where}.oldest.preferred_batch_size is a list of batch sizes")
-            preferred = tuple(sorted({_int(n, f"{where}.oldest.preferred_batch_size", 1, 1 << 16) for n in sizes}))
+            preferred = tuple(
+                sorted({whole_number(n, f"{where}.oldest.preferred_batch_size", 1, 1 << 16) for n in sizes})
+            )
         if not isinstance(oldest.get("preserve_ordering", False), bool):
             raise ProtocolError(f"{where}.oldest.preserve_ordering is true or false")
     if "direct" in block:
         direct = _object(block["direct"], f"{where}.direct")
-        _only(direct, _DIRECT, f"{where}.direct")
+        only_fields(direct, _DIRECT, f"{where}.direct")
         if "max_queue_delay_microseconds" in direct:
-            delay = _int(direct["max_queue_delay_microseconds"], f"{where}.direct.max_queue_delay_microseconds", 0,
+            delay = whole_number(direct["max_queue_delay_microseconds"], f"{where}.direct.max_queue_delay_microseconds", 0,
                          10_000_000)  # fmt: skip
     sequences: dict[str, Any] = {}
     if states:
@@ -152,7 +156,7 @@ def check_listed(config: Mapping[str, Any], settings: SequenceSettings, where: s
 
 def _control(entry: object, where: str) -> dict[str, str]:
     entry = _object(entry, where)
-    _only(entry, ("name", "control"), where)
+    only_fields(entry, ("name", "control"), where)
     name = entry.get("name")
     if not isinstance(name, str) or not name:
         raise ProtocolError(f"{where}.name is the name of the input the server fills")
@@ -167,12 +171,12 @@ def _control(entry: object, where: str) -> dict[str, str]:
     if kind not in _KINDS:
         raise ProtocolError(f"{here}.kind is one of {', '.join(_KINDS)}, not {kind!r}")
     if kind == "CONTROL_SEQUENCE_CORRID":
-        _only(control, ("kind", "data_type"), here)
+        only_fields(control, ("kind", "data_type"), here)
         if control.get("data_type") not in (None, *DTYPES):
             raise ProtocolError(f"{here}.data_type is one of Triton's TYPE_* names, not {control.get('data_type')!r}")
     else:
         flags = [key for key in _FLAGS if key in control]
-        _only(control, ("kind", *_FLAGS), here)
+        only_fields(control, ("kind", *_FLAGS), here)
         if len(flags) != 1:
             raise ProtocolError(f"{here} has one of {', '.join(_FLAGS)} (the input's false and true values)")
         if control[flags[0]] != _FLAGS[flags[0]]:
@@ -185,7 +189,7 @@ def _control(entry: object, where: str) -> dict[str, str]:
 
 def _state(entry: object, max_batch_size: int, where: str) -> dict[str, Any]:
     entry = _object(entry, where)
-    _only(entry, _STATE, where)
+    only_fields(entry, _STATE, where)
     pair: dict[str, Any] = {}
     for key in ("input_name", "output_name"):
         if not isinstance(entry.get(key), str) or not entry[key]:
@@ -198,7 +202,7 @@ def _state(entry: object, max_batch_size: int, where: str) -> dict[str, Any]:
     dims = entry.get("dims")
     if not isinstance(dims, list):
         raise ProtocolError(f"{where}.dims is a list of whole numbers (one sequence's state)")
-    shape = [_int(d, f"{where}.dims", 1, 1 << 31) for d in dims]
+    shape = [whole_number(d, f"{where}.dims", 1, 1 << 31) for d in dims]
     # As Triton: with max_batch_size above 0 the dims leave out the batch dimension, of 1 for one sequence.
     pair["shape"] = [1, *shape] if max_batch_size > 0 else shape
     initial = entry.get("initial_state", [])
@@ -206,7 +210,7 @@ def _state(entry: object, max_batch_size: int, where: str) -> dict[str, Any]:
         raise ProtocolError(f"{where}.initial_state is a list of at most one initial state")
     if initial:
         state = _object(initial[0], f"{where}.initial_state[0]")
-        _only(state, ("data_type", "dims", "zero_data", "data_file", "name"), f"{where}.initial_state[0]")
+        only_fields(state, ("data_type", "dims", "zero_data", "data_file", "name"), f"{where}.initial_state[0]")
         if "data_file" in state:
             raise ProtocolError(
                 f"{where}.initial_state[0].data_file is not supported: this server loads no files beside the "
@@ -232,13 +236,14 @@ def _list(block: Mapping[str, Any], key: str, where: str) -> list[Any]:
     return value
 
 
-def _only(value: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+def only_fields(value: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    """Refuse a field of a load config's object that is not one of ``allowed``, naming it."""
     for key in value:
         if key not in allowed:
             raise ProtocolError(f"{where}: field {key!r} is not one this server takes (it takes {', '.join(allowed)})")
 
 
-def _int(value: object, where: str, low: int, high: int) -> int:
+def whole_number(value: object, where: str, low: int, high: int) -> int:
     """A whole number from JSON, also as protobuf's JSON writes 64-bit ones (a string of digits)."""
     if isinstance(value, str) and value.strip().isascii() and value.strip().lstrip("-").isdigit():
         value = int(value)
@@ -249,4 +254,4 @@ def _int(value: object, where: str, low: int, high: int) -> int:
     return value
 
 
-__all__ = ["DTYPES", "SequenceSettings", "check_listed", "sequence_settings"]
+__all__ = ["DTYPES", "SequenceSettings", "check_listed", "only_fields", "sequence_settings", "whole_number"]
