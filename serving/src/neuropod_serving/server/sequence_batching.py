@@ -114,6 +114,11 @@ class SequenceBatcher:
         self._enough = min((*policy.preferred_batch_sizes, policy.max_batch_size))
         #: Whether a step that finds the batcher idle may run on its caller's thread (no queue delay).
         self._idle = policy.max_queue_delay_s == 0
+        #: Sequences in the latest run. A step runs alone on its caller's thread only after a run of
+        #: one: when runs hold several, steps come in numbers (each client sends its next step when
+        #: its answer comes), and the first of them running alone would leave the others to wait
+        #: for it, then run without it, halving the batches.
+        self._last_run = 1
         self._pool = concurrent.futures.ThreadPoolExecutor(inflight, thread_name_prefix=f"neuropod-seqbatch-{name}")
         self._thread = threading.Thread(target=self._collect, name=f"neuropod-sequencer-{name}", daemon=True)
         self._thread.start()
@@ -148,7 +153,7 @@ class SequenceBatcher:
             if self._closed:
                 raise NeuropodError(f"model {self.name!r} is unloading")
             alone = (
-                here and self._idle and not self._queue and self._busy < self._inflight
+                here and self._idle and not self._queue and self._busy < self._inflight and self._last_run <= 1
                 and step.sequence_id not in self._running
             )  # fmt: skip
             if alone:
@@ -264,6 +269,7 @@ class SequenceBatcher:
         # Futures set running cannot be cancelled, so answering below cannot race a caller that
         # gives up; a request already given up is not run.
         live = [item for item in batch if item.future.set_running_or_notify_cancel()]
+        self._last_run = len(live)
         results: list[Arrays | BaseException] = []
         times = (0.0, 0.0, 0.0)
         failure: BaseException | None = None
