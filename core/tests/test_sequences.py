@@ -506,6 +506,15 @@ def test_config_json_round_trip_and_inspect(tmp_path: Path) -> None:
     assert "control  flag: CONTROL_SEQUENCE_START" in out
 
 
+def test_neuropod_infer_runs_one_step_of_a_new_sequence(tmp_path: Path, acc_path: Path) -> None:
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    np.save(tmp_path / "x.npy", x)
+    out = io_run("infer", str(acc_path), "--input", f"x={tmp_path / 'x.npy'}", "--output-dir", str(tmp_path / "out"))
+    assert "stateful: one step of a new sequence" in out
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "y.npy"), x)  # from the zero state: 0 + x
+    assert not (tmp_path / "out" / "acc_out.npy").exists()  # the state is not the caller's
+
+
 def io_run(*argv: str) -> str:
     out = io.StringIO()
     assert main(list(argv), out) == 0, out.getvalue()

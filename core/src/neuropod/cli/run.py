@@ -113,8 +113,14 @@ def cmd_infer(args: argparse.Namespace, out: TextIO) -> int:
     with load_neuropod(args.package, device=args.device, backend=args.backend, **remote_options(args)) as model:
         if getattr(args, "stream", False) or getattr(model, "decoupled", False):
             return _infer_stream(model, inputs, args.output or None, out_dir, out)
-        outputs = model.infer(inputs, requested_outputs=args.output or None)
+        if getattr(model, "stateful", False):  # one step of a new sequence, from the initial state
+            with model.sequence() as sequence:
+                outputs = sequence.infer(inputs, requested_outputs=args.output or None, end=True)
+        else:
+            outputs = model.infer(inputs, requested_outputs=args.output or None)
         print(_model_line(model), file=out)
+        if getattr(model, "stateful", False):
+            print("  (stateful: one step of a new sequence, from the initial state)", file=out)
         if out_dir is not None:
             # Every path is checked before the first file is written.
             targets = {name: _output_file(out_dir, name, model.name) for name in outputs}
