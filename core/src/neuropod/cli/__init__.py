@@ -114,7 +114,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     resolution_args(s)
     s.set_defaults(func=cmd_test)
 
-    s = sub.add_parser("infer", help="run a package (or a remote model) on inputs from .npy files")
+    s = sub.add_parser("infer", help="run a package (or a remote model) on inputs from .npy files (a stateful one: one step of a new sequence)")
     s.add_argument("package", help="a package (a path, or a URL: s3://, gs://, az://, https://...zip), or a remote "
                    "model's URL (grpc://host:8001/model, http://...)")
     s.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", required=True,
