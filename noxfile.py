@@ -150,7 +150,8 @@ def tests_storage(session: nox.Session) -> None:
 def tests_onnx(session: nox.Session, onnxruntime: str) -> None:
     """The ONNX plugin against one onnxruntime release (all three run in CI: they are small)."""
     _install_onnx(session, onnxruntime)
-    # Stateful models on ONNX, in process and in workers.
+    # Stateful models on ONNX, in process and in workers (a worker killed mid-step: a python model sleeps).
+    session.install(str(ROOT / "plugins/neuropod-python"))
     _pytest(session, "plugins/neuropod-onnx/tests", "core/tests/test_sequences.py", "core/tests/test_ope_sequences.py")
 
 
