@@ -9,7 +9,6 @@ remote-model handler for a URL (:mod:`neuropod.remote`).
 
 from __future__ import annotations
 
-import json
 import numbers
 import os
 import sys
@@ -26,8 +25,9 @@ from neuropod.errors import BackendError, InProcessConflictError, NeuropodError,
 from neuropod.model import NeuropodModel, framework_error
 from neuropod.ope import start_pool
 from neuropod.ope.worker_model import WorkerModel, options_for_worker
-from neuropod.package import Package, parse_config, read_package
+from neuropod.package import Package, read_package
 from neuropod.resolve import Resolution, parse_backend_pin, resolve
+from neuropod.stateful import with_sequences
 
 
 def _host(host: Host | str | os.PathLike[str] | None) -> Host:
@@ -147,7 +147,7 @@ def load_neuropod(
     :raises TypeError, ValueError: an argument of the wrong type or value
         (raised before the package is read).
         ``sequences={"state_spec": [...], "sequence_controls": [...]}`` makes the model stateful
-        as if its package declared them (see :func:`with_sequences`; what ``neuropod serve`` does
+        as if its package declared them (see :func:`~neuropod.stateful.with_sequences`; what ``neuropod serve`` does
         with a Triton configuration's ``sequence_batching``).
     :raises PackageError: the package is missing, malformed or changed.
     :raises NoBackendError: nothing here can run it; the message has the table.
@@ -207,31 +207,6 @@ def load_neuropod(
     if handle is None:
         raise BackendError(f"Plugin {chosen.backend.plugin!r} did not load model {package.name!r}")
     return NeuropodModel(package, resolution, handle)
-
-
-def with_sequences(package: Package, sequences: Any) -> Package:
-    """``package`` as a stateful model: its config's ``state_spec`` and ``sequence_controls``
-    replaced by those of ``sequences`` (a mapping with either or both keys, or its JSON text), checked
-    against its specs as a package's own are.
-
-    :raises PackageError: they do not fit the model's specs, naming what is wrong.
-    """
-    if isinstance(sequences, str):
-        try:
-            sequences = json.loads(sequences)
-        except ValueError as e:
-            raise PackageError(f"sequences: not JSON ({e})") from None
-    if not isinstance(sequences, Mapping) or not set(sequences) <= {"state_spec", "sequence_controls"}:
-        raise PackageError(
-            f"sequences must be a mapping with 'state_spec' and/or 'sequence_controls', not {sequences!r:.100}"
-        )
-    config = package.config
-    data = config.to_dict()
-    data.pop("state_spec", None)
-    data.pop("sequence_controls", None)
-    data.update({k: v for k, v in sequences.items() if v is not None})
-    amended = parse_config(data, f"model {config.name!r} with the sequences given at load")
-    return replace(package, config=amended)
 
 
 #: The keywords of :func:`load_neuropod` that say how to run the model (checked by :func:`check_load_args`).

@@ -5,12 +5,14 @@ model in sequences: :class:`StatefulModel`, its base. How sequences and their st
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from neuropod._args import check_flag, check_parameters
-from neuropod.errors import BackendError, NeuropodError, SequenceError
-from neuropod.package import Package
+from neuropod.errors import BackendError, NeuropodError, PackageError, SequenceError
+from neuropod.package import Package, parse_config
 from neuropod.sequences import Sequence as ModelSequence
 from neuropod.sequences import SequenceStep, SequenceTable, check_sequence_id
 from neuropod.spec import SpecValidator, TensorSpec
@@ -81,6 +83,34 @@ def build_table(model_name: str, config: Any, root: Any, input_spec: Iterable[Te
     initial = {p.input_name: initial_state(p, root, model_name) for p in pairs}
     return SequenceTable(model_name, pairs, initial, controls, {c.name: inputs[c.name] for c in controls},
                          batch_symbol(inputs, outputs, pairs) is not None)  # fmt: skip
+
+
+def with_sequences(package: Package, sequences: Any, *, given: str = "given at load") -> Package:
+    """``package`` as a stateful model: its config's ``state_spec`` and ``sequence_controls``
+    replaced by those of ``sequences`` (a mapping with either or both keys, or its JSON text), checked
+    against its specs as a package's own are (``load_neuropod(..., sequences=...)``, and a
+    stateful model's worker, which gets them from its client).
+
+    :param given: where they came from, for messages.
+
+    :raises PackageError: they do not fit the model's specs, naming what is wrong.
+    """
+    if isinstance(sequences, str):
+        try:
+            sequences = json.loads(sequences)
+        except ValueError as e:
+            raise PackageError(f"sequences: not JSON ({e})") from None
+    if not isinstance(sequences, Mapping) or not set(sequences) <= {"state_spec", "sequence_controls"}:
+        raise PackageError(
+            f"sequences must be a mapping with 'state_spec' and/or 'sequence_controls', not {sequences!r:.100}"
+        )
+    config = package.config
+    data = config.to_dict()
+    data.pop("state_spec", None)
+    data.pop("sequence_controls", None)
+    data.update({k: v for k, v in sequences.items() if v is not None})
+    amended = parse_config(data, f"model {config.name!r} with the sequences {given}")
+    return replace(package, config=amended)
 
 
 def caller_specs(package: Package) -> tuple[SequenceTable | None, tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
@@ -324,4 +354,4 @@ class StatefulModel:
         return [table.initial[p.input_name] for p in table.pairs]
 
 
-__all__ = ["StatefulModel", "build_table", "caller_specs", "check_steps", "run_steps"]
+__all__ = ["StatefulModel", "build_table", "caller_specs", "check_steps", "run_steps", "with_sequences"]

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import faulthandler
 import fcntl
-import json
 import os
 import select
 import signal
@@ -45,7 +44,6 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -66,9 +64,9 @@ from neuropod.ope._channel import (
     string_bytes,
     string_size,
 )
-from neuropod.package import Package, parse_config, read_package
+from neuropod.package import Package, read_package
 from neuropod.sequences import NOT_FAST, SequenceStep, SequenceTable
-from neuropod.stateful import build_table, run_steps
+from neuropod.stateful import build_table, run_steps, with_sequences
 from neuropod.streams import cannot_stream
 
 _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's value; the fcntl module names it from Python 3.12 on
@@ -160,12 +158,8 @@ class Worker:
         package = self.package
         if package is None:
             raise WorkerError("This worker has not loaded its model")
-        data = package.config.to_dict()
-        data.pop("state_spec", None)
-        data.pop("sequence_controls", None)
-        data.update(json.loads(declared))
-        config = parse_config(data, f"model {package.name!r} with the sequences of its client")
-        self.package = replace(package, config=config)
+        self.package = with_sequences(package, declared, given="of its client")
+        config = self.package.config
         self.table = build_table(package.name, config, package.root, config.input_spec, config.output_spec)
         return ("ok",)
 
