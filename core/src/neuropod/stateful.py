@@ -39,6 +39,21 @@ def check_steps(steps: Iterable[SequenceStep], model_name: str) -> list[Sequence
     return steps
 
 
+def check_rows(model_name: str, inputs: Mapping[str, Any], steps: Sequence[SequenceStep]) -> None:
+    """Every input of a call of several sequences' steps holds their rows (``step.rows`` each).
+
+    :raises SequenceError: one does not, naming it.
+    """
+    rows = sum(s.rows for s in steps)
+    for name, array in inputs.items():
+        have = array.shape[0] if getattr(array, "ndim", 0) else 0
+        if getattr(array, "ndim", 0) == 0 or have != rows:
+            raise SequenceError(
+                f"model {model_name!r}: input {name!r} has {have} rows, but the call's {len(steps)} sequence step(s) "
+                f"take {rows}, one per sequence"
+            )
+
+
 def run_steps(
     table: SequenceTable, inputs: Mapping[str, Any], requested: list[str] | None, steps: Sequence[SequenceStep],
     call: Callable[[dict[str, Any], list[str] | None], Any], backend_id: str,
@@ -308,13 +323,7 @@ class StatefulModel:
         table = self._sequences
         assert table is not None
         if len(steps) > 1 or table.batching:
-            rows = sum(s.rows for s in steps)
-            for name, array in checked.items():
-                if getattr(array, "ndim", 0) == 0 or array.shape[0] != rows:
-                    raise SequenceError(
-                        f"model {self.name!r}: input {name!r} has {array.shape[0] if getattr(array, 'ndim', 0) else 0} "
-                        f"rows, but the call's {len(steps)} sequence step(s) take {rows}, one per sequence"
-                    )
+            check_rows(self.name, checked, steps)
         outputs = self._run_steps(checked, requested, steps, parameters or None)
         return self._checked_outputs(outputs, bindings, requested, None)
 
@@ -354,4 +363,4 @@ class StatefulModel:
         return [table.initial[p.input_name] for p in table.pairs]
 
 
-__all__ = ["StatefulModel", "build_table", "caller_specs", "check_steps", "run_steps", "with_sequences"]
+__all__ = ["StatefulModel", "build_table", "caller_specs", "check_rows", "check_steps", "run_steps", "with_sequences"]

@@ -16,7 +16,7 @@ from neuropod.model import NeuropodModel
 from neuropod.sequences import Sequence as ModelSequence
 from neuropod.sequences import SequenceStep, check_sequence_id
 from neuropod.spec import SpecValidator, TensorSpec
-from neuropod.stateful import check_steps
+from neuropod.stateful import check_rows, check_steps
 from neuropod.streams import ResponseStream
 from neuropod_serving import __version__
 from neuropod_serving.client._errors import RemoteSequenceError, remote_error, sequence_error
@@ -208,13 +208,7 @@ class RemoteModel(NeuropodModel):
             raise NeuropodError(f"Model {self.name!r} is closed")
         steps = check_steps(steps, self.name)
         checked, _ = self._validator.check_inputs(inputs)
-        rows = sum(s.rows for s in steps)
-        for name, array in checked.items():
-            if array.ndim == 0 or array.shape[0] != rows:
-                raise SequenceError(
-                    f"model {self.name!r}: input {name!r} has {array.shape[0] if array.ndim else 0} rows, but the "
-                    f"call's {len(steps)} sequence step(s) take {rows}"
-                )
+        check_rows(self.name, checked, steps)
         bounds = np.cumsum([0] + [s.rows for s in steps])
         parts = [{k: v[bounds[i] : bounds[i + 1]] for k, v in checked.items()} for i in range(len(steps))]
 
