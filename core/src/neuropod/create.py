@@ -24,6 +24,7 @@ from neuropod._version import __version__
 from neuropod.backend import installed_distribution
 from neuropod.errors import PackageError
 from neuropod.package import CONFIG, FileSource, ModelConfig, parse_output_labels, replace_package, write_package
+from neuropod.pipespec import PipelineSpec
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod.statespec import STATE_DIR, ZERO, parse_sequence_controls, parse_state_spec
 from neuropod.testdata import check_packaged
@@ -45,6 +46,7 @@ def packager_config(
     decoupled: bool = False,
     state_spec: Iterable[Mapping[str, Any]] | None = None,
     sequence_controls: Iterable[Mapping[str, Any]] | None = None,
+    pipeline: PipelineSpec | None = None,
 ) -> ModelConfig:
     """The ``config.json`` every ``create_*_neuropod`` writes, from its usual arguments.
 
@@ -77,6 +79,7 @@ def packager_config(
         decoupled=bool(decoupled),
         state_spec=parse_state_spec(state_spec, inputs, outputs, "state_spec"),
         sequence_controls=parse_sequence_controls(sequence_controls, inputs, "sequence_controls"),
+        pipeline=pipeline,
     )
 
 
@@ -216,6 +219,7 @@ def create_package(
     device_requirements: Mapping[str, Any] | None = None,
     default_version_range: str = "*",
     defaults: Mapping[str, Any] | None = None,
+    pipeline: PipelineSpec | None = None,
 ) -> Path:
     """Write a package and check it: everything a ``create_*_neuropod`` does after its framework's part.
 
@@ -242,6 +246,8 @@ def create_package(
     :param default_version_range: ``platform_version_semver`` when the
         caller gives none.
     :param defaults: the packager's own defaults for common keywords.
+    :param pipeline: a pipeline package's steps (``platform`` is then ``"pipeline"``; see
+        :func:`neuropod.create_pipeline.create_pipeline_neuropod`).
     :returns: the path written.
     """
     opts = package_options(packager, options, defaults)
@@ -260,7 +266,7 @@ def create_package(
         framework_distributions=framework_distributions, input_tensor_device=opts["input_tensor_device"],
         default_input_tensor_device=opts["default_input_tensor_device"], device_requirements=device_requirements,
         exported_with=exported_with, output_labels=opts["output_labels"], decoupled=opts["decoupled"],
-        state_spec=state_spec, sequence_controls=opts["sequence_controls"],
+        state_spec=state_spec, sequence_controls=opts["sequence_controls"], pipeline=pipeline,
     )  # fmt: skip
     try:
         path = write_package(

@@ -64,6 +64,18 @@ class BackendError(NeuropodError, RuntimeError):
     """
 
 
+class PipelineStepError(BackendError):
+    """A step of a pipeline failed to run: the message names the pipeline, the step and the step's
+    model; the step's own error is chained as ``__cause__``. (A step's :class:`SpecError` or
+    :class:`SequenceError` keeps its class, with the same names in its message.)"""
+
+    def __init__(self, message: str, *, pipeline: str = "", step: str = "", model: str = ""):
+        super().__init__(message)
+        self.pipeline = pipeline
+        self.step = step
+        self.model = model
+
+
 class InProcessConflictError(BackendError):
     """This process cannot hold the model, for example because its custom ops
     register op names that a library loaded here from another file has
@@ -119,6 +131,7 @@ __all__ = [
     "NeuropodError",
     "NoBackendError",
     "PackageError",
+    "PipelineStepError",
     "PluginNotInstalledError",
     "RemoteError",
     "SequenceError",

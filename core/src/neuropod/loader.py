@@ -21,11 +21,13 @@ from neuropod import plugins, remote, storage
 from neuropod._args import check_flag, check_seconds, check_workers
 from neuropod.devices import Host, load_host, local_host, parse_device
 from neuropod.envs import environment_backends, get_environment, lock_environment
-from neuropod.errors import BackendError, InProcessConflictError, NeuropodError, PackageError
+from neuropod.errors import BackendError, InProcessConflictError, NeuropodError, NoBackendError, PackageError
 from neuropod.model import NeuropodModel, framework_error
 from neuropod.ope import start_pool
 from neuropod.ope.worker_model import WorkerModel, options_for_worker
 from neuropod.package import Package, read_package
+from neuropod.pipelines import STEP_LOAD_ARGS, PipelinePlan, load_pipeline, plan_pipeline
+from neuropod.pipespec import PIPELINE_PLATFORM
 from neuropod.resolve import Resolution, parse_backend_pin, resolve
 from neuropod.stateful import with_sequences
 
@@ -83,6 +85,10 @@ def plan(
     _check_resolution_args(device, backend, host)
     pkg = package if isinstance(package, Package) else read_package(package)
     target = _host(host)
+    if pkg.config.pipeline is not None:
+        _check_pipeline_pin(pkg, backend)
+        # Each step is planned as a package of its own: a pipeline is its steps' plans.
+        return plan_pipeline(pkg, target, lambda step: plan(step, device=device, host=target))
     if target.backends:  # a described machine with its own software
         caps = dict(target.backends)
         backends = list(caps)
@@ -146,6 +152,10 @@ def load_neuropod(
         only, since a worker process starts without them).
     :raises TypeError, ValueError: an argument of the wrong type or value
         (raised before the package is read).
+        A pipeline package (see :mod:`neuropod.pipelines`) loads each step with ``device``,
+        ``use_ope``, ``workers``, ``restart``, ``timeout`` and ``verify``, plus
+        ``step_options={"<step>": {...}}``: more ``load_neuropod`` keywords for one step (a
+        backend's options, a ``backend`` pin, a served step's ``timeout`` or ``auth_token``).
         ``sequences={"state_spec": [...], "sequence_controls": [...]}`` makes the model stateful
         as if its package declared them (see :func:`~neuropod.stateful.with_sequences`; what ``neuropod serve`` does
         with a Triton configuration's ``sequence_batching``).
@@ -181,6 +191,9 @@ def load_neuropod(
         if url is None:
             raise
         raise storage.as_downloaded(e, neuropod_path, url) from None  # type: ignore[arg-type]
+    if package.config.pipeline is not None:
+        return _load_pipeline(package, sequences, load_options, device=device, backend=backend, verify=verify,
+                              use_ope=use_ope, workers=workers, restart=restart, timeout=timeout)  # fmt: skip
     if sequences is not None:
         package = with_sequences(package, sequences)
     resolution = plan(package, device=device, backend=backend)
@@ -207,6 +220,33 @@ def load_neuropod(
     if handle is None:
         raise BackendError(f"Plugin {chosen.backend.plugin!r} did not load model {package.name!r}")
     return NeuropodModel(package, resolution, handle)
+
+
+def _check_pipeline_pin(package: Package, backend: str | None) -> None:
+    """A pipeline runs each step on its own backend: ``backend=`` may only name the pipeline itself."""
+    if backend is not None and parse_backend_pin(backend)[0] != PIPELINE_PLATFORM:
+        raise NoBackendError(
+            f"backend={backend!r}: model {package.name!r} is a pipeline, whose steps each resolve their own backend; "
+            "pin a step's backend with step_options={'<step>': {'backend': ...}}"
+        )
+
+
+def _load_pipeline(package: Package, sequences: Any, load_options: dict[str, Any], **args: Any) -> NeuropodModel:
+    """:func:`load_neuropod` for a pipeline package: its steps, each loaded with ``args`` (and its ``step_options``)."""
+    step_options = load_options.pop("step_options", None)
+    if sequences is not None:
+        raise ValueError(f"sequences=: model {package.name!r} is a pipeline; its stateful steps declare their own state")
+    if load_options:
+        raise ValueError(
+            f"{', '.join(sorted(load_options))}: model {package.name!r} is a pipeline, whose steps may run on different "
+            "backends; give a backend's load options to its step with step_options={'<step>': {...}}"
+        )
+    if step_options is not None and not isinstance(step_options, Mapping):
+        raise TypeError(f"step_options must map step names to dicts of load_neuropod keywords, not {type(step_options).__name__}")
+    resolution = plan(package, device=args["device"], backend=args.pop("backend"))
+    assert isinstance(resolution, PipelinePlan)
+    options = {k: args[k] for k in STEP_LOAD_ARGS}
+    return load_pipeline(package, resolution, load_neuropod, step_options=step_options, options=options)
 
 
 #: The keywords of :func:`load_neuropod` that say how to run the model (checked by :func:`check_load_args`).

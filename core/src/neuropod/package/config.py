@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuropod.errors import NeuropodError, PackageError, VersionRangeError
+from neuropod.pipespec import PIPELINE_PLATFORM, PipelineSpec, parse_pipeline
 from neuropod.spec import TensorSpec, parse_spec
 from neuropod.statespec import (
     SequenceControl,
@@ -40,6 +41,7 @@ _KNOWN_KEYS = {
     "decoupled",
     "state_spec",
     "sequence_controls",
+    "pipeline",
 }
 
 
@@ -67,6 +69,9 @@ class ModelConfig:
     state_spec: tuple[StatePair, ...] = ()
     #: The inputs the runtime fills with a sequence's flags and id.
     sequence_controls: tuple[SequenceControl, ...] = ()
+    #: A pipeline package's steps and how they wire together (see :mod:`neuropod.pipespec`);
+    #: None for a package of one model.
+    pipeline: PipelineSpec | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,6 +97,8 @@ class ModelConfig:
             out["state_spec"] = [p.to_dict() for p in self.state_spec]
         if self.sequence_controls:
             out["sequence_controls"] = [c.to_dict() for c in self.sequence_controls]
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline.to_dict()
         out.update(self.extra)
         return out
 
@@ -153,6 +160,13 @@ def parse_config(data: Any, where: str) -> ModelConfig:
     check_state_names(state_spec, controls, where)
     if decoupled and (state_spec or controls):
         raise PackageError(f"{where}: a decoupled model cannot also carry sequence state or controls")
+    pipeline = parse_pipeline(data.get("pipeline"), f"{where}: pipeline")
+    if (pipeline is None) != (platform != PIPELINE_PLATFORM):
+        raise PackageError(
+            f"{where}: a package of platform {PIPELINE_PLATFORM!r} needs a 'pipeline' block, and only such a package has one"
+        )
+    if pipeline is not None and (state_spec or controls):
+        raise PackageError(f"{where}: a pipeline carries no state of its own; its stateful steps declare theirs")
     return ModelConfig(
         name=name,
         platform=platform,
@@ -167,6 +181,7 @@ def parse_config(data: Any, where: str) -> ModelConfig:
         decoupled=decoupled,
         state_spec=state_spec,
         sequence_controls=controls,
+        pipeline=pipeline,
         extra={k: v for k, v in data.items() if k not in _KNOWN_KEYS},
     )
 
