@@ -16,7 +16,7 @@ from neuropod.errors import PackageError, SpecError
 from neuropod.spec import DTYPES, SpecValidator, TensorSpec, parse_spec, to_string_array
 
 ALL_DTYPES = list(DTYPES)
-NUMERIC_DTYPES = [d for d in ALL_DTYPES if d != "string"]
+NUMERIC_DTYPES = [d for d in ALL_DTYPES if d not in ("string", "bytes")]
 WHERE = "config.json: input_spec"
 
 
@@ -33,9 +33,11 @@ def _validator(inputs: list[tuple[str, str, tuple]], outputs: list[tuple[str, st
 
 
 def _array(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """An array of a spec dtype; strings as a numpy unicode array."""
+    """An array of a spec dtype; strings as a numpy unicode array, bytes as an object array of bytes."""
     if dtype == "string":
         return np.full(shape, "s")
+    if dtype == "bytes":
+        return np.full(shape, b"s", dtype=object)
     return np.zeros(shape, dtype=DTYPES[dtype])
 
 
@@ -136,7 +138,7 @@ PARSE_ERRORS = [
     pytest.param(
         [_entry(dtype="float8")],
         rf"^{_W}\[0\] \('x'\): dtype 'float8' is not one of float16, float32, float64, int8, int16, int32, "
-        r"int64, uint8, uint16, uint32, uint64, bool, string$",
+        r"int64, uint8, uint16, uint32, uint64, bool, string, bytes$",
         id="unknown-dtype",
     ),
     pytest.param([_entry(dtype="Float32")], rf"^{_W}\[0\] \('x'\): dtype 'Float32' is not one of", id="dtype-case"),
@@ -204,8 +206,10 @@ def test_check_inputs_rejects_every_other_dtype(spec_dtype: str, actual: str) ->
     with pytest.raises(SpecError) as excinfo:
         v.check_inputs({"x": arr})
     msg = _message(excinfo)
-    if spec_dtype == "string":
-        assert msg.startswith(f"Tensor 'x' in the input spec is expected to be of type string, but was of type {arr.dtype}")
+    if spec_dtype == "string" and actual == "bytes":
+        assert msg.startswith("Tensor 'x' in the input spec is expected to hold str (a string tensor), but an element is bytes")
+    elif spec_dtype in ("string", "bytes"):
+        assert msg.startswith(f"Tensor 'x' in the input spec is expected to be of type {spec_dtype}, but was of type {arr.dtype}")
     else:
         assert msg == (
             f"Tensor 'x' in the input spec is expected to be of type {spec_dtype}, but was of type {arr.dtype} (model 'm')"
@@ -816,7 +820,9 @@ def test_property_fitting_inputs_pass_and_perturbed_fail(
     victim = data.draw(st.sampled_from(specs))
 
     # A different dtype fails.
-    other = data.draw(st.sampled_from([d for d in ALL_DTYPES if d != victim.dtype]))
+    # (An empty object array fits both string and bytes, and bytes in a string tensor fail with their own message.)
+    text = ("string", "bytes")
+    other = data.draw(st.sampled_from([d for d in ALL_DTYPES if d != victim.dtype and not (d in text and victim.dtype in text)]))
     wrong = dict(tensors, **{victim.name: _fitting_array(victim, sizes, data, dtype=other)})
     with pytest.raises(SpecError, match=rf"^Tensor '{victim.name}' .* is expected to be of type {victim.dtype}"):
         v.check_inputs(wrong)
@@ -830,6 +836,6 @@ def test_property_fitting_inputs_pass_and_perturbed_fail(
         shape[axis] = size + 1
         bad = np.zeros(shape, dtype=arr.dtype)
         if arr.dtype == object:
-            bad[...] = "s"
+            bad[...] = b"s" if victim.dtype == "bytes" else "s"
         with pytest.raises(SpecError, match=rf"^Dim {axis} of tensor '{victim.name}' .* expected to be of size {size}, but was"):
             v.check_inputs(dict(tensors, **{victim.name: bad}))

@@ -21,10 +21,12 @@ from typing import Any, NoReturn
 import numpy as np
 
 from neuropod.errors import NeuropodError, PackageError, SpecError
+from neuropod.strings import BYTES_FORM, text_problem, to_bytes_array, to_string_array
 from neuropod.tensors import DeviceInputs, TensorFacts, describe, host_array
 
 #: The dtypes a spec can name, and the numpy dtype each one means.
-#: ``string`` tensors are numpy unicode arrays or object arrays of ``str``.
+#: ``string`` tensors (text) are numpy unicode arrays or object arrays of ``str``; ``bytes`` tensors
+#: (binary data: an image or audio file, a serialized record) are object arrays of ``bytes``.
 DTYPES: dict[str, np.dtype[Any] | None] = {
     "float16": np.dtype(np.float16),
     "float32": np.dtype(np.float32),
@@ -39,6 +41,7 @@ DTYPES: dict[str, np.dtype[Any] | None] = {
     "uint64": np.dtype(np.uint64),
     "bool": np.dtype(np.bool_),
     "string": None,
+    "bytes": None,
 }
 
 Dim = int | str | None
@@ -304,7 +307,7 @@ class SpecValidator:
                         _check_facts(facts, compiled, bindings, "input", self.model_name)
                         on_device = True
                         continue
-            elif compiled[1] is None and arr.dtype.kind == "S":
+            elif compiled[1] is None and arr.dtype.kind == "S" and compiled[5].dtype == "string":
                 # Bytes for a string tensor, as the original Neuropod took them: UTF-8 text.
                 arr = replaced[name] = _decode_utf8(arr, compiled[5], self.model_name)
             _check(arr, compiled, bindings, "input", self.model_name)
@@ -411,7 +414,7 @@ def _fast_check(specs: Sequence[TensorSpec], what: str) -> Callable[[dict[str, A
     returns None and the caller runs the general checks. Generated as Python
     source (the way :mod:`dataclasses` writes ``__init__``), so a call runs a
     few straight lines instead of a loop of calls per tensor. None when the
-    specs hold a string tensor (those need the general checks every time).
+    specs hold a string or bytes tensor (those need the general checks every time).
     """
     if not specs or any(DTYPES[s.dtype] is None for s in specs):
         return None
@@ -464,7 +467,9 @@ def _check(arr: Any, compiled: _Compiled, bindings: Bindings, kind: str, model: 
             f"but was {_kind(arr)}", model,
         )  # fmt: skip
     if dtype is None:
-        _check_strings(arr, spec, kind, model)
+        problem = text_problem(arr, spec.dtype, name, kind)
+        if problem is not None:
+            _fail(problem[0], model, problem[1])
     elif arr.dtype != dtype:
         _fail(f"Tensor {name!r} in the {kind} spec is expected to be of type {spec.dtype}, but was of type {arr.dtype}", model)
     _check_dims(arr.shape, compiled, bindings, kind, model)
@@ -475,9 +480,10 @@ def _check_facts(facts: TensorFacts, compiled: _Compiled, bindings: Bindings, ki
     name, dtype, _, _, _, spec = compiled
     where = f"a {facts.framework} tensor on {facts.device}"
     if dtype is None:
+        held = BYTES_FORM if spec.dtype == "bytes" else "numpy unicode arrays or object arrays of str"
         _fail(
-            f"Tensor {name!r} in the {kind} spec is expected to be of type string, but was {where}", model,
-            "string tensors are numpy unicode arrays or object arrays of str, in host memory",
+            f"Tensor {name!r} in the {kind} spec is expected to be of type {spec.dtype}, but was {where}", model,
+            f"{spec.dtype} tensors are {held}, in host memory",
         )  # fmt: skip
     if facts.dtype != dtype:
         _fail(f"Tensor {name!r} in the {kind} spec is expected to be of type {spec.dtype}, but was of type "
@@ -532,45 +538,8 @@ def _decode_utf8(arr: np.ndarray, spec: TensorSpec, model: str) -> np.ndarray:
         )  # fmt: skip
 
 
-def _check_strings(arr: np.ndarray, spec: TensorSpec, kind: str, model: str) -> None:
-    k = arr.dtype.kind
-    if k == "U":
-        return
-    if k == "O":
-        for item in arr.flat:
-            if type(item) is not str and not isinstance(item, str):
-                _fail(
-                    f"Tensor {spec.name!r} in the {kind} spec is expected to hold str (a string tensor), "
-                    f"but an element is {_kind(item)} ({item!r:.40})", model,
-                )  # fmt: skip
-        return
-    hint = "; decode bytes to str first" if k == "S" else ""
-    _fail(
-        f"Tensor {spec.name!r} in the {kind} spec is expected to be of type string, but was of type {arr.dtype}",
-        model, f"a numpy unicode array or an object array of str{hint}",
-    )  # fmt: skip
-
-
 def _fail(sentence: str, model: str, detail: str = "") -> NoReturn:
     raise SpecError(f"{sentence} (model {model!r}{': ' + detail if detail else ''})")
-
-
-def to_string_array(values: Any) -> np.ndarray:
-    """Turn a sequence or array of str (or bytes, decoded as UTF-8) into a string tensor.
-
-    A numpy unicode array, or an object array of str when an element ends
-    with a NUL character: numpy's unicode dtype pads with NULs and drops
-    trailing ones, so only an object array gives those strings back exactly.
-    """
-    arr = np.asarray(values, dtype=object)
-    flat = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in arr.flat]
-    if not flat:
-        return np.zeros(arr.shape, dtype="<U1")
-    if any(s.endswith("\0") for s in flat):
-        exact = np.empty(len(flat), dtype=object)
-        exact[:] = flat
-        return exact.reshape(arr.shape)
-    return np.array(flat, dtype=str).reshape(arr.shape)
 
 
 __all__ = [
@@ -582,5 +551,6 @@ __all__ = [
     "TensorSpec",
     "parse_spec",
     "tensor_name_problem",
+    "to_bytes_array",
     "to_string_array",
 ]

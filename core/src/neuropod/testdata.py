@@ -24,6 +24,7 @@ from neuropod.loader import LOAD_ARGS, check_load_args, load_neuropod, plan
 from neuropod.package import Package, read_package
 from neuropod.sequences import StateMismatchError
 from neuropod.spec import DTYPES
+from neuropod.strings import blank
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ def compare_outputs(
         got, want = np.asarray(outputs[name]), np.asarray(want)
         if got.shape != want.shape:
             problems.append(f"output {name!r} has shape {got.shape}, expected {want.shape}")
+        elif _holds_bytes(got) or _holds_bytes(want):  # a bytes tensor: compared byte for byte
+            if got.tolist() != want.tolist():
+                problems.append(f"output {name!r} is {got.tolist()!r:.200}, expected {want.tolist()!r:.200}")
         elif got.dtype.kind in "UOS" or want.dtype.kind in "UOS":
             if got.astype(str).tolist() != want.astype(str).tolist():
                 problems.append(f"output {name!r} is {got.tolist()!r:.200}, expected {want.tolist()!r:.200}")
@@ -62,6 +66,10 @@ def compare_outputs(
             diff = np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))
             problems.append(f"output {name!r} differs from the expected values (max abs difference {diff:.3g})")
     return problems
+
+
+def _holds_bytes(arr: np.ndarray) -> bool:
+    return arr.dtype.kind == "O" and any(isinstance(v, bytes) for v in arr.flat)
 
 
 def run_test_data(
@@ -198,7 +206,7 @@ def check_state_outputs(model: Any) -> None:
     for spec in model.inputs:
         shape = tuple(d if isinstance(d, int) else 1 for d in spec.shape)
         dtype = DTYPES[spec.dtype]
-        zeros[spec.name] = np.full(shape, "", dtype=object) if dtype is None else np.zeros(shape, dtype=dtype)
+        zeros[spec.name] = np.full(shape, blank(spec.dtype), dtype=object) if dtype is None else np.zeros(shape, dtype=dtype)
     try:
         with model.sequence() as sequence:
             sequence.infer(zeros)

@@ -54,8 +54,9 @@ _LENGTH = struct.Struct("<I")
 SPIN_SECONDS = float(os.environ.get("NEUROPOD_OPE_SPIN_US", "1000")) * 1e-6
 #: Alignment of each tensor inside a block: enough for any dtype and for SIMD loads.
 ALIGN = 64
-#: The dtype texts of string tensors: how the elements were held (numpy unicode, object array of str, bytes).
-STRING_KINDS = frozenset({"U", "O", "S"})
+#: The dtype texts of string tensors: how the elements were held (numpy unicode, object array of str, bytes),
+#: and "B" for an object array of bytes (a bytes tensor), which comes back as one, trailing NULs and all.
+STRING_KINDS = frozenset({"U", "O", "S", "B"})
 
 
 class ChannelClosed(Exception):
@@ -312,9 +313,9 @@ def limit_error(e: OSError, what: str) -> WorkerError:
 
 
 def string_bytes(arr: np.ndarray) -> tuple[str, list[bytes]] | None:
-    """The kind (U, O or S) and the encoded elements of a string tensor; None when some element is not a string.
+    """The kind (U, O, S or B) and the encoded elements of a string tensor; None when some element is not a string.
 
-    Elements are str for U and O arrays, bytes for S arrays (and object arrays of bytes).
+    Elements are str for U and O arrays, bytes for S arrays and object arrays of bytes (B).
     """
     items = arr.ravel().tolist()
     kind = arr.dtype.kind
@@ -325,7 +326,7 @@ def string_bytes(arr: np.ndarray) -> tuple[str, list[bytes]] | None:
     if all(type(s) is str or isinstance(s, str) for s in items):
         return "O", [s.encode("utf-8", "surrogatepass") for s in items]
     if all(isinstance(s, bytes) for s in items):
-        return "S", items
+        return "B", items
     return None
 
 
@@ -357,6 +358,10 @@ def get_strings(whole: np.ndarray, offset: int, kind: str, shape: tuple[int, ...
     if kind == "S":
         items: list[Any] = [data[a:b] for a, b in itertools.pairwise(ends)]
         return np.array(items, dtype=bytes).reshape(shape) if n else np.zeros(shape, dtype="S1")
+    if kind == "B":
+        exact = np.empty(n, dtype=object)
+        exact[:] = [data[a:b] for a, b in itertools.pairwise(ends)]
+        return exact.reshape(shape)
     items = [data[a:b].decode("utf-8", "surrogatepass") for a, b in itertools.pairwise(ends)]
     if kind == "U":
         return np.array(items, dtype=str).reshape(shape) if n else np.zeros(shape, dtype="<U1")

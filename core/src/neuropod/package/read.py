@@ -300,14 +300,29 @@ def _verify_manifest(
 # --- test data ------------------------------------------------------------
 
 
+#: The fields of a bytes test tensor in ``.npz`` test data: each element's bytes, NUL-padded to a fixed
+#: width (numpy drops trailing NULs when it reads them), and its length, which restores them.
+BYTES_FIELDS = ("bytes", "length")
+
+
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
     try:
         with cache.open_regular(path) as f, np.load(f, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
+            return {k: _restore_bytes(data[k]) for k in data.files}
     except PackageError as e:
         raise PackageError(f"Cannot read test data: {e}") from None
     except cache.ZIP_READ_ERRORS as e:  # a damaged member surfaces as zlib.error, EOFError, ...
         raise PackageError(f"Cannot read test data {path}: {type(e).__name__}: {e}") from None
+
+
+def _restore_bytes(arr: np.ndarray) -> np.ndarray:
+    """A bytes test tensor (see :data:`BYTES_FIELDS`) as the object array of bytes it was; other arrays as they are."""
+    if arr.dtype.names != BYTES_FIELDS:
+        return arr
+    items = [b.ljust(n, b"\0") for b, n in zip(arr[BYTES_FIELDS[0]].ravel().tolist(), arr[BYTES_FIELDS[1]].ravel().tolist())]
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out.reshape(arr.shape)
 
 
 def _read_legacy_pickle(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:

@@ -13,7 +13,7 @@ import shutil
 import stat
 import tempfile
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -33,8 +33,8 @@ from neuropod.package.config import (
     ModelConfig,
     parse_config,
 )
-from neuropod.package.read import list_files
-from neuropod.spec import to_string_array
+from neuropod.package.read import BYTES_FIELDS, list_files
+from neuropod.strings import to_bytes_array, to_string_array
 
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 
@@ -71,14 +71,15 @@ def make_manifest(root: Path, known: Mapping[str, str] | None = None) -> dict[st
     }
 
 
-def _write_npz(path: Path, tensors: Mapping[str, Any]) -> None:
+def _write_npz(path: Path, tensors: Mapping[str, Any], bytes_names: Collection[str] = ()) -> None:
     # np.savez stamps the current time into the zip; write members ourselves
     # so that the same data always gives the same bytes.
     path.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         for name in sorted(tensors):
-            arr = np.asarray(tensors[name])
-            if arr.dtype.kind in "OS":
+            if name in bytes_names:
+                arr = _bytes_test_tensor(name, tensors[name], path)
+            elif (arr := np.asarray(tensors[name])).dtype.kind in "OS":
                 arr = _string_test_tensor(name, arr, path)
             buf = io.BytesIO()
             # Not np.ascontiguousarray: it makes a 0-d array (a scalar) 1-d.
@@ -112,6 +113,24 @@ def _string_test_tensor(name: str, arr: np.ndarray, path: Path) -> np.ndarray:
                 "with another character."
             )
     return to_string_array(arr)
+
+
+def _bytes_test_tensor(name: str, values: Any, path: Path) -> np.ndarray:
+    """A bytes test tensor as a structured array of fixed-width bytes and lengths, which numpy loads without
+    pickle. The lengths restore what the fixed width loses: numpy pads with NUL bytes and drops trailing
+    ones, so each element is read back as its stored bytes padded with NULs to its length
+    (``package.read`` does; numpy alone shows the fields ``bytes`` and ``length``)."""
+    try:
+        flat = to_bytes_array(values)
+    except TypeError as e:
+        raise PackageError(f"Test tensor {name!r} for {path.name} is a bytes tensor: {e}") from None
+    items = flat.ravel().tolist()
+    width = max((len(b) for b in items), default=0) or 1
+    out = np.zeros(flat.shape, dtype=[(BYTES_FIELDS[0], f"S{width}"), (BYTES_FIELDS[1], "<u8")])
+    rows = out.reshape(-1)  # a view of the new array, where a field's ravel() would be a copy
+    rows[BYTES_FIELDS[0]] = items
+    rows[BYTES_FIELDS[1]] = [len(b) for b in items]
+    return out
 
 
 def write_package(
@@ -183,9 +202,10 @@ def write_package(
         config = replace(config, custom_ops=tuple(op_names))
         _write_text(staging / CONFIG, _original_json(config.to_dict()))
         if test_input_data is not None and persist_test_data:
-            _write_npz(staging / TEST_INPUTS, test_input_data)
+            _write_npz(staging / TEST_INPUTS, test_input_data, {s.name for s in config.input_spec if s.dtype == "bytes"})
             if test_expected_out is not None:
-                _write_npz(staging / TEST_EXPECTED, test_expected_out)
+                outputs = {s.name for s in config.output_spec if s.dtype == "bytes"}
+                _write_npz(staging / TEST_EXPECTED, test_expected_out, outputs)
         _write_text(staging / MANIFEST, _original_json(make_manifest(staging, hashes)))
         if package_as_zip:
             _write_zip(staging, dest, replace=False, compression=zip_compression)

@@ -69,6 +69,9 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
     """Deserialize the package's exported program and put its parameters on ``device``."""
     if backend.platform != PLATFORM:
         return None
+    from neuropod.strings import refuse_dtypes  # lazy: numpy, kept out of plugin discovery
+
+    refuse_dtypes(package.name, package.config.input_spec, package.config.output_spec, {"bytes"}, PLATFORM)
     # lazy: jax and numpy, kept out of `import neuropod_jax` (plugin discovery)
     from neuropod_jax._runtime import JaxModel
 

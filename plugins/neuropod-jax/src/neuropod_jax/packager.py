@@ -25,6 +25,7 @@ from neuropod.create import create_package, package_options
 from neuropod.errors import PackageError
 from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod.strings import refuse_dtypes
 from neuropod_jax import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ def create_jax_neuropod(
         )
     ins = parse_spec(input_spec, "input_spec")
     outs = parse_spec(output_spec, "output_spec")
+    refuse_dtypes(model_name, ins, outs, {"bytes"}, PLATFORM)
     for s in (*ins, *outs):
         if s.dtype == "string":
             raise PackageError(f"{where}: tensor {s.name!r} is a string tensor, and JAX has no strings")

@@ -73,6 +73,9 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
     """Create an ONNX Runtime session for the package on ``device``."""
     if backend.platform != PLATFORM:
         return None
+    from neuropod.strings import refuse_dtypes  # lazy: numpy, kept out of plugin discovery
+
+    refuse_dtypes(package.name, package.config.input_spec, package.config.output_spec, {"bytes"}, PLATFORM)
     # lazy: onnxruntime and numpy, kept out of `import neuropod_onnx` (plugin discovery)
     from neuropod_onnx._runtime import OnnxModel
 

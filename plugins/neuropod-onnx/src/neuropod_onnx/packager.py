@@ -11,6 +11,7 @@ from neuropod.create import create_package, package_options
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.plugins import import_framework
 from neuropod.spec import parse_spec
+from neuropod.strings import refuse_dtypes
 from neuropod_onnx import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ def _check_graph(
     source: Any, name: str, input_spec: Any, output_spec: Any, custom_ops: Sequence[str | os.PathLike[str]]
 ) -> None:
     """Open the model once so a spec that does not match fails before anything is written."""
+    inputs, outputs = parse_spec(input_spec, "input_spec"), parse_spec(output_spec, "output_spec")
+    refuse_dtypes(name, inputs, outputs, {"bytes"}, PLATFORM)
     import_framework("onnxruntime", PLATFORM, "create_onnx_neuropod")
     # lazy: onnxruntime (the runtime imports it), kept out of `import neuropod_onnx.packager`
     from neuropod_onnx._runtime import check_io, create_session
@@ -75,7 +78,7 @@ def _check_graph(
     where = f"Model {name!r}"
     model = str(source) if isinstance(source, Path) else source
     sess = create_session(model, "cpu", {}, [Path(p) for p in custom_ops], where)
-    check_io(sess, parse_spec(input_spec, "input_spec"), parse_spec(output_spec, "output_spec"), where)
+    check_io(sess, inputs, outputs, where)
 
 
 __all__ = ["create_onnx_neuropod"]

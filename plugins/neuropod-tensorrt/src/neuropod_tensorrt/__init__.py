@@ -63,6 +63,9 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
     """Deserialize the package's engine onto ``device`` (a GPU)."""
     if backend.platform != PLATFORM:
         return None
+    from neuropod.strings import refuse_dtypes  # lazy: numpy, kept out of plugin discovery
+
+    refuse_dtypes(package.name, package.config.input_spec, package.config.output_spec, {"bytes"}, PLATFORM)
     # lazy: numpy, kept out of `import neuropod_tensorrt` (plugin discovery)
     from neuropod_tensorrt._runtime import TensorRTModel
 

@@ -12,6 +12,7 @@ from neuropod.create import create_package, package_options
 from neuropod.errors import BackendError, NeuropodError, PackageError
 from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod.strings import refuse_dtypes
 from neuropod_tensorrt import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 from neuropod_tensorrt._engine import ENGINE_PATH, EngineInfo, check_io
 from neuropod_tensorrt._runtime import ErrorLogger, cuda_call, cuda_runtime, engine_io, load_plugins
@@ -74,6 +75,7 @@ def create_tensorrt_neuropod(
     custom_ops = opts["custom_ops"]
     inputs = parse_spec(input_spec, "input_spec")
     outputs = parse_spec(output_spec, "output_spec")
+    refuse_dtypes(model_name, inputs, outputs, {"bytes"}, PLATFORM)
     installed = installed_distribution(*FRAMEWORK_DISTRIBUTIONS)
     if onnx_path is not None:
         engine, info = _build_from_onnx(

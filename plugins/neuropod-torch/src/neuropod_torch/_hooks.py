@@ -83,6 +83,9 @@ class TorchPlugin:
         """Load the package's program (torch_export) or compiled model (aoti) onto ``device``."""
         if backend.platform != self.platform:
             return None
+        from neuropod.strings import refuse_dtypes  # lazy: numpy, kept out of plugin discovery
+
+        refuse_dtypes(package.name, package.config.input_spec, package.config.output_spec, {"bytes"}, self.platform)
         # lazy: torch, kept out of `import neuropod_torch` (plugin discovery)
         from neuropod_torch._runtime import AotiModel, ExportedModel
 

@@ -28,6 +28,7 @@ from neuropod.create import create_package, package_options
 from neuropod.errors import PackageError, SpecError
 from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod.strings import refuse_dtypes
 from neuropod_torch._archive import aoti_metadata, check_archive
 from neuropod_torch._hooks import AOTI, FRAMEWORK_DISTRIBUTIONS, TORCH_EXPORT
 
@@ -83,6 +84,7 @@ def create_torch_export_neuropod(
     import torch
     opts = package_options(packager, options)
     inputs = parse_spec(input_spec, "input_spec")
+    refuse_dtypes(model_name, inputs, parse_spec(output_spec, "output_spec"), {"bytes"}, TORCH_EXPORT)
     program = _program(packager, model_name, inputs, module, exported_program, example_inputs, strict, opts, "cpu")
     args = _positional_names(program)
     with tempfile.TemporaryDirectory(prefix="neuropod-torch-") as tmp:
@@ -155,6 +157,7 @@ def create_aoti_neuropod(
     defaults = {"default_input_tensor_device": "CPU" if kind == "cpu" else "GPU"}
     opts = package_options(packager, options, defaults)
     inputs = parse_spec(input_spec, "input_spec")
+    refuse_dtypes(model_name, inputs, parse_spec(output_spec, "output_spec"), {"bytes"}, AOTI)
     with tempfile.TemporaryDirectory(prefix="neuropod-aoti-") as tmp:
         if compiled_package is not None:
             compiled = Path(compiled_package)

@@ -77,6 +77,9 @@ def load_model(package: Package, backend: Backend, device: str, options: Mapping
     """Load the package's TorchScript module onto ``device``."""
     if backend.platform != PLATFORM:
         return None
+    from neuropod.strings import refuse_dtypes  # lazy: numpy, kept out of plugin discovery
+
+    refuse_dtypes(package.name, package.config.input_spec, package.config.output_spec, {"bytes"}, PLATFORM)
     # lazy: torch and numpy, kept out of `import neuropod_torchscript` (plugin discovery)
     from neuropod_torchscript._runtime import TorchScriptModel
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from neuropod.create import create_package
 from neuropod.errors import PackageError
 from neuropod.plugins import import_framework
+from neuropod.spec import parse_spec
+from neuropod.strings import refuse_dtypes
 from neuropod_torchscript import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 
 if TYPE_CHECKING:
@@ -55,6 +57,7 @@ def create_torchscript_neuropod(
     """
     if (module is None) == (module_path is None):
         raise PackageError("create_torchscript_neuropod needs exactly one of module= or module_path=")
+    refuse_dtypes(model_name, parse_spec(input_spec, "input_spec"), parse_spec(output_spec, "output_spec"), {"bytes"}, PLATFORM)
     source: bytes | Path
     if module_path is not None:
         source = Path(module_path)
