@@ -48,7 +48,10 @@ def test_an_object_array_of_bytes_passes_unchanged() -> None:
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        (objects(b"ok", "text"), r"Tensor 'blob' in the input spec is expected to hold bytes .* element is str .*encode text first"),
+        (
+            objects(b"ok", "text"),
+            r"Tensor 'blob' in the input spec is expected to hold bytes .* element is str .*encode text first",
+        ),
         (objects(b"ok", 3), r"Tensor 'blob' in the input spec is expected to hold bytes .* element is int"),
         (objects(bytearray(b"x")), r"element is bytearray"),
         (np.array([b"ab", b"c"]), r"expected to be of type bytes, but was of type \|S2 .*drops trailing NUL bytes"),
@@ -92,9 +95,13 @@ def test_to_bytes_array() -> None:
 
 
 def _config() -> ModelConfig:
-    spec_in = parse_spec([{"name": "blob", "dtype": "bytes", "shape": [2, None]}, {"name": "s", "dtype": "string", "shape": [1]}], "i")
+    spec_in = parse_spec(
+        [{"name": "blob", "dtype": "bytes", "shape": [2, None]}, {"name": "s", "dtype": "string", "shape": [1]}], "i"
+    )
     spec_out = parse_spec([{"name": "out", "dtype": "bytes", "shape": [None]}], "o")
-    return ModelConfig(name="bytes_model", platform="python", platform_version_semver="*", input_spec=spec_in, output_spec=spec_out)
+    return ModelConfig(
+        name="bytes_model", platform="python", platform_version_semver="*", input_spec=spec_in, output_spec=spec_out
+    )
 
 
 def test_bytes_test_data_round_trips_exactly(tmp_path: Path) -> None:

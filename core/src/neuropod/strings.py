@@ -117,7 +117,11 @@ def to_bytes_array(values: Any) -> np.ndarray:
         else:
             raise TypeError(
                 f"to_bytes_array: an element is {_kind(value)} ({value!r:.40}), not bytes"
-                + ("; encode text first (e.g. text.encode('utf-8')), or use a string tensor" if isinstance(value, str) else "")
+                + (
+                    "; encode text first (e.g. text.encode('utf-8')), or use a string tensor"
+                    if isinstance(value, str)
+                    else ""
+                )
             )
     out = np.empty(len(flat), dtype=object)
     out[:] = flat

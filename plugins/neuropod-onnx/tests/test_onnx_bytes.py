@@ -40,5 +40,7 @@ def test_a_package_with_a_bytes_tensor_is_refused_at_load(tmp_path: Path) -> Non
         output_spec=parse_spec(spec(("same", "string", [None])), "output_spec"),
     )  # fmt: skip
     path = write_package(tmp_path / "identity", config, {"0/data/model.onnx": model.SerializeToString()})
-    with pytest.raises(NeuropodError, match=r"backend onnx cannot take bytes tensors \(input 'blob' \(bytes\)\); use the"):
+    with pytest.raises(
+        NeuropodError, match=r"backend onnx cannot take bytes tensors \(input 'blob' \(bytes\)\); use the"
+    ):
         neuropod.load_neuropod(path)

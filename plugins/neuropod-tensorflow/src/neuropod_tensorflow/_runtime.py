@@ -25,7 +25,7 @@ import numpy as np
 from neuropod.backend import load_libraries_once
 from neuropod.errors import BackendError, NeuropodError, PackageError, SpecError
 from neuropod.package import Package
-from neuropod.spec import TensorSpec, to_string_array
+from neuropod.spec import TensorSpec, to_bytes_array, to_string_array
 from neuropod_tensorflow._ops_probe import clash
 from neuropod_tensorflow._quiet import LOCK, import_tensorflow, quiet_stderr
 
@@ -75,6 +75,8 @@ def _threads(options: Mapping[str, Any]) -> dict[str, Any]:
 
 def _to_numpy(value: Any, spec: TensorSpec | None) -> np.ndarray:
     # TensorFlow gives a 0-d output as a numpy scalar (np.float32(3.0)); a model's outputs are arrays.
+    if spec is not None and spec.dtype == "bytes":
+        return to_bytes_array(value)  # TensorFlow's strings are bytes, and so are the spec's: given as they are
     arr = value if type(value) is np.ndarray else np.asarray(value)
     if arr.dtype.kind in "OS" or (spec is not None and spec.dtype == "string"):
         return to_string_array(arr)  # TensorFlow returns bytes; the spec says str
@@ -151,7 +153,8 @@ class FrozenGraphModel:
                 raise BackendError(f"{where}: running init ops {list(init_ops)} failed: {e}") from e
         self._specs = {s.name: s for s in config.output_spec}
         self._all_outputs = tuple(s.name for s in config.output_spec)
-        # Outputs that need more than the session gives: strings (bytes -> str) and 0-d ones (numpy scalars -> arrays).
+        # Outputs that need more than the session gives: strings (bytes -> str) and 0-d ones (numpy scalars, or
+        # bytes, -> arrays).
         self._convert = frozenset(s.name for s in config.output_spec if s.dtype == "string" or s.shape == ())
         self._callables: dict[tuple[tuple[str, ...], tuple[str, ...]], Callable[..., Any]] = {}
 

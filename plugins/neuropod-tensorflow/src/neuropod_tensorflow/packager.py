@@ -13,6 +13,7 @@ from neuropod.errors import NeuropodError, PackageError
 from neuropod.package import FileSource
 from neuropod.plugins import import_framework
 from neuropod.spec import TensorSpec, parse_spec
+from neuropod.strings import TEXT_DTYPES
 from neuropod_tensorflow import FRAMEWORK_DISTRIBUTIONS, PLATFORM
 from neuropod_tensorflow._quiet import import_tensorflow, quiet_stderr
 from neuropod_tensorflow._runtime import SIGNATURE
@@ -174,7 +175,7 @@ def create_keras_neuropod(
             "every input of the model must be in the spec"
         )
     signature = [
-        tf.TensorSpec([d if isinstance(d, int) else None for d in s.shape], tf.string if s.dtype == "string" else s.dtype,
+        tf.TensorSpec([d if isinstance(d, int) else None for d in s.shape], tf.string if s.dtype in TEXT_DTYPES else s.dtype,
                       name=s.name)
         for s in inputs
     ]  # fmt: skip
