@@ -35,6 +35,8 @@
                                    response, time to the first response, memory of 100 open streams (~1 min)
     nox -s bench_sequences         stateful models: a sequence step's added cost, 32 GRU sequences batched against
                                    unbatched (in process and through neuropod serve; ~2 min)
+    nox -s bench_pipelines         pipelines: a three-step pipeline's added cost over its models by hand, in process;
+                                   served, one pipeline request against three client round trips (~1 min)
     nox -s bench_storage           packages by URL from local S3 servers against local disk (cold, cached, memory)
     nox -s bench_ray               the Ray Serve deployment (1, 2 replicas, Ray's floor) against neuropod serve (~4 min)
     nox -s build                   wheels for the core, every plugin and neuropod-serving into dist/
@@ -515,7 +517,7 @@ def bench(session: nox.Session) -> None:
     )
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
         if script.name not in ("bench_serve.py", "bench_remote.py", "bench_ray.py", "bench_gpu.py", "bench_stream.py",
-                               "bench_sequences.py"):  # their own sessions
+                               "bench_sequences.py", "bench_pipelines.py"):  # their own sessions
             session.run("python", str(script), *session.posargs)
 
 
@@ -607,6 +609,16 @@ def bench_sequences(session: nox.Session) -> None:
                     f"{SERVING}[server]", f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", f"torch=={TORCH_DEFAULT}",
                     "tritonclient[grpc,http]>=2.73")  # fmt: skip
     session.run("python", "bench/bench_sequences.py", *session.posargs)
+
+
+@nox.session(python=DEFAULT_PYTHON)
+def bench_pipelines(session: nox.Session) -> None:
+    """Pipelines: what a three-step pipeline of tiny ONNX models adds over calling its models by hand
+    (and raw onnxruntime sessions), in process; served, one pipeline request against three client
+    round trips, tritonclient over gRPC and REST (about 1 min; taskset, two cores)."""
+    session.install(f"{CORE}", f"{ROOT / 'plugins/neuropod-onnx'}", f"{SERVING}[server]",
+                    f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", "tritonclient[grpc,http]>=2.73")  # fmt: skip
+    session.run("python", "bench/bench_pipelines.py", *session.posargs)
 
 
 @nox.session(python=DEFAULT_PYTHON)
