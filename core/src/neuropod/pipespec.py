@@ -397,15 +397,16 @@ class _Shapes:
             parent = self.parent[node] = self._find(parent)
         return parent
 
-    def _union(self, a: Any, b: Any, tensor: str, dim: int) -> None:
+    def _union(self, a: Any, b: Any, tensor: str, dim: int, via: str = "") -> None:
         ra, rb = self._find(a), self._find(b)
         if ra == rb:
             return
         va, vb = self.value.get(ra), self.value.get(rb)
         if va is not None and vb is not None and va[0] != vb[0]:
+            but = f"{via}, which {vb[1]} makes {vb[0]}" if via else f"{vb[1]} makes it {vb[0]}"
             raise PackageError(
                 f"{self.where}: shapes disagree on tensor {tensor!r} (dimension {dim}): {va[1]} makes it {va[0]}, "
-                f"but {vb[1]} makes it {vb[0]}"
+                f"but {but}"
             )
         self.parent[rb] = ra
         if va is None and vb is not None:
@@ -435,7 +436,7 @@ class _Shapes:
             self.value[const] = (d, who)
             self._union(node, const, tensor, i)
         else:
-            self._union(node, ("symbol", scope, d), tensor, i)
+            self._union(node, ("symbol", scope, d), tensor, i, f"{who} gives it symbol {d!r}")
 
     def check(
         self, steps: Sequence[PipelineStep], facts: Mapping[str, StepFacts], input_spec: Sequence[TensorSpec],
