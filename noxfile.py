@@ -309,6 +309,7 @@ def tests_serving(session: nox.Session) -> None:
     session.install(
         f"{CORE}[test]", f"{SERVING}[server,test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]",
         f"onnxruntime=={ONNXRUNTIME_DEFAULT}", str(ROOT / "plugins/neuropod-python"),
+        "pillow",  # the image decoding step of ensemble_image_client.py's model
     )  # fmt: skip
     mlserver = _mlserver_venv(session, "mlserver-sklearn==1.7.1", "scikit-learn==1.9.1")
     _pytest(session, "serving/tests", env={"NEUROPOD_TEST_MLSERVER_PYTHON": str(mlserver / "bin" / "python")})
