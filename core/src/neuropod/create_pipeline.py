@@ -17,7 +17,7 @@ from typing import Any
 
 from neuropod import remote, storage
 from neuropod.create import create_package, package_options
-from neuropod.errors import PackageError
+from neuropod.errors import PackageError, RemoteError
 from neuropod.loader import load_neuropod
 from neuropod.package import FileSource, Package, read_package
 from neuropod.pipespec import (
@@ -140,7 +140,15 @@ def _served_step(
     options = entry.get("load_options") or {}
     if not isinstance(options, Mapping):
         raise PackageError(f"{where}: 'load_options' must be a dict of load_neuropod keywords for the URL")
-    with load_neuropod(url, **options) as model:
+    try:
+        model = load_neuropod(url, **options)
+    except RemoteError as e:
+        # The server must serve the step now: its spec is what the pipeline is checked against.
+        raise RemoteError(
+            f"{where}: the step served at {url} cannot be packaged, its server must answer now: {e}",
+            url=e.url, code=e.code, server_message=e.server_message,
+        ) from e  # fmt: skip
+    with model:
         name = _name(entry, model.name, where)
         ins, outs = tuple(model.inputs), tuple(model.outputs)
         fact = StepFacts(model.name, ins, outs, model.decoupled, model.stateful)

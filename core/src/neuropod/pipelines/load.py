@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from neuropod.backend import DeviceCaps
-from neuropod.errors import PackageError
+from neuropod.errors import PackageError, RemoteError
 from neuropod.model import NeuropodModel
 from neuropod.package import ModelConfig, Package
 from neuropod.pipelines.model import PipelineModel
@@ -84,7 +84,7 @@ def load_pipeline(
         for step in spec.steps:
             own = dict(extra.get(step.name) or {})
             if step.url is not None:
-                models[step.name] = load(step.url, **own)
+                models[step.name] = _load_served(package, step, step.url, load, own)
             else:
                 pkg = planned.get(step.name) or step_package(package, step)
                 models[step.name] = load(pkg, **{**options, **own})
@@ -94,6 +94,20 @@ def load_pipeline(
         for model in models.values():
             model.close()
         raise
+
+
+def _load_served(
+    package: Package, step: PipelineStep, url: str, load: Callable[..., NeuropodModel], options: Mapping[str, Any]
+) -> NeuropodModel:
+    """A served step's model; a server that cannot be reached (or does not serve it) is a
+    :class:`~neuropod.errors.RemoteError` naming the pipeline, the step and its URL."""
+    try:
+        return load(url, **options)
+    except RemoteError as e:
+        raise RemoteError(
+            f"pipeline {package.name!r}: step {step.name!r} is served at {url}, which cannot be loaded: {e}",
+            url=e.url, code=e.code, server_message=e.server_message,
+        ) from e  # fmt: skip
 
 
 def pipeline_from_models(
