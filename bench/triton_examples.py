@@ -1,6 +1,7 @@
 """Triton's own Python client examples, run unchanged against ``neuropod serve``.
 
-    python bench/triton_examples.py --examples DIR [--timeout 60] [--only NAME ...] [--verbose] [--json out.json]
+    python bench/triton_examples.py --examples DIR [--timeout 60] [--only NAME ...] [--ensemble pipeline|config]
+                                    [--verbose] [--json out.json]
 
 DIR is a checkout of triton-inference-server/client (or its
 ``src/python/examples`` folder, or a clone without a work tree: its HEAD).
@@ -31,13 +32,21 @@ data types, shapes and batching they expect:
   READY * (INPUT + START), as Triton's ONNX example model), ``simple_dyna_sequence``
   (adds ``END`` and UINT64 ``CORRID``: + END * CORRID) and
   ``simple_string_dyna_sequence`` (Triton's ``dyna_sequence`` test backend: an
-  accumulator kept as implicit state, a STRING ``CORRID`` added on END). They are
-  served by a second ``neuropod serve`` (``--max-batch-size 8``, free ports), as
-  ``simple_http_model_control.py`` counts the first one's models.
+  accumulator kept as implicit state, a STRING ``CORRID`` added on END);
+* ``preprocess_inception_ensemble``, the model of ``ensemble_image_client.py``
+  (``serving/tests/ensemble_models.py``): BYTES ``INPUT`` [batch, 1] (image
+  files) -> FP32 ``OUTPUT`` [batch, 1001] with labels, a Pillow decoding step
+  (Python backend) chained to a small ONNX classifier. ``--ensemble pipeline``
+  (the default) serves it as one pipeline package; ``--ensemble config`` serves
+  its two steps and loads it with Triton's ensemble configuration.
+
+The sequence models and the ensemble are served by a second ``neuropod serve``
+(``--max-batch-size 8``, free ports), as ``simple_http_model_control.py``
+counts the first one's models.
 
 It starts one ``neuropod serve`` over that repository (on 8000/8001 when they
 are free, as ``memory_growth_test.py`` hard-codes them, else on free ports;
-``--allow-client-shm``, ``--max-batch-size 8``) and the sequence models' server, loads ``densenet_onnx`` with
+``--allow-client-shm``, ``--max-batch-size 8``) and the second server, loads ``densenet_onnx`` with
 a configuration naming its input format (Triton reads that from the model's
 ``config.pbtxt``), runs every example as a subprocess of this interpreter,
 one run per protocol variant (``-u host:port``, ``-i http|grpc`` where a
@@ -71,8 +80,6 @@ from typing import Any
 
 from _servers import log_tail, stop_group, wait_ready
 
-#: Why runs of features neuropod serve does not have are skipped.
-ENSEMBLE = "needs a Triton ensemble (image preprocessing model chained to a classifier); not served"
 #: Why runs that fail are expected to: checks of Triton itself or of Triton's test repository.
 TRITON_NAME = "checks that the server's name is 'triton'; neuropod serve's is 'neuropod'"
 TRITON_REPO = "checks that the repository holds exactly {n} models, as Triton's test repository does"
@@ -86,7 +93,8 @@ IMAGE_ARGS = ["-m", "densenet_onnx", "-c", "3", "-s", "INCEPTION"]
 class Run:
     script: str
     variant: str  # "http", "grpc" or "-"; "-d" added for a sequence example's dyna run
-    args: list[str] = field(default_factory=list)  # placeholders {http}, {grpc}, {seq_http}, {seq_grpc}, {image}
+    # placeholders {http}, {grpc}, {seq_http}, {seq_grpc} (the second server), {image}
+    args: list[str] = field(default_factory=list)
     skip: str = ""
     needs_gpu: bool = False
     needs_default_ports: bool = False
@@ -106,8 +114,9 @@ def plan() -> list[Run]:
         Run("grpc_image_client.py", "grpc", [*IMAGE_ARGS, "-u", "{grpc}", "{image}"]),
         Run("image_client.py", "http", [*IMAGE_ARGS, "-i", "http", "-u", "{http}", "{image}"]),
         Run("image_client.py", "grpc", [*IMAGE_ARGS, "-i", "grpc", "-u", "{grpc}", "{image}"]),
-        Run("ensemble_image_client.py", "http", ["-i", "http", "-u", "{http}", "{image}"], skip=ENSEMBLE),
-        Run("ensemble_image_client.py", "grpc", ["-i", "grpc", "-u", "{grpc}", "{image}"], skip=ENSEMBLE),
+        # preprocess_inception_ensemble is on the second server (see build_second_models).
+        Run("ensemble_image_client.py", "http", ["-i", "http", "-u", "{seq_http}", "-c", "3", "{image}"]),
+        Run("ensemble_image_client.py", "grpc", ["-i", "grpc", "-u", "{seq_grpc}", "-c", "3", "{image}"]),
         Run("memory_growth_test.py", "http", ["-i", "http"], needs_default_ports=True),
         Run("memory_growth_test.py", "grpc", ["-i", "grpc"], needs_default_ports=True),
         Run("reuse_infer_objects_client.py", "http", ["-i", "http", "-u", "{http}"]),
@@ -308,6 +317,23 @@ def build_sequence_models(repo: Path) -> list[str]:
     return ["simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence"]
 
 
+#: Where ``ensemble_models.py`` is: ``preprocess_inception_ensemble``, built as the serving tests build it.
+SERVING_TESTS = Path(__file__).resolve().parent.parent / "serving" / "tests"
+
+
+def build_ensemble(repo: Path, via: str) -> tuple[list[str], dict[str, Any] | None]:
+    """``preprocess_inception_ensemble`` in ``repo``: one pipeline package (``via`` "pipeline"), or its two
+    steps (``via`` "config"). Returns the names to wait for and, for "config", Triton's ensemble
+    configuration to load it with."""
+    sys.path.insert(0, str(SERVING_TESTS))
+    try:
+        import ensemble_models  # lazy: it imports onnx and numpy, as this script's other model builders do
+    finally:
+        sys.path.remove(str(SERVING_TESTS))
+    names: list[str] = ensemble_models.ensemble_repository(repo, via=via)
+    return names, ensemble_models.triton_config() if via == "config" else None
+
+
 #: What Triton's densenet_onnx ``config.pbtxt`` says that a package does not: the input's layout.
 DENSENET_CONFIG = {"input": [{"name": "data_0", "data_type": "TYPE_FP32", "format": "FORMAT_NCHW", "dims": [3, 224, 224]}]}
 
@@ -474,6 +500,9 @@ def main() -> int:
                         help="a triton-inference-server/client checkout, or its src/python/examples folder")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take (default 60)")
     parser.add_argument("--only", nargs="*", default=[], help="run only scripts whose name contains one of these")
+    parser.add_argument("--ensemble", choices=["pipeline", "config"], default="pipeline",
+                        help="preprocess_inception_ensemble as one pipeline package (default), or as Triton's "
+                        "ensemble configuration loaded over its two served steps")  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="print each run's output")
     parser.add_argument("--json", type=Path, help="write the table here as JSON")
     args = parser.parse_args()
@@ -491,19 +520,27 @@ def main() -> int:
         seq_repo = tmp / "sequence_models"
         seq_repo.mkdir()
         seq_models = build_sequence_models(seq_repo)
+        ensemble_models, ensemble_config = build_ensemble(seq_repo, args.ensemble)
         image = tmp / "image.jpg"
         write_image(image)
         no_cuda = cuda_shm_missing()
         server = Server(repo, tmp / "server.log")
         server.start(models)
         seq = Server(seq_repo, tmp / "sequence_server.log", default_ports=False)
-        seq.start(seq_models)
+        seq.start(seq_models + ensemble_models)
+        if ensemble_config is not None:
+            name = ensemble_config["name"]
+            status, body = seq.post(f"/v2/repository/models/{name}/load",
+                                    {"parameters": {"config": json.dumps(ensemble_config)}})  # fmt: skip
+            if status != 200:
+                print(f"note: {name} did not load with Triton's ensemble configuration ({status}: {body})", flush=True)
         status, body = server.post("/v2/repository/models/densenet_onnx/load",
                                    {"parameters": {"config": json.dumps(DENSENET_CONFIG)}})  # fmt: skip
         if status != 200:
             print(f"note: densenet_onnx did not load with its input format ({status}: {body})", flush=True)
-        print(f"neuropod serve on HTTP {server.http_port}, gRPC {server.grpc_port} (sequence models: HTTP "
-              f"{seq.http_port}, gRPC {seq.grpc_port}); examples from {source}", flush=True)  # fmt: skip
+        print(f"neuropod serve on HTTP {server.http_port}, gRPC {server.grpc_port} (sequence models and "
+              f"preprocess_inception_ensemble as a {args.ensemble}: HTTP {seq.http_port}, gRPC {seq.grpc_port}); "
+              f"examples from {source}", flush=True)  # fmt: skip
         runs = [r for r in plan() if not args.only or any(o in r.script for o in args.only)]
         for run in runs:
             execute(run, folder, server, seq, image, args.timeout, no_cuda, args.verbose)
