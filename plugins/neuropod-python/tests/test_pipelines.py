@@ -267,10 +267,14 @@ def test_a_decoupled_step_streams_through_the_steps_after_it(
         ],
         input_spec=[t("in"), t("n", 1, dtype="int32")],
         output_spec=[t("out"), t("before")],
+        max_inflight_requests=1,
     )
     x = data()
     with neuropod.load_neuropod(path) as model:
         assert model.decoupled and model.wiring.decoupled_step == "repeat"
+        with pytest.raises(NeuropodError, match="Model 'stream' is decoupled.*infer_stream") as info:
+            model.infer({"in": x, "n": np.array([1], np.int32)})
+        assert not isinstance(info.value, PipelineStepError)
         responses = list(model.infer_stream({"in": x, "n": np.array([3], np.int32)}))
         assert len(responses) == 3
         for i, r in enumerate(responses):
@@ -281,6 +285,19 @@ def test_a_decoupled_step_streams_through_the_steps_after_it(
         assert model.step_statistics()["scale"]["count"] == 3
         assert model.step_statistics()["repeat"]["count"] == 3
         assert list(model.infer_stream({"in": x, "n": np.array([0], np.int32)})) == []
+        # max_inflight_requests=1: an open stream is inside the pipeline; another waits for it to end.
+        first = model.infer_stream({"in": x, "n": np.array([2], np.int32)})
+        next(first)
+        second: list[Any] = []
+        other = threading.Thread(
+            target=lambda: second.extend(model.infer_stream({"in": x, "n": np.array([1], np.int32)}))
+        )
+        other.start()
+        other.join(0.3)
+        assert second == [], "the second stream ran while the first was open"
+        first.close()
+        other.join(5)
+        assert len(second) == 1
 
 
 def test_a_stateful_step_gives_running_sums(code: Path, steps: dict[str, Path], tmp_path: Path) -> None:

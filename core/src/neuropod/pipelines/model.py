@@ -78,7 +78,8 @@ class PipelineModel(NeuropodModel):
         self._inflight = threading.BoundedSemaphore(inflight) if inflight else None
         super().__init__(package, resolution, None)
         self._output_names = tuple(s.name for s in self._outputs)
-        self._check_fast = self._validator._fast_inputs
+        # The fast path of infer (a decoupled pipeline refuses infer as any decoupled model does).
+        self._check_fast = None if self.decoupled else self._validator._fast_inputs
         self._check_outputs = self._validator._fast_outputs if self._validator.shared_symbols else None
 
     # --- NeuropodModel's hooks: a pipeline has no backend hook of its own ---
@@ -220,6 +221,18 @@ class PipelineModel(NeuropodModel):
         return self._pipeline_stream(inputs, requested, parameters)
 
     def _pipeline_stream(
+        self, inputs: dict[str, Any], requested: list[str] | None, parameters: Any
+    ) -> Iterator[dict[str, Any]]:
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.acquire()  # a stream is inside the pipeline until it ends or is closed
+        try:
+            yield from self._stream_steps(inputs, requested, parameters)
+        finally:
+            if inflight is not None:
+                inflight.release()
+
+    def _stream_steps(
         self, inputs: dict[str, Any], requested: list[str] | None, parameters: Any
     ) -> Iterator[dict[str, Any]]:
         name = self.wiring.decoupled_step
