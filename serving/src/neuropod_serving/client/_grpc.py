@@ -54,6 +54,8 @@ class GrpcTransport:
         tls_server_name: str | None = None,
     ) -> None:
         self.target = target
+        #: The model's bytes outputs, whose BYTES are the bytes sent (the loader sets them from the spec).
+        self.bytes_outputs: frozenset[str] = frozenset()
         options = list(_CHANNEL_OPTIONS)
         if target.tls:
             if tls_server_name:
@@ -144,7 +146,7 @@ class GrpcTransport:
         except grpc.RpcError as e:
             raise self._error(e, "infer", timeout) from None
         try:
-            return codec.deserialize_model_infer_response(data).outputs
+            return codec.deserialize_model_infer_response(data, self.bytes_outputs).outputs
         except ProtocolError as e:
             raise remote_error(target, "protocol", str(e), call="infer") from None
 
@@ -221,7 +223,7 @@ class GrpcStream:
         try:
             error, answer = split_stream_response(data)
             if not error:
-                response = codec.deserialize_model_infer_response(answer)
+                response = codec.deserialize_model_infer_response(answer, self._transport.bytes_outputs)
         except ProtocolError as e:
             self._ended = True
             self.cancel()

@@ -219,6 +219,8 @@ class HttpTransport:
         #: Whether the server takes Triton's binary tensor extension (it lists
         #: ``binary_tensor_data`` in its metadata; MLServer does not): learnt at load.
         self.binary: bool | None = None
+        #: The model's bytes outputs, whose BYTES are the bytes sent (the loader sets them from the spec).
+        self.bytes_outputs: frozenset[str] = frozenset()
 
     # --- connections ---------------------------------------------------------
 
@@ -344,7 +346,7 @@ class HttpTransport:
         if status != 200:
             raise self._status_error(status, data, "infer")
         try:
-            return parse_infer_response(data, headers.get(HEADER_LENGTH)).outputs
+            return parse_infer_response(data, headers.get(HEADER_LENGTH), bytes_outputs=self.bytes_outputs).outputs
         except ProtocolError as e:
             raise remote_error(self.target, "protocol", str(e), call="infer") from None
 
@@ -470,7 +472,9 @@ class HttpStream:
         data = self._ready.pop(0)
         problem: ProtocolError | None = None
         try:
-            outputs: dict[str, np.ndarray[Any, Any]] | None = parse_infer_response(data.encode("utf-8")).outputs
+            outputs: dict[str, np.ndarray[Any, Any]] | None = parse_infer_response(
+                data.encode("utf-8"), bytes_outputs=self._transport.bytes_outputs
+            ).outputs
         except ProtocolError as e:
             outputs, problem = None, e
         if outputs:

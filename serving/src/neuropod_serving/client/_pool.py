@@ -38,6 +38,8 @@ _T = TypeVar("_T")
 
 class Transport(Protocol):
     target: Target
+    #: The model's outputs that are bytes tensors (set once its spec is known).
+    bytes_outputs: frozenset[str]
 
     def metadata(self, timeout: float | None) -> dict[str, Any]: ...
     def ready(self, timeout: float | None) -> bool: ...

@@ -87,6 +87,9 @@ def load(urls: str | Sequence[str], **options: Any) -> RemoteModel:
     pool = Pool(transports, retries=retries)
     try:
         metadata, spec = _metadata(pool, check_ready=check_ready, timeout=connect_timeout)
+        bytes_outputs = frozenset(s.name for s in spec[1] if s.dtype == "bytes")
+        for transport in transports:
+            transport.bytes_outputs = bytes_outputs  # their BYTES come back as the bytes sent, not text
         params = metadata.get("parameters")
         # neuropod serve says whether a model is decoupled in its metadata; other servers (Triton)
         # in the model's configuration, asked here.

@@ -18,6 +18,7 @@ from neuropod_serving.protocol.inference import (
     parse_infer_response,
 )
 from neuropod_serving.protocol.metadata import (
+    DTYPE_PARAMETER,
     SHAPE_PARAMETER,
     model_metadata,
     spec_from_metadata,
@@ -28,6 +29,7 @@ from neuropod_serving.protocol.tensors import decode_tensor, encode_tensor
 
 __all__ = [
     "DATATYPES",
+    "DTYPE_PARAMETER",
     "HEADER_LENGTH",
     "SHAPE_PARAMETER",
     "SPEC_DATATYPES",

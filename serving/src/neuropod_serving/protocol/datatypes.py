@@ -9,7 +9,8 @@ import numpy as np
 from neuropod_serving.errors import ProtocolError
 from neuropod_serving.protocol.fields import show
 
-#: OIP datatype -> the spec dtype it means. BYTES carries UTF-8 text.
+#: OIP datatype -> the spec dtype it means. BYTES carries UTF-8 text, or raw bytes for a spec's ``bytes``
+#: tensor (see :data:`SPEC_DATATYPES`).
 DATATYPES: dict[str, str] = {
     "BOOL": "bool",
     "UINT8": "uint8",
@@ -25,8 +26,9 @@ DATATYPES: dict[str, str] = {
     "FP64": "float64",
     "BYTES": "string",
 }
-#: Spec dtype -> OIP datatype.
-SPEC_DATATYPES: dict[str, str] = {dtype: datatype for datatype, dtype in DATATYPES.items()}
+#: Spec dtype -> OIP datatype: ``string`` and ``bytes`` both travel as BYTES (the metadata parameter
+#: :data:`~neuropod_serving.protocol.metadata.DTYPE_PARAMETER` tells them apart).
+SPEC_DATATYPES: dict[str, str] = {**{dtype: datatype for datatype, dtype in DATATYPES.items()}, "bytes": "BYTES"}
 
 
 def _wire_dtype(dtype: str) -> np.dtype[Any]:
@@ -79,7 +81,7 @@ def oip_datatype(dtype: str) -> str:
 
 
 def datatype_of(array: np.ndarray[Any, Any], *, tensor: str = "?") -> str:
-    """The OIP datatype of a numpy array; unicode and object arrays (of ``str``) are BYTES.
+    """The OIP datatype of a numpy array; unicode and object arrays (of ``str`` or ``bytes``) are BYTES.
 
     :raises ProtocolError: a dtype the protocol cannot carry (complex, datetime, raw bytes...).
     """
@@ -93,7 +95,7 @@ def datatype_of(array: np.ndarray[Any, Any], *, tensor: str = "?") -> str:
             pass
     raise ProtocolError(
         f"tensor {tensor!r}: numpy dtype {array.dtype} has no Open Inference Protocol datatype; "
-        "use bool, (u)int8-64, float16/32/64, or str"
+        "use bool, (u)int8-64, float16/32/64, str, or an object array of bytes"
     )
 
 

@@ -174,15 +174,18 @@ def parse_infer_response(
     json_length: int | str | None = None,
     *,
     output_spec: Iterable[TensorSpec] | None = None,
+    bytes_outputs: Collection[str] = (),
 ) -> InferResponse:
     """Decode an inference response body (the client's side of :func:`build_infer_response`).
+
+    :param bytes_outputs: the outputs that are ``bytes`` tensors: their BYTES come as the bytes sent.
 
     :raises ProtocolError: for every fault in the body, naming the tensor.
     """
     header, binary, known = split_body(body, json_length, "response")
     specs = None if output_spec is None else {s.name: s for s in output_spec}
     decoded = InferResponse(
-        outputs=_decode_tensors(header, "outputs", binary, specs, required=False, known=known),
+        outputs=_decode_tensors(header, "outputs", binary, specs, required=False, known=known, exact=bytes_outputs),
         model_name=optional_str(header, "model_name"),
         model_version=optional_str(header, "model_version"),
         id=optional_str(header, "id"),
@@ -321,6 +324,7 @@ def _decode_tensors(
     required: bool,
     known: KnownHeader | None = None,
     shared: dict[str, Any] | None = None,
+    exact: Collection[str] = (),
 ) -> dict[str, np.ndarray[Any, Any]]:
     """The tensors of ``header[key]`` as arrays (binary ones views of ``binary``).
 
@@ -430,7 +434,7 @@ def _decode_tensors(
                 )
             raw = binary[pos : pos + size]
             pos += size
-        arrays[name] = decode_tensor(obj, binary=raw, spec=spec, where=where)
+        arrays[name] = decode_tensor(obj, binary=raw, spec=spec, where=where, exact=name in exact)
     if pos != len(binary):
         raise ProtocolError(
             f"the body holds {len(binary)} bytes of binary data after its JSON, but the {kind}s' "

@@ -15,16 +15,22 @@ from neuropod_serving.protocol.fields import is_int, kind_of, show
 
 #: The metadata parameter that carries a tensor's exact spec shape, as a JSON string.
 SHAPE_PARAMETER = "neuropod_shape"
+#: The metadata parameter that marks a BYTES tensor of raw bytes: ``"bytes"`` (a BYTES tensor without it is text).
+DTYPE_PARAMETER = "neuropod_dtype"
 
 
 def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
     """The OIP metadata of one spec entry: symbol and null dims are -1, and
-    ``parameters.neuropod_shape`` holds the exact spec shape as a JSON string."""
+    ``parameters.neuropod_shape`` holds the exact spec shape as a JSON string;
+    a ``bytes`` tensor is BYTES with ``parameters.neuropod_dtype`` ``"bytes"``."""
+    parameters = {SHAPE_PARAMETER: json.dumps(list(spec.shape))}
+    if spec.dtype == "bytes":
+        parameters[DTYPE_PARAMETER] = "bytes"
     return {
         "name": spec.name,
         "datatype": oip_datatype(spec.dtype),
         "shape": [d if isinstance(d, int) else -1 for d in spec.shape],
-        "parameters": {SHAPE_PARAMETER: json.dumps(list(spec.shape))},
+        "parameters": parameters,
     }
 
 
@@ -32,7 +38,8 @@ def spec_from_metadata(metadata: object, *, where: str = "tensor metadata") -> T
     """Rebuild a spec entry from OIP tensor metadata.
 
     With ``parameters.neuropod_shape`` (a neuropod server) the exact spec comes
-    back; without it (any other server) each -1 becomes ``None``.
+    back; without it (any other server) each -1 becomes ``None``. BYTES is
+    ``string`` unless ``parameters.neuropod_dtype`` says ``"bytes"``.
 
     :raises ProtocolError: naming the field that is wrong.
     """
@@ -52,6 +59,14 @@ def spec_from_metadata(metadata: object, *, where: str = "tensor metadata") -> T
         raise ProtocolError(f"{where}: 'parameters' must be an object, not {kind_of(parameters)}")
     if SHAPE_PARAMETER in parameters:
         dims = _exact_shape(parameters[SHAPE_PARAMETER], shape, where)
+    if DTYPE_PARAMETER in parameters:
+        marked = parameters[DTYPE_PARAMETER]
+        if marked != "bytes" or dtype != "string":
+            raise ProtocolError(
+                f"{where}: parameters.{DTYPE_PARAMETER} may only say \"bytes\", of a BYTES tensor; it says {show(marked)} "
+                f"of {show(metadata.get('datatype'))}"
+            )
+        dtype = "bytes"
     try:
         return parse_spec([{"name": name, "dtype": dtype, "shape": dims}], where)[0]
     except PackageError as e:

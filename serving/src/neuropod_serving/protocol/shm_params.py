@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from neuropod.spec import TensorSpec
 from neuropod_serving.errors import ProtocolError
-from neuropod_serving.protocol.datatypes import WIRE_DTYPES, oip_datatype, spec_dtype
+from neuropod_serving.protocol.datatypes import SPEC_DATATYPES, WIRE_DTYPES, oip_datatype, spec_dtype
 from neuropod_serving.protocol.fields import show
 from neuropod_serving.protocol.shapes import checked_shape
 
@@ -108,8 +108,8 @@ def shared_input(
         raise ProtocolError(
             f"input {name!r} is in shared memory region {region!r} and also has {carries}; send it one way"
         )
-    dtype = spec_dtype(datatype, tensor=name)
-    if spec is not None and spec.dtype != dtype:
+    spec_dtype(datatype, tensor=name)  # an unknown datatype is named as such
+    if spec is not None and SPEC_DATATYPES.get(spec.dtype) != datatype:
         raise ProtocolError(
             f"tensor {name!r}: datatype {datatype} disagrees with the model's spec ({spec}), "
             f"which needs {oip_datatype(spec.dtype)}"

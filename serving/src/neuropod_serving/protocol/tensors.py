@@ -16,7 +16,14 @@ import numpy as np
 
 from neuropod.spec import TensorSpec
 from neuropod_serving.errors import ProtocolError
-from neuropod_serving.protocol.datatypes import NATIVE_DTYPES, WIRE_DTYPES, datatype_of, oip_datatype, spec_dtype
+from neuropod_serving.protocol.datatypes import (
+    NATIVE_DTYPES,
+    SPEC_DATATYPES,
+    WIRE_DTYPES,
+    datatype_of,
+    oip_datatype,
+    spec_dtype,
+)
 from neuropod_serving.protocol.fields import is_int, kind_of, tensor_name
 from neuropod_serving.protocol.shapes import MAX_ELEMENTS, checked_shape
 
@@ -26,17 +33,19 @@ _LENGTH = struct.Struct("<I")
 def encode_tensor(name: str, array: np.ndarray[Any, Any], *, binary: bool) -> tuple[dict[str, Any], bytes | None]:
     """One tensor as an OIP JSON object, plus its raw bytes when ``binary``.
 
-    Strings (unicode arrays, or object arrays of ``str``) are BYTES, UTF-8 encoded.
+    Strings (unicode arrays, or object arrays of ``str``) are BYTES, UTF-8 encoded; object arrays of
+    ``bytes`` are BYTES as they are. JSON carries text only: bytes that are not UTF-8 text are refused
+    there, with the advice to ask for the tensor as binary data.
     """
     array = np.asarray(array)
     datatype = datatype_of(array, tensor=name)
     obj: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
     if datatype == "BYTES":
-        texts = _texts(array, name)
+        elements = _elements(array, name)
         if not binary:
-            obj["data"] = texts
+            obj["data"] = elements if not elements or type(elements[0]) is str else _as_text(elements, name)
             return obj, None
-        encoded = [t.encode("utf-8") for t in texts]
+        encoded = [e if type(e) is bytes else e.encode("utf-8") for e in elements]
         raw = b"".join(part for e in encoded for part in (_LENGTH.pack(len(e)), e))
     else:
         if not binary:
@@ -54,21 +63,26 @@ def decode_tensor(
     spec: TensorSpec | None = None,
     where: str = "tensor",
     size_name: str = "binary_data_size",
+    exact: bool = False,
 ) -> np.ndarray[Any, Any]:
     """One OIP tensor object as a numpy array.
 
     :param binary: this tensor's own raw bytes, for an object with
         ``parameters.binary_data_size`` (whose size the caller has checked).
-    :param spec: when given, the datatype must be this spec entry's dtype.
+    :param spec: when given, the datatype must be this spec entry's dtype. A BYTES tensor of a
+        ``bytes`` spec entry comes as an object array of the bytes sent (JSON strings UTF-8
+        encoded); without a spec, or for ``string``, as an object array of str (UTF-8 text only).
     :param size_name: what errors call the size of ``binary`` (gRPC's raw
         contents are not a ``binary_data_size``).
+    :param exact: BYTES as the bytes sent, as for a ``bytes`` spec entry (a client that knows
+        the output is bytes, and decodes without a spec).
     """
     if not isinstance(obj, Mapping):
         raise ProtocolError(f"{where} must be an object with name, datatype, shape and data, not {kind_of(obj)}")
     name = tensor_name(obj, where)
     datatype = obj.get("datatype")
-    dtype = spec_dtype(datatype, tensor=name)
-    if spec is not None and spec.dtype != dtype:
+    spec_dtype(datatype, tensor=name)  # an unknown datatype is named as such
+    if spec is not None and SPEC_DATATYPES.get(spec.dtype) != datatype:
         raise ProtocolError(
             f"tensor {name!r}: datatype {datatype} disagrees with the model's spec ({spec}), "
             f"which needs {oip_datatype(spec.dtype)}"
@@ -78,9 +92,10 @@ def decode_tensor(
     count = math.prod(shape)
     if count > MAX_ELEMENTS:
         raise ProtocolError(f"tensor {name!r}: shape {shape} has {count} elements, more than an int64 can count")
+    exact = exact or (spec is not None and spec.dtype == "bytes")
     if binary is not None:
         if datatype == "BYTES":
-            return _bytes_from_binary(binary, shape, count, name, size_name)
+            return _bytes_from_binary(binary, shape, count, name, size_name, exact=exact)
         itemsize = WIRE_DTYPES[datatype].itemsize
         if len(binary) != count * itemsize:
             raise ProtocolError(
@@ -94,7 +109,7 @@ def decode_tensor(
     if "data" not in obj:
         raise ProtocolError(f"tensor {name!r} has neither 'data' nor parameters.binary_data_size")
     if datatype == "BYTES":
-        return _bytes_from_json(obj["data"], shape, count, name)
+        return _bytes_from_json(obj["data"], shape, count, name, raw=exact)
     return _numbers_from_json(obj["data"], datatype, shape, count, name)
 
 
@@ -178,10 +193,14 @@ def _big_ints(data: object, target: np.dtype[Any], datatype: str, shape: list[in
         raise ProtocolError(f"tensor {name!r}: {datatype} data must lie in [{info.min}, {info.max}]") from None
 
 
-def _bytes_from_json(data: object, shape: list[int], count: int, name: str) -> np.ndarray[Any, Any]:
+def _bytes_from_json(data: object, shape: list[int], count: int, name: str, *, raw: bool = False) -> np.ndarray[Any, Any]:
+    """JSON strings as an object array of str, or of their UTF-8 bytes for a bytes tensor (``raw``: then
+    bytes elements, which gRPC's typed ``bytes_contents`` give, are taken as they are)."""
     texts = _flatten(data, name)
     if len(texts) != count:
         raise ProtocolError(f"tensor {name!r}: shape {shape} holds {count} elements, but 'data' has {len(texts)}")
+    if raw and all(type(t) is bytes for t in texts):
+        return _object_array(texts, shape)
     bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
     if bad is not None:
         raise ProtocolError(f"tensor {name!r}: BYTES data must be JSON strings; element {bad} is {kind_of(texts[bad])}")
@@ -190,19 +209,20 @@ def _bytes_from_json(data: object, shape: list[int], count: int, name: str) -> n
     except UnicodeEncodeError:
         # JSON can escape a lone surrogate (\ud800), which no UTF-8 text holds.
         raise ProtocolError(f"tensor {name!r}: BYTES data must be valid Unicode text (it holds a lone surrogate)") from None
-    return _object_array(texts, shape)
+    return _object_array([t.encode("utf-8") for t in texts] if raw else texts, shape)
 
 
 def _bytes_from_binary(
-    raw: memoryview, shape: list[int], count: int, name: str, size_name: str = "binary_data_size"
+    raw: memoryview, shape: list[int], count: int, name: str, size_name: str = "binary_data_size", *, exact: bool = False
 ) -> np.ndarray[Any, Any]:
+    """Length-prefixed elements as an object array of str (UTF-8 text only), or of bytes as they are (``exact``)."""
     # Each element costs at least its 4-byte length, which bounds the loop by the body.
     if count * _LENGTH.size > len(raw):
         raise ProtocolError(
             f"tensor {name!r}: shape {shape} holds {count} BYTES elements, which need at least "
             f"{count * _LENGTH.size} bytes, but {size_name} is {len(raw)}"
         )
-    texts: list[str] = []
+    texts: list[Any] = []
     pos = 0
     for i in range(count):
         if pos + _LENGTH.size > len(raw):
@@ -215,7 +235,7 @@ def _bytes_from_binary(
                 f"which runs past {size_name} ({len(raw)})"
             )
         try:
-            texts.append(str(raw[pos : pos + size], "utf-8"))
+            texts.append(bytes(raw[pos : pos + size]) if exact else str(raw[pos : pos + size], "utf-8"))
         except UnicodeDecodeError as e:
             raise ProtocolError(f"tensor {name!r}: BYTES element {i} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         pos += size
@@ -244,15 +264,21 @@ def _flatten(data: object, name: str) -> list[Any]:
     return out
 
 
-def _object_array(texts: list[str], shape: list[int]) -> np.ndarray[Any, Any]:
+def _object_array(texts: list[Any], shape: list[int]) -> np.ndarray[Any, Any]:
     # Object arrays, not numpy unicode: 'U' arrays drop trailing NUL characters.
     array = np.empty(len(texts), dtype=object)
     array[:] = texts
     return array.reshape(shape)
 
 
-def _texts(array: np.ndarray[Any, Any], name: str) -> list[str]:
+def _elements(array: np.ndarray[Any, Any], name: str) -> list[Any]:
+    """A BYTES tensor's elements: all str (text), or all bytes (a bytes tensor)."""
     texts: list[Any] = array.ravel().tolist()
+    if texts and type(texts[0]) is bytes:
+        for i, t in enumerate(texts):
+            if type(t) is not bytes:
+                raise ProtocolError(f"tensor {name!r}: a BYTES tensor of bytes holds bytes, but element {i} is {kind_of(t)}")
+        return texts
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise ProtocolError(f"tensor {name!r}: a BYTES tensor holds str, but element {i} is {kind_of(t)}")
@@ -261,6 +287,18 @@ def _texts(array: np.ndarray[Any, Any], name: str) -> list[str]:
     except UnicodeEncodeError:
         raise ProtocolError(f"tensor {name!r}: a string holds a lone surrogate, which UTF-8 cannot encode") from None
     return texts  # every element checked above to be a str
+
+
+def _as_text(elements: list[bytes], name: str) -> list[str]:
+    """A bytes tensor's elements as JSON strings: JSON holds text, so each must be UTF-8."""
+    try:
+        return [e.decode("utf-8") for e in elements]
+    except UnicodeDecodeError as e:
+        raise ProtocolError(
+            f"tensor {name!r}: a BYTES element is not UTF-8 text ({e.reason} at byte {e.start}), which JSON cannot "
+            "carry; send it as binary data (Triton's binary tensor extension: for an output, \"parameters\": "
+            "{\"binary_data\": true} or binary_data_output; gRPC always carries bytes as they are)"
+        ) from None
 
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,16 +103,19 @@ def serialize_shared_response(
     return response.SerializeToString()  # type: ignore[no-any-return]
 
 
-def parse_model_infer_response(response: pb.ModelInferResponse, raws: Sequence[Any] | None = None) -> InferResponse:
+def parse_model_infer_response(
+    response: pb.ModelInferResponse, raws: Sequence[Any] | None = None, bytes_outputs: Collection[str] = ()
+) -> InferResponse:
     """Decode a ModelInferResponse (raw or typed contents) into numpy arrays.
 
     :param raws: the raw output contents when they were split off the message
         (:func:`deserialize_model_infer_response`); the message's own otherwise.
+    :param bytes_outputs: the outputs that are ``bytes`` tensors: their BYTES come as the bytes sent.
     :raises ProtocolError: for every fault, naming the tensor.
     """
     return InferResponse(
         outputs=decode_tensors(
-            response.outputs, response.raw_output_contents if raws is None else raws, "output", None
+            response.outputs, response.raw_output_contents if raws is None else raws, "output", None, bytes_outputs
         ),
         model_name=response.model_name or None,
         model_version=response.model_version or None,
@@ -121,16 +124,18 @@ def parse_model_infer_response(response: pb.ModelInferResponse, raws: Sequence[A
     )
 
 
-def deserialize_model_infer_response(data: bytes) -> InferResponse:
+def deserialize_model_infer_response(data: bytes, bytes_outputs: Collection[str] = ()) -> InferResponse:
     """Decode a serialized ModelInferResponse. Its numeric outputs are read-only views of
     ``data`` itself (no copy), and the rest of the message is parsed once per distinct form.
 
+    :param bytes_outputs: the outputs that are ``bytes`` tensors: their BYTES come as the bytes sent
+        (read the full way: a learnt form reads BYTES as text).
     :raises ProtocolError: a malformed message, or any fault in its tensors.
     """
     plan, raws = _RESPONSES_READ.read(data, RAW_OUTPUT_FIELD, pb.ModelInferResponse)
-    arrays = plan.arrays(raws, "output", None)
+    arrays = None if bytes_outputs else plan.arrays(raws, "output", None)
     if arrays is None:
-        decoded = parse_model_infer_response(plan.message, raws)
+        decoded = parse_model_infer_response(plan.message, raws, bytes_outputs)
         plan.learn("output")
         return decoded
     message = plan.message

@@ -9,11 +9,12 @@ from typing import Any
 from neuropod import _json
 from neuropod_serving.errors import ProtocolError
 from neuropod_serving.protocol._grpc import open_inference_grpc_pb2 as pb
-from neuropod_serving.protocol.metadata import SHAPE_PARAMETER
+from neuropod_serving.protocol.metadata import DTYPE_PARAMETER, SHAPE_PARAMETER
 
 #: gRPC metadata key under which a neuropod server's ModelMetadata reply carries
 #: the exact spec shapes (symbol names), as JSON ``{"inputs": {name: shape},
-#: "outputs": {...}, "parameters": {...}}``: the proto's TensorMetadata has no
+#: "outputs": {...}, "parameters": {...}, "bytes": {"inputs": [name...], "outputs": [...]}}``
+#: (``bytes``: the BYTES tensors of raw bytes, REST's ``neuropod_dtype``): the proto's TensorMetadata has no
 #: ``parameters`` field for ``neuropod_shape`` as REST has (nor has its
 #: ModelMetadataResponse for the model's own ``parameters``), and other clients
 #: ignore a trailer they do not know.
@@ -47,6 +48,12 @@ def shapes_metadata(metadata: Mapping[str, Any]) -> str:
     }  # fmt: skip
     if metadata.get("parameters"):
         shapes["parameters"] = metadata["parameters"]  # the model's, e.g. which backend runs it
+    raw = {
+        key: [t["name"] for t in metadata.get(key, []) if (t.get("parameters") or {}).get(DTYPE_PARAMETER) == "bytes"]
+        for key in ("inputs", "outputs")
+    }
+    if raw["inputs"] or raw["outputs"]:
+        shapes["bytes"] = raw
     return json.dumps(shapes, separators=(",", ":"))
 
 
@@ -62,6 +69,7 @@ def model_metadata_from_response(response: pb.ModelMetadataResponse, shapes: str
     """
     exact: dict[str, Any] = {"inputs": {}, "outputs": {}}
     parameters: dict[str, Any] | None = None
+    raw: dict[str, Any] = {"inputs": [], "outputs": []}
     if shapes is not None:
         try:
             parsed = _json.loads(shapes)
@@ -72,11 +80,17 @@ def model_metadata_from_response(response: pb.ModelMetadataResponse, shapes: str
         exact.update({k: parsed.get(k, {}) for k in exact})
         if isinstance(parsed.get("parameters"), dict):
             parameters = parsed["parameters"]
+        marked = parsed.get("bytes", {})
+        if not isinstance(marked, dict) or not all(isinstance(marked.get(k, []), list) for k in raw):
+            raise ProtocolError(f"the {SHAPES_METADATA_KEY} trailer's 'bytes' must be an object of input and output names")
+        raw.update({k: marked.get(k, []) for k in raw})
 
     def tensor(t: pb.ModelMetadataResponse.TensorMetadata, key: str) -> dict[str, Any]:
         out: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
         if t.name in exact[key]:
             out["parameters"] = {SHAPE_PARAMETER: json.dumps(exact[key][t.name])}
+        if t.name in raw[key]:
+            out.setdefault("parameters", {})[DTYPE_PARAMETER] = "bytes"
         return out
 
     out: dict[str, Any] = {

@@ -17,7 +17,7 @@ from neuropod.spec import TensorSpec
 from neuropod_serving.errors import ProtocolError
 from neuropod_serving.protocol._forms import MAX_FORM_BYTES, FormCache
 from neuropod_serving.protocol._wire import WIRE_THRESHOLD, append_raw, encode_varint, split_raw
-from neuropod_serving.protocol.datatypes import DATATYPES, FAST_DECODE
+from neuropod_serving.protocol.datatypes import FAST_DECODE, SPEC_DATATYPES
 from neuropod_serving.protocol.grpc_codec.extensions import in_shared_memory, request_options_of
 from neuropod_serving.protocol.grpc_codec.tensors import (
     FAST_ENCODE,
@@ -133,7 +133,7 @@ class Plan:
             spec = None
             if specs is not None:
                 spec = specs.get(name)
-                if spec is None or spec.dtype != DATATYPES[datatype]:
+                if spec is None or SPEC_DATATYPES.get(spec.dtype) != datatype:
                     return None
             if wire is not None:
                 if len(raw) != size:

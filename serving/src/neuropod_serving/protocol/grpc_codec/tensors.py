@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -96,8 +96,10 @@ def encode_tensors(
 
 
 def decode_tensors(
-    tensors: Sequence[Any], raws: Sequence[Any], kind: str, specs: Mapping[str, TensorSpec] | None
+    tensors: Sequence[Any], raws: Sequence[Any], kind: str, specs: Mapping[str, TensorSpec] | None,
+    exact: Collection[str] = (),
 ) -> dict[str, np.ndarray[Any, Any]]:
+    """The tensors of a message as arrays; BYTES of a ``bytes`` spec entry, or named in ``exact``, as the bytes sent."""
     field = f"raw_{kind}_contents"
     if raws and len(raws) != len(tensors):
         raise ProtocolError(
@@ -145,11 +147,13 @@ def decode_tensors(
                     "send every tensor one way (raw contents, which tritonclient sends, or typed contents)"
                 )
             arrays[name] = decode_tensor(
-                obj, binary=memoryview(raws[i]), spec=spec, where=where, size_name=f"the size of {field}[{i}]"
+                obj, binary=memoryview(raws[i]), spec=spec, where=where, size_name=f"the size of {field}[{i}]",
+                exact=name in exact,
             )
         else:
-            obj["data"] = _typed_contents(t, kind)
-            arrays[name] = decode_tensor(obj, spec=spec, where=where)
+            raw_bytes = name in exact or (spec is not None and spec.dtype == "bytes")
+            obj["data"] = _typed_contents(t, kind, exact=raw_bytes)
+            arrays[name] = decode_tensor(obj, spec=spec, where=where, exact=raw_bytes)
     return arrays
 
 
@@ -159,8 +163,9 @@ def has_contents(tensor: Any) -> bool:
     return bool(tensor.HasField("contents") and tensor.contents.ListFields())
 
 
-def _typed_contents(tensor: Any, kind: str) -> list[Any]:
-    """A tensor's typed contents as the codec's JSON ``data`` (a flat list), checked for the right field and count."""
+def _typed_contents(tensor: Any, kind: str, *, exact: bool = False) -> list[Any]:
+    """A tensor's typed contents as the codec's JSON ``data`` (a flat list), checked for the right field and count;
+    BYTES as str (UTF-8 text only), or as the bytes sent for a bytes tensor (``exact``)."""
     name = tensor.name
     datatype = tensor.datatype
     spec_dtype(datatype, tensor=name)  # an unknown datatype is named as such, not as a missing field
@@ -181,7 +186,7 @@ def _typed_contents(tensor: Any, kind: str) -> list[Any]:
             f"{kind} {name!r}: shape {list(tensor.shape)} holds {count} elements, but {field} has {len(values)}"
             + ("" if tensor.HasField("contents") else " (the message has neither raw nor typed contents for it)")
         )
-    if datatype != "BYTES":
+    if datatype != "BYTES" or exact:
         return list(values)
     texts: list[str] = []
     for i, raw in enumerate(values):
