@@ -295,7 +295,7 @@ def _format(value: object, spec: TensorSpec, batched: bool, where: str) -> str:
 
 
 def _check_tensor(entry: dict[str, Any], spec: TensorSpec, symbol: str | None, where: str) -> None:
-    expected_type = "TYPE_STRING" if spec.dtype == "string" else f"TYPE_{oip_datatype(spec.dtype)}"
+    expected_type = "TYPE_STRING" if spec.dtype in ("string", "bytes") else f"TYPE_{oip_datatype(spec.dtype)}"
     data_type = entry.get("data_type")
     if data_type is not None and data_type != expected_type:
         raise ProtocolError(

@@ -83,6 +83,7 @@ TRITON_TYPES: dict[str, str] = {
     "float32": "TYPE_FP32",
     "float64": "TYPE_FP64",
     "string": "TYPE_STRING",
+    "bytes": "TYPE_STRING",
 }
 
 
