@@ -320,6 +320,19 @@ def _check_map_keys(
             )
 
 
+def step_levels(steps: Sequence[PipelineStep], where: str) -> tuple[tuple[str, ...], ...]:
+    """The steps' dependency levels from their maps alone (what ``neuropod inspect`` shows; the
+    models are not read): each level reads only pipeline inputs and the levels before it.
+
+    :raises PackageError: the steps form a cycle.
+    """
+    producers: dict[str, str] = {}
+    for step in steps:
+        for tensor in step.output_map.values():
+            producers.setdefault(tensor, step.name)
+    return _levels(steps, producers, where)
+
+
 def _levels(steps: Sequence[PipelineStep], producers: Mapping[str, str], where: str) -> tuple[tuple[str, ...], ...]:
     """The steps in dependency levels (declaration order within a level); a cycle is refused."""
     needs = {s.name: {producers[t] for t in s.input_map.values() if t in producers} for s in steps}
@@ -467,4 +480,5 @@ __all__ = [
     "parse_max_inflight",
     "parse_pipeline",
     "parse_tensor_map",
+    "step_levels",
 ]

@@ -119,6 +119,8 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         data = cfg.to_dict()
         data["files"] = pkg.files()
         data["manifest"] = "checked" if pkg.manifest is not None else "none (Neuropod 0.3 package)"
+        if cfg.pipeline is not None:
+            data["pipeline"]["levels"] = [list(level) for level in _pipeline_levels(pkg)]
         print(json.dumps(data, indent=2), file=out)
         return 0
     extracted = f" (extracted to {safe(pkg.root)})" if pkg.root != pkg.source else ""
@@ -143,6 +145,8 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
             print(f"  state    {safe(str(pair))}", file=out)
         for control in cfg.sequence_controls:
             print(f"  control  {safe(str(control))}", file=out)
+    if cfg.pipeline is not None:
+        _print_pipeline(pkg, out)
     if cfg.custom_ops:
         print(f"Custom ops: {safe(', '.join(cfg.custom_ops))}", file=out)
     manifest = "checked" if pkg.manifest is not None and not args.no_verify else (
@@ -163,6 +167,43 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         size = (pkg.root / f).stat().st_size
         print(f"  {safe(f)}  ({size:,} bytes)", file=out)
     return 0
+
+
+def _pipeline_levels(pkg: Any) -> tuple[tuple[str, ...], ...]:
+    from neuropod.pipespec import step_levels  # lazy: with the package reader, kept out of `neuropod --help`
+
+    return step_levels(pkg.config.pipeline.steps, str(pkg.source))
+
+
+def _print_pipeline(pkg: Any, out: TextIO) -> None:
+    """A pipeline package's steps: each step's model and where it is (its package's platform, or
+    the URL of the server that runs it), its tensor maps, and the levels the steps run in."""
+    from neuropod.package import read_package  # lazy: numpy, kept out of `neuropod --help`
+    from neuropod.resolve import describe_range  # lazy: numpy, kept out of `neuropod --help`
+
+    spec = pkg.config.pipeline
+    inflight = f"; at most {spec.max_inflight_requests} requests inside at once" if spec.max_inflight_requests else ""
+    print(f"Pipeline:  {len(spec.steps)} steps{inflight}", file=out)
+    for step in spec.steps:
+        if step.url is not None:
+            where = f"served at {safe(step.url)}"
+        else:
+            try:
+                config = read_package(pkg.root / step.package, verify=False).config
+                versions = describe_range(config.platform_version_semver)
+                where = f"platform {safe(config.platform)}, versions {safe(versions)} ({safe(step.package)})"
+            except NeuropodError as e:
+                where = f"unreadable package {safe(step.package)}: {safe(e)}"
+        print(f"  step {safe(step.name)}: model {safe(step.model_name)}, {where}", file=out)
+        ins = ", ".join(f"{safe(k)} <- {safe(v)}" for k, v in step.input_map.items())
+        outs = ", ".join(f"{safe(k)} -> {safe(v)}" for k, v in step.output_map.items())
+        print(f"    inputs:  {ins or '(none)'}", file=out)
+        print(f"    outputs: {outs or '(none)'}", file=out)
+    try:
+        levels = " | ".join(", ".join(safe(n) for n in level) for level in _pipeline_levels(pkg))
+    except NeuropodError as e:
+        levels = f"none: {safe(e)}"
+    print(f"Levels:    {levels} (steps of one level run side by side)", file=out)
 
 
 #: RemoteError codes that mean no server could run a call to the model (``explain URL`` exits 1).

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from neuropod.backend import Backend, DeviceCaps
 from neuropod.devices import Host
 from neuropod.errors import NoBackendError, PackageError
 from neuropod.package import Package, read_package
-from neuropod.pipespec import PIPELINE_PLATFORM, PipelineStep
+from neuropod.pipespec import PIPELINE_PLATFORM, PipelineStep, step_levels
 from neuropod.resolve import Candidate, Resolution
 
 #: The backend a pipeline reports: the core runs the steps, each on its own backend.
@@ -61,7 +62,11 @@ class PipelinePlan(Resolution):
         return "\n".join("  " + s.describe() for s in self.steps)
 
     def summary(self) -> str:
-        names = " -> ".join(s.step.name for s in self.steps)
+        try:  # by level: steps of one level run side by side
+            levels = step_levels([s.step for s in self.steps], self.config.name)
+            names = " -> ".join(", ".join(level) for level in levels)
+        except PackageError:
+            names = ", ".join(s.step.name for s in self.steps)
         head = f"Pipeline {self.config.name!r}: {len(self.steps)} steps ({names})"
         bad = self.unresolved()
         if bad is None:
@@ -84,7 +89,7 @@ class PipelinePlan(Resolution):
             text = s.resolution.summary()
             if s.resolution.chosen is None:
                 text += f"\nCandidates:\n{s.resolution.table()}"
-            parts.append(f"Step {s.step.name!r} ({s.step.where}):\n{text}")
+            parts.append(f"Step {s.step.name!r} ({s.step.where}):\n{textwrap.indent(text, '  ')}")
         return "\n".join(parts)
 
     def raise_if_unresolved(self) -> Candidate:
