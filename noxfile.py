@@ -197,9 +197,11 @@ def tests_torchscript(session: nox.Session, torch: str) -> None:
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def tests_torch(session: nox.Session) -> None:
     """The torch.export and AOTInductor plugin (neuropod-torch) on torch 2.13.0, its packages served by
-    `neuropod serve` too (needs g++: AOTInductor compiles C++; the suite compiles few packages)."""
+    `neuropod serve` too (needs g++: AOTInductor compiles C++; the suite compiles few packages); with the JAX
+    plugin and jax beside it for a pipeline of a torch.export step feeding a JAX step (about 100 MB more)."""
     session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-torch'}[test]", f"torch=={TORCH_DEFAULT}",
-                    f"{SERVING}[server]")  # fmt: skip
+                    f"{SERVING}[server]", str(ROOT / "plugins/neuropod-jax"), f"jax=={JAX_DEFAULT}",
+                    f"jaxlib=={JAX_DEFAULT}")  # fmt: skip
     _pytest(session, "plugins/neuropod-torch/tests")
 
 
