@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from neuropod import load_neuropod
 from neuropod.errors import NeuropodError
+from neuropod.pipelines import PipelineModel
 from neuropod_serving.defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_SEQUENCE_IDLE_US, DEFAULT_MAX_SEQUENCES
 from neuropod_serving.errors import ProtocolError
 from neuropod_serving.protocol.options import request_options
@@ -108,6 +109,8 @@ class NeuropodDeployment:
             batch = int(self._options.get("max_batch_size", 1))
             batching = BatchPolicy(batch, int(self._options.get("max_queue_delay_us", 0)) / 1e6) if batch > 1 else None
             metrics = RayMetrics(self._replica, context.app_name)
+            if isinstance(model, PipelineModel):
+                metrics.watch_steps(served.name, model.step_statistics)
             sequences = SequenceLimits(
                 int(self._options.get("max_sequence_idle_us", DEFAULT_MAX_SEQUENCE_IDLE_US)),
                 int(self._options.get("max_sequences", DEFAULT_MAX_SEQUENCES)),
@@ -154,6 +157,8 @@ class NeuropodDeployment:
             "live_sequences": model.live_sequences,
             # The first live sequences' ids (a stateful model in this process): which replica holds which.
             "sequences": list(table.ids())[:1000] if table is not None else [],
+            # A pipeline's steps: runs, failures and nanoseconds of each in this replica.
+            "steps": model.step_statistics() if isinstance(model, PipelineModel) else {},
         }
 
     async def infer(

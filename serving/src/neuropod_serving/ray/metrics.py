@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 
 from neuropod_serving.server.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+
+#: A pipeline's per-step statistics (:meth:`neuropod.pipelines.PipelineModel.step_statistics`).
+StepStatistics = Callable[[], Mapping[str, Mapping[str, int]]]
 
 
 class RayMetrics:
@@ -63,6 +67,37 @@ class RayMetrics:
         )
         self._loaded = m.Gauge("neuropod_models_loaded", "Models loaded and ready", ("replica", "application"))
         self._by_model: dict[str, dict[str, str]] = {}
+        step = (*common, "step")
+        self._step_runs = m.Counter("neuropod_pipeline_step_runs", "Runs of each step of a pipeline", step)
+        self._step_failures = m.Counter(
+            "neuropod_pipeline_step_failures", "Runs of a pipeline's step that failed", step
+        )
+        self._step_seconds = m.Counter("neuropod_pipeline_step_seconds", "Time spent in each step of a pipeline", step)
+        #: model -> (its step statistics, what was exported of them so far).
+        self._pipelines: dict[str, tuple[StepStatistics, dict[str, dict[str, int]]]] = {}
+        self._steps_lock = threading.Lock()
+
+    def watch_steps(self, model: str, statistics: StepStatistics) -> None:
+        """Export the steps of pipeline ``model`` (runs, failures, seconds per step, tagged ``step``),
+        read from ``statistics`` after each of its runs."""
+        self._pipelines[model] = (statistics, {})
+
+    def _steps(self, model: str) -> None:
+        watched = self._pipelines.get(model)
+        if watched is None:
+            return
+        statistics, exported = watched
+        with self._steps_lock:
+            for step, now in statistics().items():
+                before = exported.setdefault(step, {"count": 0, "failures": 0, "ns": 0})
+                tags = {**self._model(model), "step": step}
+                if now["count"] > before["count"]:
+                    self._step_runs.inc(now["count"] - before["count"], tags)
+                if now["failures"] > before["failures"]:
+                    self._step_failures.inc(now["failures"] - before["failures"], tags)
+                if now["ns"] > before["ns"]:
+                    self._step_seconds.inc((now["ns"] - before["ns"]) / 1e9, tags)
+                exported[step] = dict(now)
 
     def _model(self, model: str) -> dict[str, str]:
         tags = self._by_model.get(model)
@@ -76,6 +111,7 @@ class RayMetrics:
         self._request_duration.observe(seconds, tags)
         if failure is not None:
             self._failures.inc(1, {**tags, "reason": failure})
+        self._steps(model)
 
     def queued(self, model: str, seconds: float) -> None:
         self._queue.observe(seconds, self._model(model))
@@ -84,6 +120,7 @@ class RayMetrics:
         tags = self._model(model)
         self._queue.observe(queued, tags)
         self._compute.observe(seconds, tags)
+        self._steps(model)
 
     def computed(
         self,
@@ -103,6 +140,7 @@ class RayMetrics:
         self._compute.observe(seconds, tags)
         if rows is not None:
             self._batch.observe(rows, tags)
+        self._steps(model)
 
     def streamed(self, model: str, seconds: float, first: bool, index: int | None = None, failed: bool = False) -> None:
         # Triton's per-response statistics (index, failed) are not kept on Ray Serve, as in computed().
@@ -111,6 +149,7 @@ class RayMetrics:
 
     def stream_ended(self, model: str, seconds: float) -> None:
         self._compute.observe(seconds, self._model(model))  # one run of the model, as ran() records one
+        self._steps(model)
 
     def loaded(self, count: int) -> None:
         self._loaded.set(count, self._tags)
