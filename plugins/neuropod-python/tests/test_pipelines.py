@@ -248,6 +248,7 @@ def test_max_inflight_requests_bounds_the_calls_inside(steps: dict[str, Path], t
         )
         with neuropod.load_neuropod(path) as model, ThreadPoolExecutor(6) as pool:
             outs = list(pool.map(lambda i: model.infer({"in": data(1, i)}), range(12)))
+            assert model.step_statistics()["counting"]["count"] == 12  # calls at once are all counted
         peaks[bound] = max(int(o["peak"][0]) for o in outs)
     assert peaks[2] == 2, peaks
     assert peaks[0] > 2, peaks  # unbounded, more calls are inside at once
@@ -468,3 +469,21 @@ def test_nothing_is_left_after_close(pipe: Path, use_ope: bool) -> None:
     assert _children() - before_children == set()
     with pytest.raises(NeuropodError, match="closed"):
         model.infer({"in": data()})
+
+
+def test_a_step_failing_beside_another(steps: dict[str, Path], tmp_path: Path) -> None:
+    parts = [
+        {"package": steps["identity"], "name": "ok", "input_map": {"x": "in"}, "output_map": {"y": "l"}},
+        {"package": steps["fragile"], "name": "weak", "input_map": {"x": "in"}, "output_map": {"y": "r"}},
+        {"package": steps["total"], "input_map": {"p": "l", "q": "r"}, "output_map": {"s": "out"}},
+    ]
+    path = create_pipeline_neuropod(tmp_path / "p", "beside", parts, **IO)
+    with neuropod.load_neuropod(path) as model:
+        assert model.wiring.levels == (("ok", "weak"), ("total",))
+        for _ in range(2):  # the step on the pool's thread fails the call; the pool keeps working
+            with pytest.raises(PipelineStepError, match="pipeline 'beside', step 'weak' \\(model 'fragile'\\)"):
+                model.infer({"in": -np.ones((1, 3), np.float32)})
+        x = data()
+        np.testing.assert_array_equal(model.infer({"in": x})["out"], x + x)
+        stats = model.step_statistics()
+        assert (stats["ok"]["count"], stats["weak"]["failures"], stats["total"]["count"]) == (3, 2, 1), stats

@@ -39,6 +39,8 @@ class _Step:
         self.ins = tuple(step.input_map.items())
         self.outs = tuple(step.output_map.items())
         self.stateful = model.stateful
+        # Counted without a lock: on CPython (3.10 on) a thread switches only at calls and backward
+        # jumps, so ``+=`` of an int attribute is not interrupted and calls at once lose no count.
         self.count = 0
         self.failures = 0
         self.ns = 0
