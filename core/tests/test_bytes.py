@@ -13,6 +13,7 @@ from neuropod.package import read_package
 from neuropod.package.config import TEST_INPUTS, ModelConfig
 from neuropod.package.write import write_package
 from neuropod.spec import DTYPES, SpecValidator, parse_spec, to_bytes_array, to_string_array
+from neuropod.statespec import initial_state, parse_sequence_controls, parse_state_spec
 from neuropod.strings import refuse_dtypes
 
 JPEG_HEAD = b"\xff\xd8\xff"  # not UTF-8
@@ -140,3 +141,24 @@ def test_refuse_dtypes_names_the_tensors_and_what_to_use() -> None:
                        r"\(input 'blob' \(bytes\), output 'out' \(bytes\)\); use the python"):  # fmt: skip
         refuse_dtypes(config.name, config.input_spec, config.output_spec, {"bytes"}, "onnx")
     refuse_dtypes(config.name, config.input_spec, config.output_spec, {"float16"}, "onnx")  # nothing to refuse
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("CONTROL_SEQUENCE_CORRID", r"the sequence id input 'c' is bytes; it must be an integer type"),
+        ("CONTROL_SEQUENCE_START", r"CONTROL_SEQUENCE_START input 'c' is a bytes tensor; it must be a number or bool"),
+    ],
+)
+def test_a_bytes_tensor_is_no_sequence_control(kind: str, message: str) -> None:
+    inputs = parse_spec([{"name": "c", "dtype": "bytes", "shape": [1]}], "input_spec")
+    with pytest.raises(PackageError, match=message):
+        parse_sequence_controls([{"name": "c", "kind": kind}], inputs, "sequence_controls")
+
+
+def test_a_bytes_state_starts_as_empty_bytes() -> None:
+    inputs = parse_spec([{"name": "memo", "dtype": "bytes", "shape": [2]}], "input_spec")
+    outputs = parse_spec([{"name": "memo_out", "dtype": "bytes", "shape": [2]}], "output_spec")
+    (pair,) = parse_state_spec([{"input_name": "memo", "output_name": "memo_out"}], inputs, outputs, "state_spec")
+    start = initial_state(pair, None, "m")
+    assert start.dtype == object and start.tolist() == [b"", b""]

@@ -18,6 +18,7 @@ import numpy as np
 
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.spec import DTYPES, Dim, TensorSpec
+from neuropod.strings import TEXT_DTYPES, blank
 
 #: The kinds of control input, as Triton names them: 1 on a sequence's first request (START), on
 #: its last (END), on every request that holds a sequence's step (READY: always 1 here, as a batch
@@ -181,14 +182,14 @@ def parse_sequence_controls(value: Any, input_spec: Iterable[TensorSpec], where:
                 f"filled by the runtime (its inputs are: {', '.join(inputs) or '(none)'})"
             )
         if kind == "CONTROL_SEQUENCE_CORRID":
-            if spec.dtype == "bool" or spec.dtype.startswith("float"):
+            if spec.dtype in ("bool", "bytes") or spec.dtype.startswith("float"):
                 raise PackageError(
                     f"{here}: the sequence id input {name!r} is {spec.dtype}; it must be an integer type "
                     "(uint64, int64...) for numeric ids, or string for string ids"
                 )
-        elif spec.dtype == "string":
+        elif spec.dtype in TEXT_DTYPES:
             raise PackageError(
-                f"{here}: {kind} input {name!r} is a string tensor; it must be a number or bool (0 or 1)"
+                f"{here}: {kind} input {name!r} is a {spec.dtype} tensor; it must be a number or bool (0 or 1)"
             )
         if any(isinstance(d, int) and d != 1 for d in spec.shape[1:]) or (
             spec.shape and isinstance(spec.shape[0], int) and spec.shape[0] != 1
@@ -298,7 +299,10 @@ def initial_state(pair: StatePair, root: Any, model_name: str) -> np.ndarray:
     """One sequence's initial value of a state (read-only: a step never edits it)."""
     dtype = DTYPES[pair.dtype]
     if pair.initial_state == ZERO:
-        array = np.zeros(pair.shape, dtype=dtype) if dtype is not None else np.full(pair.shape, "", dtype=object)
+        if dtype is None:  # empty strings, or empty bytes
+            array = np.full(pair.shape, blank(pair.dtype), dtype=object)
+        else:
+            array = np.zeros(pair.shape, dtype=dtype)
     else:
         path = root / pair.initial_state
         try:
