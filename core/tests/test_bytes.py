@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from neuropod.cli.output import fmt_array
 from neuropod.errors import NeuropodError, PackageError, SpecError
 from neuropod.package import read_package
 from neuropod.package.config import TEST_INPUTS, ModelConfig
@@ -162,3 +163,8 @@ def test_a_bytes_state_starts_as_empty_bytes() -> None:
     (pair,) = parse_state_spec([{"input_name": "memo", "output_name": "memo_out"}], inputs, outputs, "state_spec")
     start = initial_state(pair, None, "m")
     assert start.dtype == object and start.tolist() == [b"", b""]
+
+
+def test_the_cli_shows_a_bytes_tensor_as_bytes() -> None:
+    assert fmt_array(to_bytes_array([JPEG_HEAD, b""])) == r"bytes [2] [b'\xff\xd8\xff', b'']"
+    assert fmt_array(np.array(["a"])) == "string [1] ['a']"

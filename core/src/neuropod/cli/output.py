@@ -112,4 +112,7 @@ def fmt_array(arr: Any, limit: int = 6) -> str:
     a = np.asarray(arr)
     body = np.array2string(a, threshold=limit * 2, edgeitems=limit // 2, separator=", ")
     body = " ".join(body.split())
-    return f"{a.dtype.name if a.dtype.kind not in 'UO' else 'string'} {list(a.shape)} {body}"
+    kind = a.dtype.name if a.dtype.kind not in "UO" else "string"
+    if a.dtype.kind == "O" and a.size and isinstance(a.flat[0], bytes):
+        kind = "bytes"
+    return f"{kind} {list(a.shape)} {body}"
