@@ -173,6 +173,11 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 def _check_dtype(name: str, spec_dtype: str, dtype: Any) -> np.dtype[Any]:
     """The dtype of an ``empty()`` array for input ``name``: the spec's, or ``dtype`` when it fits it."""
     wanted: np.dtype[Any] | None = DTYPES[spec_dtype]
+    if spec_dtype == "bytes":  # an object array: its elements live in Python, not in shared memory
+        raise ValueError(
+            f"empty(): input {name!r} is a bytes tensor, which shared memory cannot hold as an array; "
+            "pass an object array of bytes (neuropod.spec.to_bytes_array) to infer"
+        )
     if dtype is None:
         if wanted is None:
             raise ValueError(f"empty(): input {name!r} is a string tensor; give a dtype such as '<U16'")
