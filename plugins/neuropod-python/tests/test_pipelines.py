@@ -487,3 +487,33 @@ def test_a_step_failing_beside_another(steps: dict[str, Path], tmp_path: Path) -
         np.testing.assert_array_equal(model.infer({"in": x})["out"], x + x)
         stats = model.step_statistics()
         assert (stats["ok"]["count"], stats["weak"]["failures"], stats["total"]["count"]) == (3, 2, 1), stats
+
+
+def test_packaging_refuses_steps_that_do_not_fit(steps: dict[str, Path], tmp_path: Path) -> None:
+    """The wiring check on real packages, through the packager: nothing is written."""
+    chain = [
+        {"package": steps["scale"], "input_map": {"x": "in"}, "output_map": {"y": "mid"}},
+        {"package": steps["scale"], "input_map": {"x": "mid"}, "output_map": {"y": "out"}},
+    ]
+    with pytest.raises(PackageError, match="two steps are named 'scale'; give one a 'name'"):
+        create_pipeline_neuropod(tmp_path / "a", "a", chain, **IO)
+    chain[1]["name"] = "again"
+    with pytest.raises(
+        PackageError, match="tensor 'in' is int32 \\(pipeline input 'in'\\), but step 'scale' input 'x'"
+    ):
+        create_pipeline_neuropod(
+            tmp_path / "b", "b", chain, input_spec=[t("in", dtype="int32")], output_spec=[t("out")]
+        )
+    with pytest.raises(PackageError, match="step 'again' input 'x' reads tensor 'midd'"):
+        create_pipeline_neuropod(tmp_path / "c", "c", [chain[0], {**chain[1], "input_map": {"x": "midd"}}], **IO)
+    with pytest.raises(PackageError, match="steps\\[1\\]: unknown key 'inputs'"):
+        create_pipeline_neuropod(tmp_path / "d", "d", [chain[0], {**chain[1], "inputs": {}}], **IO)
+    with pytest.raises(PackageError, match="steps\\[0\\]: .*/nowhere"):
+        create_pipeline_neuropod(tmp_path / "e", "e", [{**chain[0], "package": tmp_path / "nowhere"}, chain[1]], **IO)
+    with pytest.raises(TypeError, match="state_spec"):
+        create_pipeline_neuropod(tmp_path / "f", "f", chain, **IO, state_spec=[])
+    assert not any((tmp_path / n).exists() for n in "abcdef")
+    made = create_pipeline_neuropod(tmp_path / "g", "g", chain, **IO)
+    x = data()
+    with neuropod.load_neuropod(made) as model:
+        np.testing.assert_array_equal(model.infer({"in": x})["out"], x * 4)
