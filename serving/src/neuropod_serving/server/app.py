@@ -56,7 +56,7 @@ from neuropod_serving.server.rest_io import (
 )
 from neuropod_serving.server.sse import ROUTES as STREAM_ROUTES
 from neuropod_serving.server.sse import StreamRoutes, refuse_decoupled
-from neuropod_serving.server.statistics import NO_STATISTICS
+from neuropod_serving.server.statistics import NO_STATISTICS, served_statistics
 
 log = logging.getLogger("neuropod_serving.server")
 # Load balancers and orchestrators probe these without credentials.
@@ -343,7 +343,7 @@ def create_app(
         models = (
             [served(request)] if name is not None else sorted(engine.registry, key=lambda s: (s.name, int(s.version)))
         )
-        return JSONResponse({"model_stats": [metrics.statistics(s.name, s.version) for s in models]})
+        return JSONResponse({"model_stats": served_statistics(metrics, models)})
 
     async def prometheus(request: Request) -> Response:
         if not isinstance(metrics, ServerMetrics):

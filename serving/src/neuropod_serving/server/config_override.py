@@ -38,7 +38,9 @@ the package on the rest:
 - **ignored**: Triton fields about how its own backends treat model files or
   versions (:data:`IGNORED`); a package decides those itself.
 - **refused**: every other field, known to Triton (``ensemble_scheduling``...) or not (a misspelt name), naming it. Ignoring
-  it would serve something other than what the client asked for.
+  it would serve something other than what the client asked for. A pipeline package's config may
+  hold its own ``ensemble_scheduling`` (checked against its steps); an ensemble configuration under
+  a name that is no package makes a pipeline of served models (:mod:`~neuropod_serving.server.ensembles`).
 
 Every refusal is a :class:`~neuropod_serving.protocol.ProtocolError` (400,
 gRPC INVALID_ARGUMENT) raised before anything is loaded.
@@ -53,6 +55,7 @@ from neuropod.package import ModelConfig
 from neuropod.spec import TensorSpec
 from neuropod_serving.protocol import ProtocolError, oip_datatype
 from neuropod_serving.server.batching import batch_symbol
+from neuropod_serving.server.ensemble_config import check_package_scheduling
 from neuropod_serving.server.registry import ModelSettings
 from neuropod_serving.server.sequence_config import check_listed, sequence_settings
 from neuropod_serving.server.sequence_config import only_fields as _only
@@ -82,6 +85,7 @@ TRITON_PLATFORMS = {
     "python": ("python",),
     "torch": ("pytorch", "torch_aoti"),
     "jax": ("jax",),
+    "pipeline": ("ensemble",),
 }
 _DYNAMIC_BATCHING = ("max_queue_delay_microseconds", "preferred_batch_size", "preserve_ordering")
 _INSTANCE_GROUP = ("name", "kind", "count", "gpus")
@@ -110,7 +114,11 @@ def settings_from_config(text: object, package: ModelConfig, defaults: ModelSett
         raise ProtocolError(f"{where} is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise ProtocolError(f"{where} is a JSON object (Triton's model configuration), not {type(config).__name__}")
-    known = (*APPLIED, *CHECKED, *IGNORED)
+    known: tuple[str, ...] = (*APPLIED, *CHECKED, *IGNORED)
+    if package.pipeline is not None and "ensemble_scheduling" in config:
+        # A pipeline package's steps as Triton's ensemble configuration writes them: checked, not applied.
+        check_package_scheduling(config["ensemble_scheduling"], package.pipeline, where)
+        known = (*known, "ensemble_scheduling")
     for key in config:
         if key not in known:
             raise ProtocolError(

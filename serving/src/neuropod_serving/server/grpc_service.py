@@ -72,7 +72,7 @@ from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal, escape_log
 from neuropod_serving.server.metrics import ServerMetrics
 from neuropod_serving.server.model_config import model_config, model_config_message
-from neuropod_serving.server.statistics import NO_STATISTICS, statistics_response
+from neuropod_serving.server.statistics import NO_STATISTICS, served_statistics, statistics_response
 
 log = logging.getLogger("neuropod_serving.server")
 access = logging.getLogger("neuropod_serving.access")
@@ -156,7 +156,7 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
             )
         else:
             models = sorted(self.engine.registry, key=lambda s: s.name)
-        return statistics_response([metrics.statistics(s.name, s.version) for s in models])
+        return statistics_response(served_statistics(metrics, models))
 
     def model_infer(self, call: InferCall, context: Any) -> bytes:
         with self._counted(call) as state:

@@ -177,6 +177,7 @@ def serve_models(
         stream_limits=stream_limits, sequences=sequences,
     )  # fmt: skip
     metrics.live_sequences = engine.live_sequences
+    metrics.step_statistics = registry.step_statistics
     if args.workers > 1 and not (group is not None and group.index != 0):  # one process of a group says it
 
         def run_time(name: str) -> tuple[int, float] | None:

@@ -241,7 +241,6 @@ class ModelLifecycle:
             )
         if settings.overridden:
             limits += f"; this model's load config set {', '.join(settings.overridden)}"
-        backend = getattr(model, "backend", None)
         runner = Runner(
             served=served,
             serving=ModelServing(policy if batched or sequenced else None, workers),
@@ -250,7 +249,7 @@ class ModelLifecycle:
             batcher=None,
             unbatched_reason=unbatched,
             # Out-of-process workers wait on a pipe: always a thread, so N workers run N requests.
-            inline_ok=in_process(model) and getattr(backend, "platform", None) not in NEVER_INLINE,
+            inline_ok=may_run_inline(model),
             output_names=[s.name for s in model.outputs],
             gate=Gate(served.name, concurrent_runs, concurrent_runs + self.limits.max_queued, limits),
             executor=concurrent.futures.ThreadPoolExecutor(
@@ -571,6 +570,18 @@ def _observe(
     metrics.computed(name, seconds, rows, len(waited), prepared, extracted, waited)
 
 
+def may_run_inline(model: Any) -> bool:
+    """Whether a model may ever run on the event loop: in process, not arbitrary code; a pipeline
+    only when each of its steps may, none is served elsewhere, and nothing bounds its requests in
+    flight (a wait on the loop)."""
+    steps = getattr(model, "steps", None)
+    if isinstance(steps, dict):
+        pipeline = model.package.config.pipeline
+        local = all(not type(m).__module__.startswith("neuropod_serving.client") for m in steps.values())
+        return local and not pipeline.max_inflight_requests and all(map(may_run_inline, steps.values()))
+    return in_process(model) and getattr(getattr(model, "backend", None), "platform", None) not in NEVER_INLINE
+
+
 def in_process(model: Any) -> bool:
     """Whether the model runs in this process (not in OPE workers or a backend environment)."""
     return not type(model).__module__.startswith("neuropod.ope")
@@ -583,4 +594,4 @@ def shared_symbols(model: Any) -> bool:
     return not getattr(package, "original_format", False)
 
 
-__all__ = ["NEVER_INLINE", "ModelLifecycle", "ModelServing", "Runner", "in_process", "shared_symbols"]
+__all__ = ["NEVER_INLINE", "ModelLifecycle", "ModelServing", "Runner", "in_process", "may_run_inline", "shared_symbols"]

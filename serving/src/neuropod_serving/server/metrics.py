@@ -20,7 +20,10 @@ Names follow Prometheus' conventions (base units, ``_total`` counters):
 - ``neuropod_stream_response_gap_seconds{model}``: between one response of a stream
   and the next;
 - ``neuropod_models_loaded``;
-- ``neuropod_sequences_live{model}``: sequences of a stateful model holding state now.
+- ``neuropod_sequences_live{model}``: sequences of a stateful model holding state now;
+- ``neuropod_pipeline_step_runs_total{model,step}``, ``neuropod_pipeline_step_failures_total{model,step}``
+  and ``neuropod_pipeline_step_duration_seconds_total{model,step}``: a pipeline's steps' calls that
+  succeeded, that failed, and the time of those that succeeded (``model`` is the pipeline).
 
 The same calls keep Triton's per-model statistics
 (:mod:`neuropod_serving.server.statistics`, ``GET /v2/models/stats``), so
@@ -110,6 +113,8 @@ class ServerMetrics:
         self.watch: WorkerRunWatch | None = None
         #: Live sequences by stateful model, read when scraped (the engine's ``live_sequences``); None: none.
         self.live_sequences: Callable[[], dict[str, int]] | None = None
+        #: Each pipeline's steps' counts, read when scraped (the registry's ``step_statistics``); None: none.
+        self.step_statistics: Callable[[], dict[str, dict[str, dict[str, int]]]] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -285,7 +290,27 @@ class ServerMetrics:
             for model, count in sorted(self.live_sequences().items()):
                 live.add_metric([model], count)
             families.append(live)
+        if self.step_statistics is not None:
+            families += _step_families(self.step_statistics())
         return families
+
+
+def _step_families(steps: dict[str, dict[str, dict[str, int]]]) -> list[Any]:
+    """The per-step counters of pipelines (``model``: the pipeline, ``step``: its step)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    labels = ["model", "step"]
+    runs = CounterMetricFamily("neuropod_pipeline_step_runs", "Calls of a pipeline step's model that succeeded", labels=labels)
+    failures = CounterMetricFamily("neuropod_pipeline_step_failures", "Calls of a pipeline step's model that failed",
+                                   labels=labels)  # fmt: skip
+    seconds = CounterMetricFamily("neuropod_pipeline_step_duration_seconds",
+                                  "Time in a pipeline step's model, over its calls that succeeded", labels=labels)  # fmt: skip
+    for model, by_step in sorted(steps.items()):
+        for step, counts in by_step.items():
+            runs.add_metric([model, step], counts["count"])
+            failures.add_metric([model, step], counts["failures"])
+            seconds.add_metric([model, step], counts["ns"] / 1e9)
+    return [runs, failures, seconds]
 
 
 class WorkerRunWatch:

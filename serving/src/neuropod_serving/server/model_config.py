@@ -42,6 +42,12 @@ into the message with :func:`model_config_message`.
   (its package's ``config.json`` says so: any number of responses per request,
   served over gRPC ModelStreamInfer and the REST stream endpoints); left out
   for any other model, as protobuf's JSON leaves out a default.
+- A pipeline (a pipeline package, or one a load's ensemble configuration made of served models)
+  is Triton's ensemble: ``platform`` ``"ensemble"``, ``backend`` ``""``, and
+  ``ensemble_scheduling`` with its ``step`` list (``model_name``: a package's step name, or the
+  served model a configuration named; ``model_version``; ``input_map``; ``output_map``) and
+  ``max_inflight_requests`` when bounded; parameter ``neuropod_steps`` says what runs each step.
+  gRPC's ModelConfig carries the same but ``ensemble_scheduling`` (not among its fields here).
 
 The batching and instance settings are read from one place,
 :meth:`Engine.serving <neuropod_serving.server.engine.Engine.serving>`.
@@ -50,6 +56,8 @@ The batching and instance settings are read from one place,
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from neuropod_serving.server.ensemble_config import ensemble_scheduling
 
 if TYPE_CHECKING:
     from neuropod.spec import TensorSpec
@@ -65,6 +73,8 @@ TRITON_PLATFORMS: dict[str, tuple[str, str]] = {
     "tensorflow": ("tensorflow_savedmodel", "tensorflow"),
     "tensorrt": ("tensorrt_plan", "tensorrt"),
     "python": ("python", "python"),
+    # A pipeline package, or a pipeline a load's ensemble configuration made of served models.
+    "pipeline": ("ensemble", ""),
 }
 _TF_GRAPHDEF = ("tensorflow_graphdef", "tensorflow")
 
@@ -149,7 +159,25 @@ def model_config(engine: Engine, served: ServedModel) -> dict[str, Any]:
         config["dynamic_batching"] = {"max_queue_delay_microseconds": round(batching.max_queue_delay_s * 1e6)}
     if getattr(model, "decoupled", False):
         config["model_transaction_policy"] = {"decoupled": True}
+    pipeline = getattr(getattr(package, "config", None), "pipeline", None)
+    if pipeline is not None:
+        _ensemble(config, served, pipeline)
     return config
+
+
+def _ensemble(config: dict[str, Any], served: ServedModel, pipeline: Any) -> None:
+    """A pipeline's ``ensemble_scheduling``: its steps (a package's by step name, an ensemble
+    configuration's by the served models it named), and what runs each step."""
+    if served.ensemble is not None:
+        named = [{"model_name": s.model_name, "model_version": int(s.version) if s.version else -1}
+                 for s in served.ensemble.steps]  # fmt: skip
+    else:
+        named = [{"model_name": s.name, "model_version": -1} for s in pipeline.steps]
+    config["ensemble_scheduling"] = ensemble_scheduling(named, pipeline)
+    steps = getattr(served.model, "steps", {})
+    config["parameters"]["neuropod_steps"] = {"string_value": "; ".join(
+        f"{name}: model {m.name!r} on {m.backend.id} ({m.device})" for name, m in steps.items()
+    )}  # fmt: skip
 
 
 def sequence_batching(engine: Engine, served: ServedModel, batching: Any) -> dict[str, Any]:

@@ -23,10 +23,12 @@ from neuropod import load_neuropod
 from neuropod.errors import NeuropodError, PackageError
 from neuropod.model import NeuropodModel
 from neuropod.package import read_package
+from neuropod.pipespec import PIPELINE_PLATFORM
 from neuropod.spec import TensorSpec
 from neuropod.storage import as_downloaded, is_package_url
 from neuropod_serving.errors import ModelBusyError, UnknownModelError
 from neuropod_serving.protocol import model_metadata
+from neuropod_serving.server.ensemble_config import ENSEMBLE, EnsembleConfig
 from neuropod_serving.server.served_versions import Found, RemoteRepository, VersionPolicy, is_package, scan_local
 
 #: The one version every served model has: a package carries no version of
@@ -97,6 +99,8 @@ class ServedModel:
     where: str = ""
     #: What its files were when it was loaded (see :class:`~neuropod_serving.server.served_versions.Found`).
     stamp: str = ""
+    #: The Triton ensemble configuration it was made from (a pipeline of served models, not a package).
+    ensemble: EnsembleConfig | None = None
     #: The body of ``GET /v2/models/{name}``, built once.
     metadata: dict[str, Any] = field(init=False)
     #: The model's name, and its input spec by name (what every request is decoded against).
@@ -107,8 +111,10 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         self.name = self.alias or self.model.name
+        # A pipeline is what Triton calls an ensemble (its clients know that platform).
+        platform = ENSEMBLE if self.model.platform == PIPELINE_PLATFORM else self.model.platform
         self.metadata = model_metadata(
-            self.name, self.model.inputs, self.model.outputs, platform=self.model.platform, versions=[self.version]
+            self.name, self.model.inputs, self.model.outputs, platform=platform, versions=[self.version]
         )
         if not self.where:
             self.where = str(self.path)
@@ -524,6 +530,21 @@ class ModelRegistry:
                 f"Request for unknown model: {name!r} version {version!r} is not found; model {name!r} has {has} loaded"
             )
         return served
+
+    def step_statistics(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Each pipeline's steps' counts (``count``, ``failures``, ``ns``: its ``step_statistics()``),
+        by model name (every loaded version of it together)."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for served in self:
+            read = getattr(served.model, "step_statistics", None)
+            if read is None:
+                continue
+            steps = out.setdefault(served.name, {})
+            for step, counts in read().items():
+                mine = steps.setdefault(step, {"count": 0, "failures": 0, "ns": 0})
+                for key in mine:
+                    mine[key] += int(counts.get(key, 0))
+        return out
 
     def __contains__(self, name: object) -> bool:
         return name in self._models

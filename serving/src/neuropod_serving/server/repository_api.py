@@ -1,5 +1,8 @@
 """The model repository extension for both protocols: index, load (with a ``config`` override) and unload.
 
+A load whose config is Triton's ensemble configuration, under a name that is no package, makes a
+pipeline of served models (:mod:`~neuropod_serving.server.ensembles`).
+
 The REST routes (``POST /v2/repository/...``) and the gRPC RPCs
 (``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload``)
 decode their requests into plain values and call these functions, so the two
@@ -18,6 +21,8 @@ from neuropod_serving.errors import UnknownModelError
 from neuropod_serving.protocol import ProtocolError
 from neuropod_serving.server.config_override import settings_from_config
 from neuropod_serving.server.engine import Engine
+from neuropod_serving.server.ensemble_config import EnsembleConfig, is_ensemble, load_config, parse_ensemble
+from neuropod_serving.server.ensembles import in_repository, load_ensemble, made_here, users
 from neuropod_serving.server.registry import ModelSettings, RepositoryEntry
 
 log = logging.getLogger("neuropod_serving.server")
@@ -65,6 +70,15 @@ def load_here(engine: Engine, name: str, parameters: Mapping[str, object]) -> No
         )
     settings: ModelSettings | None = None
     try:
+        ensemble = _ensemble(engine, name, parameters)
+        if ensemble is not None:
+            try:
+                load_ensemble(engine, ensemble)
+            except ProtocolError as e:
+                kept = "; the model loaded before keeps serving" if name in engine.registry else ""
+                raise LoadFailed(f"failed to load model {name!r}: {e}{kept}") from None
+            log.info("loaded model %r: an ensemble of %s", name, ", ".join(repr(m) for m in ensemble.models))
+            return
         if CONFIG_PARAMETER in parameters:
             package = read_package(engine.registry.package_path(name)).config
             try:
@@ -86,6 +100,23 @@ def load_here(engine: Engine, name: str, parameters: Mapping[str, object]) -> No
         raise LoadFailed(f"failed to load model {name!r}: {e}{kept}") from e
     overrides = f" with its load config's {', '.join(settings.overridden)}" if settings and settings.overridden else ""
     log.info("loaded model %r%s", name, overrides)
+
+
+def _ensemble(engine: Engine, name: str, parameters: Mapping[str, object]) -> EnsembleConfig | None:
+    """The ensemble a load makes of served models: its config's, when that is an ensemble's and
+    no package is named ``name``; without a config, the one ``name`` was made from before."""
+    if CONFIG_PARAMETER not in parameters:
+        return made_here(engine, name)
+    try:
+        config = load_config(parameters[CONFIG_PARAMETER], f"the load's config for model {name!r}")
+    except ProtocolError:
+        return None  # not an ensemble's: the config override refuses it in its words
+    if not is_ensemble(config) or in_repository(engine, name):
+        return None
+    try:
+        return parse_ensemble(config, name)
+    except ProtocolError as e:
+        raise LoadFailed(f"failed to load model {name!r}: {e}") from None
 
 
 def unload(engine: Engine, name: str) -> None:
@@ -112,7 +143,16 @@ def _check_explicit(engine: Engine, what: str, name: str) -> None:
 
 
 def unload_here(engine: Engine, name: str) -> None:
-    """:func:`unload` in this process only."""
+    """:func:`unload` in this process only.
+
+    :raises ProtocolError: an ensemble (made by a load's config) uses the model.
+    """
+    using = users(engine, name)
+    if using and name in engine.registry:
+        raise ProtocolError(
+            f"failed to unload model {name!r}: ensemble(s) {', '.join(repr(u) for u in using)} use it as a step; "
+            "unload them first"
+        )
     engine.unload(name)
     log.info("unloaded model %r", name)
 

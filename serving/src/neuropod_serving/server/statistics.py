@@ -47,10 +47,16 @@ is not batched runs one request at a time, counted as batch size 1, and its
 ``inference_count`` grows by one a request (its configuration says
 ``max_batch_size: 0``). Only successful runs are counted. ``cache_hit`` and
 ``cache_miss`` are always 0: there is no response cache.
+
+A pipeline's steps are not models of their own, yet are reported as Triton reports an ensemble's
+composing models: after the pipeline's entry, one entry per step named ``<pipeline>/<step>``
+(:func:`step_statistics`), with its successful calls and their time (``success``,
+``compute_infer``) and its failures (``fail``). The pipeline's own entry counts its requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -203,6 +209,41 @@ def model_statistics(
             for index, (n, seconds, failed, failed_s) in sorted(s.responses.items())
         }
     return stat
+
+
+def step_statistics(stat: dict[str, Any], steps: Mapping[str, Mapping[str, int]]) -> list[dict[str, Any]]:
+    """The ``$model_stat`` entries of a pipeline's steps, named ``<pipeline>/<step>`` (after the
+    pipeline's own ``stat``): each step's successful calls (``count``, ``ns``: ``success`` and
+    ``compute_infer``) and failures (``fail``, no time), from ``PipelineModel.step_statistics()``."""
+    zero = _duration(0, 0.0)
+    out = []
+    for step, counts in steps.items():
+        n, ns, failed = int(counts.get("count", 0)), int(counts.get("ns", 0)), int(counts.get("failures", 0))
+        done = {"count": n, "ns": ns}
+        out.append({
+            "name": f"{stat['name']}/{step}", "version": stat["version"], "last_inference": stat["last_inference"],
+            "inference_count": n, "execution_count": n,
+            "inference_stats": {
+                "success": done, "fail": {"count": failed, "ns": 0}, "queue": {"count": n, "ns": 0},
+                "compute_input": {"count": n, "ns": 0}, "compute_infer": dict(done),
+                "compute_output": {"count": n, "ns": 0}, "cache_hit": zero, "cache_miss": dict(zero),
+            },
+            "batch_stats": [],
+        })  # fmt: skip
+    return out
+
+
+def served_statistics(metrics: Any, models: Iterable[Any]) -> list[dict[str, Any]]:
+    """The ``model_stats`` of ``models`` (served models) as ``metrics`` (a ServerMetrics) keeps them:
+    each model's entry, and after a pipeline's, its steps' (:func:`step_statistics`)."""
+    out: list[dict[str, Any]] = []
+    for served in models:
+        stat = metrics.statistics(served.name, served.version)
+        out.append(stat)
+        read = getattr(served.model, "step_statistics", None)
+        if read is not None:
+            out += step_statistics(stat, read())
+    return out
 
 
 def statistics_response(model_stats: list[dict[str, Any]]) -> triton_config_pb2.ModelStatisticsResponse:
