@@ -247,6 +247,11 @@ def test_a_pipeline_package_is_served_as_an_ensemble(server: Server) -> None:
     assert "add1: model 'add1' on onnx" in config["parameters"]["neuropod_steps"]["string_value"]
     grpc_config = server.grpc.get_model_config("pipe").config
     assert grpc_config.platform == "ensemble" and grpc_config.max_batch_size == 8
+    steps = grpc_config.ensemble_scheduling.step
+    assert [(s.model_name, s.model_version, dict(s.input_map), dict(s.output_map)) for s in steps] == [
+        ("add1", -1, {"x": "in"}, {"y": "mid"}),
+        ("times2", -1, {"a": "mid"}, {"b": "out"}),
+    ]
 
 
 def test_a_pipelines_requests_are_batched(server: Server) -> None:
@@ -406,6 +411,7 @@ def test_an_ensemble_configuration_makes_a_pipeline_of_served_models(server: Ser
         assert config["platform"] == "ensemble" and config["max_batch_size"] == 8
         assert [s["model_name"] for s in config["ensemble_scheduling"]["step"]] == ["add1", "times2"]
         assert config["ensemble_scheduling"]["max_inflight_requests"] == 4
+        assert server.grpc.get_model_config("chain").config.ensemble_scheduling.max_inflight_requests == 4
         assert server.http.get_model_metadata("chain")["platform"] == "ensemble"
         names = [m["name"] for m in server.http.get_inference_statistics("chain")["model_stats"]]
         assert names == ["chain", "chain/add1", "chain/times2"]

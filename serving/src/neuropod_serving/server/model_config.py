@@ -47,7 +47,6 @@ into the message with :func:`model_config_message`.
   ``ensemble_scheduling`` with its ``step`` list (``model_name``: a package's step name, or the
   served model a configuration named; ``model_version``; ``input_map``; ``output_map``) and
   ``max_inflight_requests`` when bounded; parameter ``neuropod_steps`` says what runs each step.
-  gRPC's ModelConfig carries the same but ``ensemble_scheduling`` (not among its fields here).
 
 The batching and instance settings are read from one place,
 :meth:`Engine.serving <neuropod_serving.server.engine.Engine.serving>`.
@@ -284,4 +283,6 @@ def model_config_message(config: dict[str, Any]) -> triton_config_pb2.ModelConfi
         json_format.ParseDict(config["sequence_batching"], message.sequence_batching)
     if "model_transaction_policy" in config:
         message.model_transaction_policy.decoupled = config["model_transaction_policy"]["decoupled"]
+    if "ensemble_scheduling" in config:
+        json_format.ParseDict(config["ensemble_scheduling"], message.ensemble_scheduling)
     return tc.ModelConfigResponse(config=message)

@@ -114,6 +114,39 @@ class ModelTransactionPolicy(_message.Message):
     decoupled: bool
     def __init__(self, decoupled: bool = ...) -> None: ...
 
+class ModelEnsembling(_message.Message):
+    __slots__ = ("step", "max_inflight_requests")
+    class Step(_message.Message):
+        __slots__ = ("model_name", "model_version", "input_map", "output_map")
+        class InputMapEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+        class OutputMapEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+        MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+        MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+        INPUT_MAP_FIELD_NUMBER: _ClassVar[int]
+        OUTPUT_MAP_FIELD_NUMBER: _ClassVar[int]
+        model_name: str
+        model_version: int
+        input_map: _containers.ScalarMap[str, str]
+        output_map: _containers.ScalarMap[str, str]
+        def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[int] = ..., input_map: _Optional[_Mapping[str, str]] = ..., output_map: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    step: _containers.RepeatedCompositeFieldContainer[ModelEnsembling.Step]
+    max_inflight_requests: int
+    def __init__(self, step: _Optional[_Iterable[_Union[ModelEnsembling.Step, _Mapping]]] = ..., max_inflight_requests: _Optional[int] = ...) -> None: ...
+
 class ModelSequenceBatching(_message.Message):
     __slots__ = ("direct", "oldest", "max_sequence_idle_microseconds", "control_input", "state")
     class Control(_message.Message):
@@ -201,7 +234,7 @@ class ModelSequenceBatching(_message.Message):
     def __init__(self, direct: _Optional[_Union[ModelSequenceBatching.StrategyDirect, _Mapping]] = ..., oldest: _Optional[_Union[ModelSequenceBatching.StrategyOldest, _Mapping]] = ..., max_sequence_idle_microseconds: _Optional[int] = ..., control_input: _Optional[_Iterable[_Union[ModelSequenceBatching.ControlInput, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[ModelSequenceBatching.State, _Mapping]]] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "max_batch_size", "input", "output", "instance_group", "dynamic_batching", "sequence_batching", "parameters", "backend", "model_transaction_policy")
+    __slots__ = ("name", "platform", "max_batch_size", "input", "output", "instance_group", "dynamic_batching", "sequence_batching", "ensemble_scheduling", "parameters", "backend", "model_transaction_policy")
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +250,7 @@ class ModelConfig(_message.Message):
     INSTANCE_GROUP_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    ENSEMBLE_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_TRANSACTION_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -228,10 +262,11 @@ class ModelConfig(_message.Message):
     instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
     dynamic_batching: ModelDynamicBatching
     sequence_batching: ModelSequenceBatching
+    ensemble_scheduling: ModelEnsembling
     parameters: _containers.MessageMap[str, ModelParameter]
     backend: str
     model_transaction_policy: ModelTransactionPolicy
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., sequence_batching: _Optional[_Union[ModelSequenceBatching, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., backend: _Optional[str] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., sequence_batching: _Optional[_Union[ModelSequenceBatching, _Mapping]] = ..., ensemble_scheduling: _Optional[_Union[ModelEnsembling, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., backend: _Optional[str] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ...) -> None: ...
 
 class ModelConfigRequest(_message.Message):
     __slots__ = ("name", "version")
