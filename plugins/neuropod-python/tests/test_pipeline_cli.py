@@ -3,6 +3,7 @@ their levels, explain the plan per step, test and infer run the whole pipeline."
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -11,8 +12,11 @@ import numpy as np
 import pytest
 
 from neuropod.cli import main
+from neuropod.cli.inspect import _print_pipeline
 from neuropod.create import create_package
+from neuropod.package import read_package
 from neuropod.packagers import create_pipeline_neuropod
+from neuropod.pipespec import PipelineStep
 from test_pipelines import IO, OPS, data, diamond, step_pkg, t
 
 from conftest import write_code
@@ -114,3 +118,17 @@ def test_test_and_infer_run_the_pipeline(pipe: Path, tmp_path: Path) -> None:
     code, out = run("infer", str(pipe), "-i", f"in={tmp_path / 'in.npy'}", "--output-dir", str(tmp_path / "out"))
     assert code == 0, out
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "out.npy"), x * 2 + (x + 1))
+
+
+def test_inspect_shows_a_served_step_by_its_url(pipe: Path) -> None:
+    """A step served elsewhere (its pipeline needs the server to be made; its display does not)."""
+    package = read_package(pipe)
+    spec = package.config.pipeline
+    assert spec is not None
+    far = PipelineStep("far", {"x": "out"}, {"y": "final"}, url="grpc://models.example:8001/m", model_name="m")
+    config = dataclasses.replace(package.config, pipeline=dataclasses.replace(spec, steps=(*spec.steps, far)))
+    out = io.StringIO()
+    _print_pipeline(dataclasses.replace(package, config=config), out)
+    text = out.getvalue()
+    assert "  step far: model m, served at grpc://models.example:8001/m\n    inputs:  x <- out\n" in text, text
+    assert "Levels:    scale, shift | total | far " in text, text
