@@ -108,7 +108,7 @@ def repository() -> Iterator[Path]:
         onnx = _onnx_steps(models)  # served on their own too (the ensembles' steps)
         fragile = _python_step(code, scratch / "fragile", "fragile", [t("x")], [t("y")])
         sleepy = _python_step(code, scratch / "sleepy", "sleepy", [t("x")], [t("y")])
-        repeat = _python_step(code, scratch / "repeat", "repeat", [t("x"), t("n", 1, dtype="int32")], [t("y")],
+        repeat = _python_step(code, models / "repeat", "repeat", [t("x"), t("n", 1, dtype="int32")], [t("y")],
                               decoupled=True)  # fmt: skip
         acc = _python_step(code, scratch / "acc", "accumulate", [t("x", 1, 2), t("acc_in", 1, 2)],
                            [t("y", 1, 2), t("acc_out", 1, 2)],
@@ -267,16 +267,16 @@ def test_a_pipelines_requests_are_batched(server: Server) -> None:
     assert server.http.get_model_config("slow")["max_batch_size"] == 8
 
 
-def test_a_decoupled_pipeline_streams_over_grpc(server: Server) -> None:
+def _stream(server: Server, model: str, x: np.ndarray, n: int) -> list[np.ndarray]:
+    """The ``out`` of each response of one gRPC stream request (``in`` = x, ``n``)."""
     responses: list[Any] = []
     client = grpcclient.InferenceServerClient(server.grpc_address)
     try:
         client.start_stream(callback=lambda result, error: responses.append(error or result))
-        x = _rows(2)
-        inputs = [grpcclient.InferInput("in", [2, 2], "FP32"), grpcclient.InferInput("n", [1], "INT32")]
+        inputs = [grpcclient.InferInput("in", list(x.shape), "FP32"), grpcclient.InferInput("n", [1], "INT32")]
         inputs[0].set_data_from_numpy(x)
-        inputs[1].set_data_from_numpy(np.array([3], np.int32))
-        client.async_stream_infer("stream", inputs, enable_empty_final_response=True)
+        inputs[1].set_data_from_numpy(np.array([n], np.int32))
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         deadline = time.monotonic() + 20
         while not any(_final(r) for r in responses) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -285,11 +285,42 @@ def test_a_decoupled_pipeline_streams_over_grpc(server: Server) -> None:
         client.close()
     errors = [r for r in responses if isinstance(r, InferenceServerException)]
     assert not errors, errors
-    outs = [r.as_numpy("out") for r in responses if r.as_numpy("out") is not None]
+    return [r.as_numpy("out") for r in responses if r.as_numpy("out") is not None]
+
+
+def test_a_decoupled_pipeline_streams_over_grpc(server: Server) -> None:
+    x = _rows(2)
+    outs = _stream(server, "stream", x, 3)
     assert len(outs) == 3
     for i, got in enumerate(outs):
         np.testing.assert_array_equal(got, (x + 1 + i) * 2)
     assert server.http.get_model_config("stream")["model_transaction_policy"] == {"decoupled": True}
+
+
+def test_an_ensemble_of_served_models_with_a_decoupled_step_streams(server: Server) -> None:
+    config = {
+        "platform": "ensemble",
+        "max_batch_size": 0,
+        "input": [{"name": "in", "data_type": "TYPE_FP32", "dims": [-1, 2]},
+                  {"name": "n", "data_type": "TYPE_INT32", "dims": [1]}],
+        "output": [{"name": "out", "data_type": "TYPE_FP32", "dims": [-1, 2]}],
+        "ensemble_scheduling": {"step": [
+            {"model_name": "add1", "model_version": -1, "input_map": {"x": "in"}, "output_map": {"y": "before"}},
+            {"model_name": "repeat", "model_version": -1, "input_map": {"x": "before", "n": "n"},
+             "output_map": {"y": "each"}},
+            {"model_name": "times2", "model_version": -1, "input_map": {"a": "each"}, "output_map": {"b": "out"}},
+        ]},
+    }  # fmt: skip
+    server.grpc.load_model("repeats", config=json.dumps(config))
+    try:
+        assert server.grpc.get_model_config("repeats").config.model_transaction_policy.decoupled
+        x = _rows(3, 4)
+        outs = _stream(server, "repeats", x, 2)
+        assert len(outs) == 2
+        for i, got in enumerate(outs):
+            np.testing.assert_array_equal(got, (x + 1 + i) * 2)
+    finally:
+        server.grpc.unload_model("repeats")
 
 
 def _final(result: Any) -> bool:
@@ -349,6 +380,7 @@ def test_a_failing_step_names_pipeline_step_and_model_and_the_next_request_succe
             _infer(client, "brittle", {"in": bad})
         text = str(info.value)
         assert "pipeline 'brittle', step 'check' (model 'fragile')" in text and "negative first element" in text, text
+        assert info.value.status() == ("500" if client is server.http else "StatusCode.INTERNAL")
         x = _rows(2) + 20
         np.testing.assert_array_equal(_infer(client, "brittle", {"in": x})["out"], x + 1)
     assert _sample(server, "neuropod_pipeline_step_failures_total", {"model": "brittle", "step": "check"}) == 2
@@ -378,7 +410,8 @@ def test_a_pipeline_whose_step_cannot_run_here_fails_to_load_naming_the_step(tmp
 
 def test_max_inflight_requests_bounds_the_pipeline_and_holds_no_other_model(server: Server) -> None:
     """Six requests to a pipeline of one 50 ms step bounded to one at a time take six turns; the
-    server answers another model meanwhile (the waiting requests hold only the pipeline's threads)."""
+    server answers another model meanwhile, over REST and gRPC (the waiting requests hold only the
+    pipeline's threads: its steps' calls need none of the server's)."""
     xs = [_rows(1, seed) for seed in range(6)]
     assert server.http.get_model_config("bounded")["max_batch_size"] == 0
     started = time.perf_counter()
@@ -387,6 +420,7 @@ def test_max_inflight_requests_bounds_the_pipeline_and_holds_no_other_model(serv
         time.sleep(0.03)
         other_started = time.perf_counter()
         other = _infer(server.http, "pipe", {"in": xs[0]})["out"]
+        np.testing.assert_array_equal(_infer(server.grpc, "pipe", {"in": xs[1]})["out"], (xs[1] + 1) * 2)
         other_s = time.perf_counter() - other_started
         answers = [f.result(30) for f in bounded]
     elapsed = time.perf_counter() - started
@@ -495,3 +529,28 @@ def test_a_pipeline_packages_load_config_may_repeat_its_steps(server: Server) ->
         server.http.load_model("pipe", config=json.dumps({"platform": "ensemble", "ensemble_scheduling": other}))
     x = _rows(2)
     np.testing.assert_array_equal(_infer(server.http, "pipe", {"in": x})["out"], (x + 1) * 2)
+
+
+def test_a_composing_model_reloaded_with_another_spec_stops_the_ensemble(server: Server, repository: Path) -> None:
+    """The ensemble must not run a closed model: when the new version no longer wires, it stops serving."""
+    server.http.load_model("fragile_chain", config=_ensemble("fragile_chain", CHAIN))
+    assert server.http.is_model_ready("fragile_chain")
+    original = repository / "models" / "times2"
+    kept = repository / "times2.kept"
+    shutil.move(original, kept)
+    try:
+        # times2 now takes float64: the ensemble's float32 'mid' no longer fits.
+        onnx_package(original, "times2", [helper.make_node("Mul", ["a", "two"], ["b"])],
+                     [("a", "float64", ["n", 2])], [("b", "float64", ["n", 2])],
+                     [helper.make_tensor("two", TensorProto.DOUBLE, [], [2.0])])  # fmt: skip
+        server.http.load_model("times2")
+        assert not server.http.is_model_ready("fragile_chain")
+        with pytest.raises(InferenceServerException, match="fragile_chain"):
+            _infer(server.http, "fragile_chain", {"in": _rows(1)})
+    finally:
+        shutil.rmtree(original, ignore_errors=True)
+        shutil.move(kept, original)
+        server.http.load_model("times2")
+    x = _rows(2, 3)
+    np.testing.assert_array_equal(_infer(server.http, "pipe", {"in": x})["out"], (x + 1) * 2)
+    np.testing.assert_array_equal(_infer(server.grpc, "times2", {"a": x}, ("b",))["b"], x * 2)
