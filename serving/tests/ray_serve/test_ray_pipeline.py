@@ -1,7 +1,8 @@
 """A pipeline package served by Ray Serve as one deployment: driven over REST (Ray's HTTP proxy, the
 protocol's JSON), gRPC (a remote model through Ray's gRPC proxy) and the deployment's handle; its
 steps' statistics in each replica's ``info()`` and in Ray's exported metrics (per step); a decoupled
-pipeline streamed through a streaming handle.
+pipeline streamed through a streaming handle; a pipeline with a stateful step on two replicas, each
+sequence's steps routed to the replica holding its state.
 
 One small cluster for the module. The pipeline: ``in`` -> ``scale`` (ONNX, 3 * x) -> ``adder`` (ONNX,
 x = scaled, y = in; its ``doubled``) -> ``out`` = 2 * (3 in + in), computed here with numpy.
@@ -42,6 +43,7 @@ from conftest import ADDER_IN, ADDER_OUT, free_port_below_ephemeral, onnx_packag
 
 APP = "scale_then_add"  # the application, named after its model as `neuropod serve --ray` names them
 STREAM_APP = "stream"
+STATEFUL_APP = "stateful"
 
 
 @dataclass
@@ -52,8 +54,9 @@ class Served:
     metrics_port: int
 
 
-def _packages(root: Path) -> tuple[Path, Path]:
-    """The two-step pipeline, and the decoupled one (repeat, then times10 on each of its responses)."""
+def _packages(root: Path) -> tuple[Path, Path, Path]:
+    """The two-step pipeline, the decoupled one (repeat, then times10 on each of its responses), and
+    the stateful one (scale, then acc: the running sum of its inputs in each sequence)."""
     onnx_package(root / "scale", "scale", [helper.make_node("Mul", ["x", "k"], ["y"])],
                  [("x", "float32", ["n", 2])], [("y", "float32", ["n", 2])],
                  [helper.make_tensor("k", TensorProto.FLOAT, [], [3.0])])  # fmt: skip
@@ -77,14 +80,24 @@ def _packages(root: Path) -> tuple[Path, Path]:
     ], input_spec=[{"name": "IN", "dtype": "int32", "shape": ["n"]}, {"name": "DELAY", "dtype": "uint32", "shape": ["n"]},
                    {"name": "WAIT", "dtype": "uint32", "shape": [1]}],
        output_spec=[{"name": "OUT10", "dtype": "int32", "shape": [1]}, {"name": "IDX", "dtype": "uint32", "shape": [1]}])  # fmt: skip
-    return pipe, stream
+    onnx_package(root / "acc", "acc",
+                 [helper.make_node("Add", ["x", "acc_in"], ["y"]), helper.make_node("Identity", ["y"], ["acc_out"])],
+                 [("x", "float32", ["batch", 2]), ("acc_in", "float32", ["batch", 2])],
+                 [("y", "float32", ["batch", 2]), ("acc_out", "float32", ["batch", 2])],
+                 state_spec=[{"input_name": "acc_in", "output_name": "acc_out"}])  # fmt: skip
+    stateful = create_pipeline_neuropod(root / "stateful", STATEFUL_APP, steps=[
+        {"package": str(root / "scale"), "input_map": {"x": "in"}, "output_map": {"y": "scaled"}},
+        {"package": str(root / "acc"), "input_map": {"x": "scaled"}, "output_map": {"y": "total"}},
+    ], input_spec=[{"name": "in", "dtype": "float32", "shape": ["rows", 2]}],
+       output_spec=[{"name": "total", "dtype": "float32", "shape": ["rows", 2]}])  # fmt: skip
+    return pipe, stream, stateful
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     root = Path(tempfile.mkdtemp(prefix="neuropod-ray-pipeline-"))
     with private_caches(root):  # before ray.init: Ray's workers inherit the environment
-        pipe, stream = _packages(root)
+        pipe, stream, stateful = _packages(root)
         ports = Served(root, free_port_below_ephemeral(), free_port_below_ephemeral(), free_port_below_ephemeral())
         try:
             with serve_cluster(
@@ -94,6 +107,11 @@ def served() -> Iterator[Served]:
                 serve.run(neuropod_ray.build(pipe, ray_actor_options={"num_cpus": 0.5}), name=APP, route_prefix="/")
                 serve.run(neuropod_ray.build(stream, ray_actor_options={"num_cpus": 0.5}), name=STREAM_APP,
                           route_prefix="/stream")  # fmt: skip
+                ref = neuropod_ray.publish(stateful)
+                assert ref.stateful, "a pipeline with a stateful step is stateful: its sequences need routing"
+                serve.run(neuropod_ray.build(ref, num_replicas=2, ray_actor_options={"num_cpus": 0.25},
+                                             max_sequence_idle_us=60_000_000),
+                          name=STATEFUL_APP, route_prefix="/stateful")  # fmt: skip
                 yield ports
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -165,3 +183,21 @@ def test_a_decoupled_pipeline_streams_through_a_streaming_handle(served: Served)
     values = [5, 0, 9]
     seen = [(r["OUT10"].tolist(), r["IDX"].tolist()) for r in handle.infer_stream.remote(repeat_inputs(values))]
     assert seen == [([10 * v], [i]) for i, v in enumerate(values)]
+
+
+def test_a_pipeline_with_a_stateful_step_routes_each_sequence_to_its_replica(served: Served) -> None:
+    infos = replica_infos(STATEFUL_APP, 2)
+    assert len({i["pid"] for i in infos.values()}) == 2
+    handle = serve.get_app_handle(STATEFUL_APP)
+    rng = np.random.default_rng(3)
+    steps = {f"user-{i}": rng.standard_normal((4, 1, 2)).astype(np.float32) for i in range(6)}
+    totals: dict[str, list[np.ndarray]] = {seq: [] for seq in steps}
+    for k in range(4):  # the sequences' k-th steps all at once: the replicas' queues differ
+        calls = {seq: handle.infer.remote({"in": xs[k]}, sequence_id=seq, sequence_start=k == 0, sequence_end=k == 3)
+                 for seq, xs in steps.items()}  # fmt: skip
+        for seq, call in calls.items():
+            totals[seq].append(call.result(timeout_s=60)["total"])
+    for seq, xs in steps.items():
+        np.testing.assert_allclose(np.concatenate(totals[seq]), np.cumsum(3 * xs, axis=0)[:, 0], rtol=1e-5)
+    held = {seq for info in replica_infos(STATEFUL_APP, 2).values() for seq in info["sequences"]}
+    assert not held  # every sequence ended

@@ -122,17 +122,27 @@ def package_bytes(path: str | os.PathLike[str]) -> bytes:
         return dest.read_bytes()
 
 
-def _config(data: bytes, source: str) -> Any:
-    """The package config in zip ``data`` (at its top, or under its single top folder)."""
+def _configs(data: bytes, source: str) -> list[Any]:
+    """The package config in zip ``data`` (at its top, or under its single top folder), then, for a
+    pipeline, the config of each step packaged inside it (a step on a server has none here)."""
 
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         names = zf.namelist()
         tops = {n.split("/", 1)[0] for n in names}
-        member = "config.json" if "config.json" in names else f"{tops.pop()}/config.json"
-        try:
-            return parse_config(json.loads(zf.read(member)), f"{source}: config.json")
-        except (ValueError, KeyError) as e:
-            raise PackageError(f"{source}: config.json cannot be read ({e})") from None
+        prefix = "" if "config.json" in names else f"{tops.pop()}/"
+        members = [f"{prefix}config.json"]
+        configs: list[Any] = []
+        while members:
+            member = members.pop(0)
+            inside = member.removeprefix(prefix)
+            try:
+                config = parse_config(json.loads(zf.read(member)), f"{source}: {inside}")
+            except (ValueError, KeyError) as e:
+                raise PackageError(f"{source}: {inside} cannot be read ({e})") from None
+            configs.append(config)
+            if config.pipeline is not None and len(configs) == 1:
+                members += [f"{prefix}{s.package}/config.json" for s in config.pipeline.steps if s.package]
+        return configs
 
 
 def publish(path: str | os.PathLike[str]) -> PackageRef:
@@ -146,14 +156,17 @@ def publish(path: str | os.PathLike[str]) -> PackageRef:
     """
 
     data = package_bytes(path)
-    config = _config(data, str(path))
-    prefers, requires = gpu_preference(config)
+    # A pipeline's placement and routing come from its steps: a replica runs them all.
+    configs = _configs(data, str(path))
+    config = configs[0]
+    preferences = [gpu_preference(c) for c in configs]
+    prefers, requires = any(p for p, _ in preferences), any(r for _, r in preferences)
     digest = hashlib.sha256(data).hexdigest()
     store = _store(create=True)
     if not ray.get(store.has.remote(digest)):
         ray.get(store.put.remote(digest, data))
         log.info("published package %r (%s, %d bytes) to the cluster's object store", config.name, path, len(data))
-    stateful = bool(config.state_spec or config.sequence_controls)
+    stateful = any(c.state_spec or c.sequence_controls for c in configs)
     return PackageRef(digest, config.name, len(data), str(path), prefers_gpu=prefers, requires_gpu=requires,
                       stateful=stateful)  # fmt: skip
 
