@@ -5,26 +5,28 @@ feeding an ONNX step in this process, checked value for value against each step'
 It creates a real ``tensorflow==<other>`` environment (pip downloads tensorflow-cpu, about 250 MB), so it
 runs only with ``NEUROPOD_TEST_ENVS=1`` (``nox -s tests_envs``). The environment is made once per session
 in a temporary ``NEUROPOD_HOME``; the core and the plugin come from where this process's were installed
-from (see ``neuropod.envs``).
+from (see ``neuropod.envs``). This process needs no TensorFlow: the environment's TensorFlow saves the
+model, packages it, and runs the SavedModel by hand (``tf.saved_model.load``, no neuropod) for reference.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import importlib_metadata
 import numpy as np
 import onnxruntime as ort
 import pytest
-import tensorflow as tf
 from onnx import ModelProto, TensorProto, helper
 
 import neuropod
 from neuropod import envs
-from neuropod.packagers import create_onnx_neuropod, create_pipeline_neuropod, create_tensorflow_neuropod
+from neuropod.packagers import create_onnx_neuropod, create_pipeline_neuropod
 
 from conftest import spec
 
@@ -36,25 +38,49 @@ pytestmark = [
     ),
 ]
 
-HERE = tf.__version__
-OTHER = "2.18.1" if not HERE.startswith("2.18.") else "2.21.0"
+
+def _installed_tensorflow() -> str | None:
+    for dist in ("tensorflow-cpu", "tensorflow"):
+        try:
+            return importlib_metadata.version(dist)
+        except importlib_metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+HERE = _installed_tensorflow()  # None: this process has no TensorFlow (as in nox -s tests_envs)
+OTHER = "2.21.0" if HERE and HERE.startswith("2.18.") else "2.18.1"
 OTHER_RANGE = "~" + ".".join(OTHER.split(".")[:2])  # e.g. ~2.18: >=2.18.0, <2.19.0, which this process is not
 WEIGHTS = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(3, 4)
 HEAD = np.array([0.5, -1.5, 2.0, 3.0], np.float32)
 X_SPEC = spec(("x", "float32", ["batch", 3]))
 FEAT_SPEC = spec(("h", "float32", ["batch", 4]))
+BATCHES = [np.random.default_rng(1).standard_normal((n, 3)).astype(np.float32) * 2 for n in (1, 4, 33)]
 
+# Run by the environment's interpreter: the TensorFlow step, h = tanh(x @ W) * 2 + 0.25, saved as a
+# SavedModel, run by hand on the batches, then packaged for that TensorFlow release only.
+MAKE_STEP = """
+import numpy as np, tensorflow as tf
+from neuropod.packagers import create_tensorflow_neuropod
 
 class Features(tf.Module):
-    """The TensorFlow step: h = tanh(x @ W) * 2 + 0.25, a SavedModel with a serving_default signature."""
-
-    def __init__(self) -> None:
+    def __init__(self):
         super().__init__()
-        self.w = tf.Variable(WEIGHTS)
+        self.w = tf.Variable(np.load({weights!r}))
 
     @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
-    def serving_default(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
-        return {"h": tf.tanh(x @ self.w) * 2.0 + 0.25}
+    def serving_default(self, x):
+        return {{"h": tf.tanh(x @ self.w) * 2.0 + 0.25}}
+
+module = Features()
+tf.saved_model.save(module, {saved!r}, signatures={{"serving_default": module.serving_default}})
+run = tf.saved_model.load({saved!r}).signatures["serving_default"]
+batches = np.load({batches!r})
+np.savez({by_hand!r}, *[run(x=tf.constant(batches[f"arr_{{i}}"]))["h"].numpy() for i in range(len(batches.files))])
+create_tensorflow_neuropod({path!r}, "features", {x_spec!r}, {feat_spec!r}, saved_model_dir={saved!r},
+                           platform_version_semver={range!r})
+print(tf.__version__)
+"""
 
 
 def head_model() -> ModelProto:
@@ -93,11 +119,22 @@ def other_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[envs.Environ
 
 @pytest.fixture(scope="module")
 def packages(other_env: envs.Environment, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The two step packages and the pipeline over them (its test data runs through both steps)."""
+    """The two step packages, the pipeline over them (its test data runs through both steps) and the
+    TensorFlow step's outputs on BATCHES from the environment's TensorFlow run by hand."""
     root = tmp_path_factory.mktemp("pipeline")
-    feat = create_tensorflow_neuropod(
-        root / "feat", "features", X_SPEC, FEAT_SPEC, trackable_obj=Features(), platform_version_semver=OTHER_RANGE
-    )
+    np.save(root / "weights.npy", WEIGHTS)
+    np.savez(root / "batches.npz", *BATCHES)
+    feat = root / "feat"
+    code = MAKE_STEP.format(
+        weights=str(root / "weights.npy"), saved=str(root / "saved"), batches=str(root / "batches.npz"),
+        by_hand=str(root / "by_hand.npz"), path=str(feat), x_spec=X_SPEC, feat_spec=FEAT_SPEC, range=OTHER_RANGE,
+    )  # fmt: skip
+    made = subprocess.run([str(other_env.python), "-c", code], capture_output=True, text=True, check=False)
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert made.stdout.split()[-1] == OTHER
+    with np.load(root / "by_hand.npz") as by_hand:
+        tf_by_hand = [by_hand[f"arr_{i}"] for i in range(len(BATCHES))]
+
     onnx_model = head_model()
     head = create_onnx_neuropod(
         root / "head",
@@ -118,45 +155,43 @@ def packages(other_env: envs.Environment, tmp_path_factory: pytest.TempPathFacto
         output_spec=spec(("features", "float32", ["batch", 4]), ("score", "float32", ["batch"])),
         test_input_data={"x": x},
     )
-    return {"feat": feat, "head": head, "pipe": pipe, "onnx_model": onnx_model}
+    return {"feat": feat, "head": head, "pipe": pipe, "onnx_model": onnx_model, "tf_by_hand": tf_by_hand}
 
 
 def test_the_plan_puts_the_tensorflow_step_in_the_environment(packages: dict[str, Any]) -> None:
     plan = neuropod.plan(packages["pipe"])
     chosen = {s.step.name: s.resolution.chosen if s.resolution else None for s in plan.steps}
     assert chosen["feat"] is not None and chosen["head"] is not None
-    assert (chosen["feat"].backend.id, chosen["feat"].backend.location) == (
-        f"tensorflow=={OTHER}",
-        f"env:tensorflow-{OTHER}",
-    )
-    assert (chosen["head"].backend.platform, chosen["head"].backend.location) == ("onnx", "in-process")
+    feat, head = chosen["feat"].backend, chosen["head"].backend
+    assert (feat.id, feat.location) == (f"tensorflow=={OTHER}", f"env:tensorflow-{OTHER}")
+    assert (head.platform, head.location) == ("onnx", "in-process")
     text = plan.explain()
     assert f"step 'feat' (model 'features'): tensorflow=={OTHER} on cpu (env:tensorflow-{OTHER})" in text, text
     assert f"versions '{OTHER_RANGE}'" in text, text
 
 
 def test_the_pipeline_equals_its_steps_run_by_hand_and_leaves_no_worker(packages: dict[str, Any]) -> None:
-    rng = np.random.default_rng(1)
-    batches = [rng.standard_normal((n, 3)).astype(np.float32) * 2 for n in (1, 4, 33)]
     with neuropod.load_neuropod(packages["feat"]) as feat:  # the TensorFlow step alone, through the same environment
         assert (feat.backend.id, feat.backend.location) == (f"tensorflow=={OTHER}", f"env:tensorflow-{OTHER}")
-        by_hand_h = [feat.infer({"x": x})["h"] for x in batches]
+        step_alone = [feat.infer({"x": x})["h"] for x in BATCHES]
     session = ort.InferenceSession(packages["onnx_model"].SerializeToString(), providers=["CPUExecutionProvider"])
-    by_hand_score = [session.run(["score"], {"h": h})[0] for h in by_hand_h]
+    by_hand_score = [session.run(["score"], {"h": h})[0] for h in packages["tf_by_hand"]]
 
     with neuropod.load_neuropod(packages["pipe"]) as pipe:
         assert pipe.steps["feat"].backend.location == f"env:tensorflow-{OTHER}"
         assert pipe.steps["head"].backend.location == "in-process"
         pids = list(pipe.steps["feat"].worker_pids)  # the TensorFlow step runs in a worker process
         assert pids and os.getpid() not in pids
-        outs = [pipe.infer({"x": x}) for x in batches]
+        outs = [pipe.infer({"x": x}) for x in BATCHES]
         assert {s: v["count"] for s, v in pipe.step_statistics().items()} == {"feat": 3, "head": 3}
     assert all(_gone(pid) for pid in pids), f"the TensorFlow {OTHER} worker outlived the pipeline: {pids}"
 
-    for x, out, h, score in zip(batches, outs, by_hand_h, by_hand_score, strict=True):
+    for x, out, h, alone, score in zip(BATCHES, outs, packages["tf_by_hand"], step_alone, by_hand_score, strict=True):
         assert out["features"].dtype == np.float32 and out["features"].shape == (len(x), 4)
         assert out["score"].dtype == np.float32 and out["score"].shape == (len(x),)
-        np.testing.assert_array_equal(out["features"], h)  # value-exact: the same TensorFlow, the same onnxruntime
+        # Value-exact: TensorFlow OTHER's SavedModel run by hand, the step's package alone, onnxruntime by hand.
+        np.testing.assert_array_equal(out["features"], h)
+        np.testing.assert_array_equal(out["features"], alone)
         np.testing.assert_array_equal(out["score"], score)
         ref_h, ref_score = numpy_reference(x)  # and both right, computed apart from either framework
         np.testing.assert_allclose(out["features"], ref_h, rtol=1e-5, atol=1e-6)
