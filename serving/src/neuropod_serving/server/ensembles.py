@@ -152,7 +152,15 @@ def _serve(engine: Engine, served: ServedModel, drain_s: float) -> None:
     )  # fmt: skip
     old = engine.registry.put(served)
     old_runner = engine._runners.get((served.name, served.version))
-    engine._start(served)
+    try:
+        engine._start(served)
+    except BaseException:  # e.g. a stateful ensemble in a server of several processes: nothing changes
+        if old is not None:
+            engine.registry.put(old)
+        else:
+            engine.registry.remove(served.name, served.version)
+        served.model.close()
+        raise
     engine._update_loaded()
     engine._notify(served.name, served)
     if old is not None:
