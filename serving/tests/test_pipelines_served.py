@@ -450,6 +450,8 @@ def test_an_ensemble_configuration_makes_a_pipeline_of_served_models(server: Ser
         names = [m["name"] for m in server.http.get_inference_statistics("chain")["model_stats"]]
         assert names == ["chain", "chain/add1", "chain/times2"]
         assert server.http.is_model_ready("chain")
+        index = {m["name"]: m for m in server.http.get_model_repository_index()}
+        assert index["chain"]["state"] == "READY"
         # The same over gRPC's RepositoryModelLoad, replacing it.
         server.grpc.load_model("chain", config=_ensemble("chain", CHAIN))
         assert "max_inflight_requests" not in server.http.get_model_config("chain")["ensemble_scheduling"]
