@@ -556,3 +556,20 @@ def test_a_composing_model_reloaded_with_another_spec_stops_the_ensemble(server:
     x = _rows(2, 3)
     np.testing.assert_array_equal(_infer(server.http, "pipe", {"in": x})["out"], (x + 1) * 2)
     np.testing.assert_array_equal(_infer(server.grpc, "times2", {"a": x}, ("b",))["b"], x * 2)
+
+
+def test_one_served_model_may_run_several_steps(server: Server) -> None:
+    twice = [
+        {"model_name": "add1", "input_map": {"x": "in"}, "output_map": {"y": "mid"}},
+        {"model_name": "add1", "input_map": {"x": "mid"}, "output_map": {"y": "out"}},
+    ]
+    server.http.load_model("plus2", config=_ensemble("plus2", twice))
+    try:
+        x = _rows(2, 8)
+        np.testing.assert_array_equal(_infer(server.grpc, "plus2", {"in": x})["out"], x + 2)
+        names = [m["name"] for m in server.http.get_inference_statistics("plus2")["model_stats"]]
+        assert names == ["plus2", "plus2/add1", "plus2/add1#2"]
+        steps = server.http.get_model_config("plus2")["ensemble_scheduling"]["step"]
+        assert [s["model_name"] for s in steps] == ["add1", "add1"]
+    finally:
+        server.http.unload_model("plus2")
