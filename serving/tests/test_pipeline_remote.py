@@ -251,3 +251,11 @@ def test_a_served_decoupled_pipeline_streams_to_a_remote_model(server: Any, prot
         responses = list(remote.infer_stream(repeat_inputs(values)))
     assert [r["OUT10"].tolist() for r in responses] == [[10 * v] for v in values]
     assert [r["IDX"].tolist() for r in responses] == [[i] for i in range(len(values))]
+
+
+def test_a_served_pipeline_with_a_step_on_another_server(root: Path, server: Any, tmp_path: Path) -> None:
+    """Two machines' worth: a front server serves a pipeline whose ``adder`` step is the first server's."""
+    _scale_then_add(tmp_path / "front" / "front", root / "scale", _url(server, "grpc", "adder"), "front")
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    with served(tmp_path / "front") as front, neuropod.load_neuropod(_url(front, "http", "front")) as pipe:
+        np.testing.assert_allclose(pipe.infer({"in": x})["out"], _expected(x), rtol=1e-6)
