@@ -15,6 +15,8 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,12 +108,12 @@ def served() -> Iterator[Served]:
             ):  # fmt: skip
                 serve.run(neuropod_ray.build(pipe, ray_actor_options={"num_cpus": 0.5}), name=APP, route_prefix="/")
                 serve.run(neuropod_ray.build(stream, ray_actor_options={"num_cpus": 0.5}), name=STREAM_APP,
-                          route_prefix="/stream")  # fmt: skip
+                          route_prefix=f"/v2/models/{STREAM_APP}")  # fmt: skip
                 ref = neuropod_ray.publish(stateful)
                 assert ref.stateful, "a pipeline with a stateful step is stateful: its sequences need routing"
                 serve.run(neuropod_ray.build(ref, num_replicas=2, ray_actor_options={"num_cpus": 0.25},
                                              max_sequence_idle_us=60_000_000),
-                          name=STATEFUL_APP, route_prefix="/stateful")  # fmt: skip
+                          name=STATEFUL_APP, route_prefix=f"/v2/models/{STATEFUL_APP}")  # fmt: skip
                 yield ports
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -201,3 +203,28 @@ def test_a_pipeline_with_a_stateful_step_routes_each_sequence_to_its_replica(ser
         np.testing.assert_allclose(np.concatenate(totals[seq]), np.cumsum(3 * xs, axis=0)[:, 0], rtol=1e-5)
     held = {seq for info in replica_infos(STATEFUL_APP, 2).values() for seq in info["sequences"]}
     assert not held  # every sequence ended
+
+
+def test_a_failing_step_is_counted_and_exported(served: Served) -> None:
+    """A step of a sequence that was never started fails in step ``acc``: REST 400 naming the step,
+    and the replica exports the step's failure."""
+    body = json.dumps({"parameters": {"sequence_id": "ghost"},
+                       "inputs": [{"name": "in", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}).encode()  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{served.http_port}/v2/models/{STATEFUL_APP}/infer", body,
+        {"Content-Type": "application/json", "Neuropod-Sequence": '["ghost", false, false]'},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 400
+    assert "step 'acc'" in json.loads(e.value.read())["error"]
+    deadline = time.monotonic() + 30
+    while True:
+        samples = scrape(served.metrics_port)
+        failures = by_label(samples.get("ray_neuropod_pipeline_step_failures_total", []), "step",
+                            model=STATEFUL_APP, application=STATEFUL_APP)  # fmt: skip
+        if failures.get("acc", 0) >= 1:
+            break
+        assert time.monotonic() < deadline, f"the step's failure was not exported within 30 s: {failures}"
+        time.sleep(0.5)
+    assert "scale" not in failures  # the step before it ran
