@@ -32,6 +32,7 @@ from onnx import TensorProto, helper
 from ray import serve
 
 import neuropod
+from neuropod.errors import SequenceError
 from neuropod.packagers import create_pipeline_neuropod
 from neuropod_serving import ray as neuropod_ray
 
@@ -206,8 +207,8 @@ def test_a_pipeline_with_a_stateful_step_routes_each_sequence_to_its_replica(ser
 
 
 def test_a_failing_step_is_counted_and_exported(served: Served) -> None:
-    """A step of a sequence that was never started fails in step ``acc``: REST 400 naming the step,
-    and the replica exports the step's failure."""
+    """A step of a sequence that was never started fails in step ``acc``: REST 400 naming the step, a
+    handle call its SequenceError; the replicas export both failures."""
     body = json.dumps({"parameters": {"sequence_id": "ghost"},
                        "inputs": [{"name": "in", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}).encode()  # fmt: skip
     request = urllib.request.Request(
@@ -218,12 +219,15 @@ def test_a_failing_step_is_counted_and_exported(served: Served) -> None:
         urllib.request.urlopen(request, timeout=30)
     assert e.value.code == 400
     assert "step 'acc'" in json.loads(e.value.read())["error"]
+    handle = serve.get_app_handle(STATEFUL_APP)
+    with pytest.raises(SequenceError, match="step 'acc'"):
+        handle.infer.remote({"in": np.ones((1, 2), np.float32)}, sequence_id="ghost").result(timeout_s=30)
     deadline = time.monotonic() + 30
     while True:
         samples = scrape(served.metrics_port)
         failures = by_label(samples.get("ray_neuropod_pipeline_step_failures_total", []), "step",
                             model=STATEFUL_APP, application=STATEFUL_APP)  # fmt: skip
-        if failures.get("acc", 0) >= 1:
+        if failures.get("acc", 0) >= 2:  # REST's and the handle's
             break
         assert time.monotonic() < deadline, f"the step's failure was not exported within 30 s: {failures}"
         time.sleep(0.5)

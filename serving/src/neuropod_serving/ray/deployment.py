@@ -108,7 +108,7 @@ class NeuropodDeployment:
             registry = ModelRegistry([served], load_options=load_options)
             batch = int(self._options.get("max_batch_size", 1))
             batching = BatchPolicy(batch, int(self._options.get("max_queue_delay_us", 0)) / 1e6) if batch > 1 else None
-            metrics = RayMetrics(self._replica, context.app_name)
+            self._metrics = metrics = RayMetrics(self._replica, context.app_name)
             if isinstance(model, PipelineModel):
                 metrics.watch_steps(served.name, model.step_statistics)
             sequences = SequenceLimits(
@@ -183,7 +183,11 @@ class NeuropodDeployment:
             params.update(sequence_id=sequence_id, sequence_start=bool(sequence_start), sequence_end=bool(sequence_end))
         options = request_options(params) if params else None
         requested = None if requested_outputs is None else list(requested_outputs)
-        return await self._engine.infer(served, dict(inputs), requested, options)
+        try:
+            return await self._engine.infer(served, dict(inputs), requested, options)
+        except Exception:
+            self._metrics.steps(served.name)  # a failed run's steps (a good one's are exported as it ends)
+            raise
 
     async def infer_stream(
         self, inputs: Mapping[str, Any], requested_outputs: Sequence[str] | None = None,

@@ -82,7 +82,9 @@ class RayMetrics:
         read from ``statistics`` after each of its runs."""
         self._pipelines[model] = (statistics, {})
 
-    def _steps(self, model: str) -> None:
+    def steps(self, model: str) -> None:
+        """Export what pipeline ``model``'s steps did since the last time (nothing for another model).
+        Called after each of its runs here; the deployment calls it after a handle call that failed."""
         watched = self._pipelines.get(model)
         if watched is None:
             return
@@ -111,7 +113,7 @@ class RayMetrics:
         self._request_duration.observe(seconds, tags)
         if failure is not None:
             self._failures.inc(1, {**tags, "reason": failure})
-        self._steps(model)
+        self.steps(model)
 
     def queued(self, model: str, seconds: float) -> None:
         self._queue.observe(seconds, self._model(model))
@@ -120,7 +122,7 @@ class RayMetrics:
         tags = self._model(model)
         self._queue.observe(queued, tags)
         self._compute.observe(seconds, tags)
-        self._steps(model)
+        self.steps(model)
 
     def computed(
         self,
@@ -140,7 +142,7 @@ class RayMetrics:
         self._compute.observe(seconds, tags)
         if rows is not None:
             self._batch.observe(rows, tags)
-        self._steps(model)
+        self.steps(model)
 
     def streamed(self, model: str, seconds: float, first: bool, index: int | None = None, failed: bool = False) -> None:
         # Triton's per-response statistics (index, failed) are not kept on Ray Serve, as in computed().
@@ -149,7 +151,7 @@ class RayMetrics:
 
     def stream_ended(self, model: str, seconds: float) -> None:
         self._compute.observe(seconds, self._model(model))  # one run of the model, as ran() records one
-        self._steps(model)
+        self.steps(model)
 
     def loaded(self, count: int) -> None:
         self._loaded.set(count, self._tags)
