@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -18,6 +19,27 @@ from pathlib import Path
 
 #: A clean shutdown first (SIGINT, as Ctrl-C), then SIGKILL: each with the seconds it is given.
 INTERRUPT_THEN_KILL = ((signal.SIGINT, 10.0), (signal.SIGKILL, 5.0))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_pair() -> int:
+    """A free port whose successor is free too (a server's REST port and its gRPC port)."""
+    while True:
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = int(a.getsockname()[1])
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
 
 
 def log_tail(log: Path, lines: int = 30) -> str:

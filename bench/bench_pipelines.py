@@ -40,7 +40,7 @@ import numpy as np
 
 import _common
 import neuropod
-from _servers import log_tail, stop_group, wait_ready
+from _servers import free_port_pair, log_tail, stop_group, wait_ready
 
 ADDED_TARGET_US = 5.0
 SERVER_CORE, CLIENT_CORE = 0, 1
@@ -150,22 +150,6 @@ def in_process(steps: dict[str, Path], pipeline: Path, calls: int, rounds: int) 
 # --- 2. served -----------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A port nothing listens on, whose successor is free too (REST, gRPC)."""
-    import socket
-
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-
-
 def start_server(repo: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     pinned = (
         ["taskset", "-c", str(SERVER_CORE)] if shutil.which("taskset") and len(os.sched_getaffinity(0)) >= 2 else []
@@ -213,7 +197,7 @@ def served_sides(protocol: str, port: int) -> tuple[Any, Callable[[], np.ndarray
 
 
 def served(tmp: Path, repo: Path, calls: int, rounds: int, protocols: list[str]) -> dict[str, dict[str, float]]:
-    port = free_port()
+    port = free_port_pair()
     log = tmp / "serve.log"
     proc = start_server(repo, port, log)
     want = expected(np.full((1, 4), 0.5, np.float32))

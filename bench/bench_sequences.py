@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,7 +57,7 @@ import numpy as np
 
 import _common
 import neuropod
-from _servers import log_tail, stop_group, wait_ready
+from _servers import free_port_pair, log_tail, stop_group, wait_ready
 from neuropod.sequences import SequenceStep
 
 ADDED_TARGET_US = 3.0
@@ -226,20 +225,6 @@ def expected_logits(package: Path, vocab: int, steps: int) -> np.ndarray:
     return out
 
 
-def free_port() -> int:
-    """A port nothing listens on, whose successor is free too (REST, gRPC)."""
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-
-
 class Server:
     """``neuropod serve`` of the model repository in a process group of its own, pinned to core 0."""
 
@@ -352,7 +337,7 @@ def served(
     cells: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     try:
         for label, options in (("off", off), ("on", on)):
-            port = free_port()
+            port = free_port_pair()
             servers[label] = Server(f"neuropod serve, sequence batching {label}", package.parent, options, port,
                                     tmp / f"{label}{vocab}.log")  # fmt: skip
         for r in range(-1, rounds):  # round -1: warm-up (and the check of every sequence's first steps)

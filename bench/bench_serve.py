@@ -75,7 +75,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -93,7 +92,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from _servers import log_tail, stop_group, wait_ready
+from _servers import free_port, log_tail, stop_group, wait_ready
 from neuropod.packagers import create_onnx_neuropod
 from neuropod_serving.protocol import HEADER_LENGTH, build_infer_request, parse_infer_response
 
@@ -229,12 +228,6 @@ def grpc_request(model: Model) -> Any:
 
 
 # --- servers ------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -49,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import add_json_option, record, verdict, write_json
+from _servers import free_port
 
 # s3rver's own keys (moto takes any).
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_DEFAULT_REGION": "us-east-1",
@@ -73,15 +74,9 @@ print(json.dumps({"before_mb": before, "peak_mb": status_mb("VmHWM")}))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_s3(server: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``server`` ("moto", or the path of s3rver's command) on a free port: (process, endpoint)."""
-    port = _free_port()
+    port = free_port()
     if server == "moto":
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     else:

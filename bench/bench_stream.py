@@ -73,7 +73,7 @@ from pathlib import Path
 import numpy as np
 
 import _common
-from _servers import log_tail, stop_group, wait_ready
+from _servers import free_port, log_tail, stop_group, wait_ready
 from neuropod_serving.server.launcher import GIL_SWITCH_S
 from stream_clients import GrpcClient, HttpClient, Timed, grpc_request, grpc_responses, rest_body, sse_responses
 
@@ -188,12 +188,6 @@ class Server:
         if self.proc is not None:
             stop_group(self.proc)
         self.proc = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def grpc_ready(port: int) -> bool:

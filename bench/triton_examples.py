@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _servers import log_tail, stop_group, wait_ready
+from _servers import free_port, log_tail, stop_group, wait_ready
 
 #: Why runs that fail are expected to: checks of Triton itself or of Triton's test repository.
 TRITON_NAME = "checks that the server's name is 'triton'; neuropod serve's is 'neuropod'"
@@ -361,12 +361,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     """``neuropod serve`` in its own process group, its output in a log file."""
 
@@ -374,7 +368,7 @@ class Server:
         if default_ports and _port_free(8000) and _port_free(8001):
             self.http_port, self.grpc_port = 8000, 8001
         else:
-            self.http_port, self.grpc_port = _free_port(), _free_port()
+            self.http_port, self.grpc_port = free_port(), free_port()
         self.log = log
         self.command = [sys.executable, "-m", "neuropod", "serve", str(repo), "--http-port", str(self.http_port),
                         "--grpc-port", str(self.grpc_port), "--metrics-port", "0", "--allow-client-shm",

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +91,30 @@ def free_port_below_ephemeral() -> int:
                 continue
             return port
     return free_port()
+
+
+@dataclass
+class ExampleServer:
+    """A ``neuropod serve`` that Triton's example clients run against: how its models were built
+    (``via``), its URLs, and JSON requests to its REST API."""
+
+    via: str
+    http: str  # http://127.0.0.1:PORT
+    grpc: str  # 127.0.0.1:PORT
+
+    def post(self, path: str, body: dict[str, object]) -> tuple[int, str]:
+        request = urllib.request.Request(
+            f"{self.http}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"{self.http}{path}", timeout=30) as r:
+            return json.loads(r.read())
 
 
 @contextlib.contextmanager

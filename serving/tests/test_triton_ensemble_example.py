@@ -20,10 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,33 +53,13 @@ from ensemble_models import (
 from neuropod import load_neuropod
 from neuropod.testing import served
 
+from conftest import ExampleServer as Server
 from conftest import private_caches
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE / "triton_examples" / "ensemble_image_client.py"
 #: Classes the example is asked for (``-c``).
 TOP = 3
-
-
-@dataclass
-class Server:
-    via: str  # "pipeline" or "config"
-    http: str  # http://127.0.0.1:PORT
-    grpc: str  # 127.0.0.1:PORT
-
-    def post(self, path: str, body: dict[str, object]) -> tuple[int, str]:
-        request = urllib.request.Request(
-            f"{self.http}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-
-    def get(self, path: str) -> Any:
-        with urllib.request.urlopen(f"{self.http}{path}", timeout=30) as r:
-            return json.loads(r.read())
 
 
 def _jpeg(path: Path, width: int, height: int, seed: int) -> None:

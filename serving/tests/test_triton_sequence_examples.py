@@ -29,7 +29,6 @@ import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +43,7 @@ from neuropod import load_neuropod
 from neuropod.testing import served
 from sequence_models import DYNA, SIMPLE, STRING_DYNA, expected_outputs, sequence_repository, triton_config
 
+from conftest import ExampleServer as Server
 from conftest import private_caches
 
 HERE = Path(__file__).resolve().parent
@@ -57,23 +57,6 @@ SCRIPTS = {
 }
 #: What every example sends: three sequences of these values after a first one (0, 100, 20).
 VALUES = [11, 7, 5, 3, 2, 0, 1]
-
-
-@dataclass
-class Server:
-    via: str  # "keywords" or "config"
-    http: str  # http://127.0.0.1:PORT
-    grpc: str  # 127.0.0.1:PORT
-
-    def post(self, path: str, body: dict[str, object]) -> tuple[int, str]:
-        request = urllib.request.Request(
-            f"{self.http}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
 
 
 @pytest.fixture(scope="module", params=["keywords", "config"])

@@ -50,12 +50,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from neuropod import _json
 from neuropod.package import ModelConfig
 from neuropod.spec import TensorSpec
 from neuropod_serving.protocol import ProtocolError, oip_datatype
 from neuropod_serving.server.batching import batch_symbol
-from neuropod_serving.server.ensemble_config import check_package_scheduling
+from neuropod_serving.server.ensemble_config import check_package_scheduling, load_config
 from neuropod_serving.server.registry import ModelSettings
 from neuropod_serving.server.sequence_config import check_listed, sequence_settings
 from neuropod_serving.server.sequence_config import only_fields as _only
@@ -106,14 +105,7 @@ def settings_from_config(text: object, package: ModelConfig, defaults: ModelSett
         holds a field or value this server does not take (each message names it).
     """
     where = f"the load's config for model {package.name!r}"
-    if not isinstance(text, str):
-        raise ProtocolError(f"{where} is Triton's model configuration as a JSON string, not {type(text).__name__}")
-    try:
-        config = _json.loads(text)
-    except ValueError as e:
-        raise ProtocolError(f"{where} is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ProtocolError(f"{where} is a JSON object (Triton's model configuration), not {type(config).__name__}")
+    config = load_config(text, where)
     known: tuple[str, ...] = (*APPLIED, *CHECKED, *IGNORED)
     if package.pipeline is not None and "ensemble_scheduling" in config:
         # A pipeline package's steps as Triton's ensemble configuration writes them: checked, not applied.
