@@ -20,15 +20,19 @@ from typing import Any
 
 import importlib_metadata
 import numpy as np
-import onnxruntime as ort
 import pytest
-from onnx import ModelProto, TensorProto, helper
 
 import neuropod
 from neuropod import envs
 from neuropod.packagers import create_onnx_neuropod, create_pipeline_neuropod
 
 from conftest import spec
+
+# The ONNX step needs onnx and onnxruntime, which tests_envs installs and tests_tensorflow does not.
+ort = pytest.importorskip("onnxruntime", reason="the pipeline's ONNX step needs onnxruntime (nox -s tests_envs)")
+onnx = pytest.importorskip("onnx", reason="the pipeline's ONNX step is built with onnx (nox -s tests_envs)")
+helper = onnx.helper
+TensorProto = onnx.TensorProto
 
 pytestmark = [
     pytest.mark.envs,
@@ -83,7 +87,7 @@ print(tf.__version__)
 """
 
 
-def head_model() -> ModelProto:
+def head_model() -> onnx.ModelProto:
     """The ONNX step: score = sum(h * k, axis=1), with h from the TensorFlow step."""
     graph = helper.make_graph(
         [
