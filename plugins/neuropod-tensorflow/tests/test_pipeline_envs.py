@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 
 import neuropod
-from neuropod import envs
-from neuropod.packagers import create_onnx_neuropod, create_pipeline_neuropod
+from neuropod import envs, packagers
 
 from conftest import spec
 
@@ -140,7 +139,7 @@ def packages(other_env: envs.Environment, tmp_path_factory: pytest.TempPathFacto
         tf_by_hand = [by_hand[f"arr_{i}"] for i in range(len(BATCHES))]
 
     onnx_model = head_model()
-    head = create_onnx_neuropod(
+    head = packagers.create_onnx_neuropod(
         root / "head",
         "head",
         spec(("h", "float32", ["n", 4])),
@@ -148,7 +147,7 @@ def packages(other_env: envs.Environment, tmp_path_factory: pytest.TempPathFacto
         onnx_model=onnx_model,
     )
     x = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
-    pipe = create_pipeline_neuropod(
+    pipe = packagers.create_pipeline_neuropod(
         root / "pipe",
         "scored",
         steps=[
