@@ -38,6 +38,7 @@ are, and checking costs about 0.07 µs an input.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import logging
 import time
@@ -99,6 +100,14 @@ class _FullCollections:
 
 
 gc.callbacks.append(_FullCollections.callback)
+
+
+@atexit.register
+def _unhook_full_collections() -> None:
+    """Unhooked at exit, before the interpreter tears modules down: a collection during that
+    teardown could call it half torn down and print "Exception ignored in: ..." with a traceback."""
+    if _FullCollections.callback in gc.callbacks:
+        gc.callbacks.remove(_FullCollections.callback)
 
 
 #: What :meth:`Engine.infer` raises when the request is at fault, not the model:
