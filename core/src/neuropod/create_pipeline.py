@@ -20,6 +20,7 @@ from neuropod.create import create_package, package_options
 from neuropod.errors import PackageError, RemoteError
 from neuropod.loader import load_neuropod
 from neuropod.package import FileSource, Package, read_package
+from neuropod.pipelines import facts_of
 from neuropod.pipespec import (
     PIPELINE_PLATFORM,
     STEPS_DIR,
@@ -150,10 +151,10 @@ def _served_step(
         ) from e  # fmt: skip
     with model:
         name = _name(entry, model.name, where)
-        ins, outs = tuple(model.inputs), tuple(model.outputs)
-        fact = StepFacts(model.name, ins, outs, model.decoupled, model.stateful)
+        fact = facts_of(model)
     step = PipelineStep(
-        name, input_map, output_map, url=url, model_name=fact.model_name, input_spec=ins, output_spec=outs
+        name, input_map, output_map, url=url, model_name=fact.model_name, input_spec=fact.inputs,
+        output_spec=fact.outputs,
     )
     return step, fact, None
 

@@ -8,14 +8,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuropod.backend import DeviceCaps
 from neuropod.errors import PackageError, RemoteError
 from neuropod.model import NeuropodModel
 from neuropod.package import ModelConfig, Package
 from neuropod.pipelines.model import PipelineModel
-from neuropod.pipelines.plan import PIPELINE_BACKEND, PipelinePlan, step_package
+from neuropod.pipelines.plan import PIPELINE_CANDIDATE, PipelinePlan, step_package
 from neuropod.pipespec import PIPELINE_PLATFORM, PipelineSpec, PipelineStep, StepFacts, Wiring, check_wiring
-from neuropod.resolve import Candidate
 from neuropod.spec import TensorSpec
 
 #: ``load_neuropod``'s keywords that a pipeline hands to each step (``step_options`` adds to them per step).
@@ -148,11 +146,10 @@ def pipeline_from_models(
         exported_with={}, decoupled=decoupled, pipeline=PipelineSpec(tuple(parsed), max_inflight_requests),
     )  # fmt: skip
     package = Package(root=Path("."), config=config, source=Path(where), manifest=None, backend_config={})
-    me = Candidate(PIPELINE_BACKEND, DeviceCaps(), "cpu", "runs its steps, each on its own backend")
     first = next(iter(models.values()), None)
     if first is None:
         raise PackageError(f"{where}: a pipeline needs at least one step")
-    plan = PipelinePlan(config=config, host=first.resolution.host, candidates=(me,), chosen=me, steps=())
+    plan = PipelinePlan(config=config, host=first.resolution.host, candidates=(PIPELINE_CANDIDATE,), chosen=PIPELINE_CANDIDATE, steps=())
     return PipelineModel(package, plan, models, wiring, owns_steps=False)
 
 

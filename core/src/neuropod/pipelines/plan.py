@@ -22,6 +22,10 @@ PIPELINE_BACKEND = Backend(
 )  # fmt: skip
 
 
+#: What a pipeline's plan chooses once every step resolves: the pipeline itself, on the CPU.
+PIPELINE_CANDIDATE = Candidate(PIPELINE_BACKEND, DeviceCaps(), "cpu", "runs its steps, each on its own backend")
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step of a pipeline, planned: the resolution of its package here, or the URL of the
@@ -125,10 +129,10 @@ def plan_pipeline(package: Package, host: Host, plan_step: Callable[[Package], R
         pkg = step_package(package, step)
         steps.append(StepPlan(step, plan_step(pkg), pkg))
     resolved = all(s.resolved for s in steps)
-    me = Candidate(PIPELINE_BACKEND, DeviceCaps(), "cpu", "runs its steps, each on its own backend")
     return PipelinePlan(
-        config=package.config, host=host, candidates=(me,), chosen=me if resolved else None, steps=tuple(steps),
+        config=package.config, host=host, candidates=(PIPELINE_CANDIDATE,),
+        chosen=PIPELINE_CANDIDATE if resolved else None, steps=tuple(steps),
     )  # fmt: skip
 
 
-__all__ = ["PIPELINE_BACKEND", "PipelinePlan", "StepPlan", "plan_pipeline", "step_package"]
+__all__ = ["PIPELINE_BACKEND", "PIPELINE_CANDIDATE", "PipelinePlan", "StepPlan", "plan_pipeline", "step_package"]
