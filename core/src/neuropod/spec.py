@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from neuropod.errors import NeuropodError, PackageError, SpecError
-from neuropod.strings import BYTES_FORM, text_problem, to_bytes_array, to_string_array
+from neuropod.strings import BYTES_FORM, kind_of, text_problem, to_bytes_array, to_string_array
 from neuropod.tensors import DeviceInputs, TensorFacts, describe, host_array
 
 #: The dtypes a spec can name, and the numpy dtype each one means.
@@ -126,7 +126,7 @@ class TensorSpec(Mapping[str, Any]):
 def tensor_name_problem(name: object) -> str | None:
     """Why ``name`` cannot name a tensor, or None when it can (the rule is :data:`NAME_RULE`)."""
     if not isinstance(name, str):
-        return f"it is {_kind(name)}, not a string"
+        return f"it is {kind_of(name)}, not a string"
     if not name:
         return "it is empty"
     if name in (".", ".."):
@@ -152,7 +152,7 @@ def parse_spec(entries: Any, where: str) -> tuple[TensorSpec, ...]:
     :raises PackageError: naming the entry and field that is wrong.
     """
     if not isinstance(entries, (list, tuple)):
-        raise PackageError(f"{where} must be a list of {{name, dtype, shape}} objects, not {_kind(entries)}")
+        raise PackageError(f"{where} must be a list of {{name, dtype, shape}} objects, not {kind_of(entries)}")
     specs: list[TensorSpec] = []
     seen: set[str] = set()
     for i, entry in enumerate(entries):
@@ -170,7 +170,7 @@ def parse_spec(entries: Any, where: str) -> tuple[TensorSpec, ...]:
 
 def _parse_entry(entry: Any, where: str) -> TensorSpec:
     if not isinstance(entry, Mapping):
-        raise PackageError(f"{where} must be an object with name, dtype and shape, not {_kind(entry)}")
+        raise PackageError(f"{where} must be an object with name, dtype and shape, not {kind_of(entry)}")
     unknown = sorted(set(entry) - {"name", "dtype", "shape"}, key=str)
     if unknown:
         raise PackageError(f"{where} has unknown field(s) {', '.join(map(repr, unknown))}; allowed: name, dtype, shape")
@@ -184,7 +184,7 @@ def _parse_entry(entry: Any, where: str) -> TensorSpec:
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise PackageError(f"{where} ({name!r}): dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if not isinstance(shape, (list, tuple)):
-        raise PackageError(f"{where} ({name!r}): shape must be a list, not {_kind(shape)}")
+        raise PackageError(f"{where} ({name!r}): shape must be a list, not {kind_of(shape)}")
     dims: list[Dim] = []
     for j, dim in enumerate(shape):
         if isinstance(dim, np.integer):  # packager callers often pass numpy sizes
@@ -213,10 +213,6 @@ def _show(value: object) -> str:
     # Bounded, so a 100 kB name does not become a 100 kB message.
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 # --- validation -----------------------------------------------------------
@@ -279,7 +275,7 @@ class SpecValidator:
                 return tensors, fast
         if not isinstance(tensors, Mapping):
             raise SpecError(
-                f"Inputs of model {self.model_name!r} must be a dict of name -> numpy array, not {_kind(tensors)}"
+                f"Inputs of model {self.model_name!r} must be a dict of name -> numpy array, not {kind_of(tensors)}"
             )
         bindings: Bindings = {}
         specs = self._inputs
@@ -388,14 +384,14 @@ class SpecValidator:
             names = [requested]
         elif isinstance(requested, (bytes, bytearray, Mapping)) or not isinstance(requested, Iterable):
             raise TypeError(
-                f"requested_outputs must be a list of output names (str), not {_kind(requested)}: "
+                f"requested_outputs must be a list of output names (str), not {kind_of(requested)}: "
                 f"write e.g. requested_outputs=[{next(iter(self._outputs), 'name')!r}]"
             )
         else:
             names = list(requested)
             for n in names:
                 if not isinstance(n, str):
-                    raise TypeError(f"requested_outputs must hold output names (str), but holds {_kind(n)} {_show(n)}")
+                    raise TypeError(f"requested_outputs must hold output names (str), but holds {kind_of(n)} {_show(n)}")
         unknown = [n for n in names if n not in self._outputs]
         if unknown:
             raise SpecError(
@@ -464,7 +460,7 @@ def _check(arr: Any, compiled: _Compiled, bindings: Bindings, kind: str, model: 
     if type(arr) is not np.ndarray and not isinstance(arr, np.ndarray):
         _fail(
             f"Tensor {name!r} in the {kind} spec is expected to be a numpy array of {spec.dtype}, "
-            f"but was {_kind(arr)}", model,
+            f"but was {kind_of(arr)}", model,
         )  # fmt: skip
     if dtype is None:
         problem = text_problem(arr, spec.dtype, name, kind)

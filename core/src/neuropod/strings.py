@@ -47,7 +47,7 @@ def text_problem(arr: np.ndarray, dtype: str, name: str, kind: str) -> tuple[str
                     hint = "; encode text first, or declare the tensor as string" if isinstance(item, str) else ""
                     return (
                         f"Tensor {name!r} in the {kind} spec is expected to hold bytes (a bytes tensor), "
-                        f"but an element is {_kind(item)} ({item!r:.40})", f"{BYTES_FORM}{hint}",
+                        f"but an element is {kind_of(item)} ({item!r:.40})", f"{BYTES_FORM}{hint}",
                     )  # fmt: skip
             return None
         hint = ("; a numpy 'S' array drops trailing NUL bytes, so build the tensor from the bytes objects themselves"
@@ -63,7 +63,7 @@ def text_problem(arr: np.ndarray, dtype: str, name: str, kind: str) -> tuple[str
             if type(item) is not str and not isinstance(item, str):
                 return (
                     f"Tensor {name!r} in the {kind} spec is expected to hold str (a string tensor), "
-                    f"but an element is {_kind(item)} ({item!r:.40})", "",
+                    f"but an element is {kind_of(item)} ({item!r:.40})", "",
                 )  # fmt: skip
         return None
     hint = "; decode bytes to str first" if k == "S" else ""
@@ -116,7 +116,7 @@ def to_bytes_array(values: Any) -> np.ndarray:
             flat.append(bytes(value))
         else:
             raise TypeError(
-                f"to_bytes_array: an element is {_kind(value)} ({value!r:.40}), not bytes"
+                f"to_bytes_array: an element is {kind_of(value)} ({value!r:.40}), not bytes"
                 + (
                     "; encode text first (e.g. text.encode('utf-8')), or use a string tensor"
                     if isinstance(value, str)
@@ -148,8 +148,9 @@ def refuse_dtypes(
         )
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """A value's kind as messages name it: its type's name, or ``null`` for None."""
     return "null" if value is None else type(value).__name__
 
 
-__all__ = ["BYTES_FORM", "TEXT_DTYPES", "blank", "refuse_dtypes", "text_problem", "to_bytes_array", "to_string_array"]
+__all__ = ["BYTES_FORM", "TEXT_DTYPES", "blank", "kind_of", "refuse_dtypes", "text_problem", "to_bytes_array", "to_string_array"]
