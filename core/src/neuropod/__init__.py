@@ -27,6 +27,7 @@ from neuropod.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from neuropod.backend import Backend, DeviceCaps
+    from neuropod.comparison import compare
     from neuropod.loader import load_neuropod, plan
     from neuropod.model import NeuropodModel
     from neuropod.package import Package, read_package
@@ -36,6 +37,7 @@ _LAZY = {
     "Backend": "neuropod.backend",
     "DeviceCaps": "neuropod.backend",
     "NeuropodModel": "neuropod.model",
+    "compare": "neuropod.comparison",
     "load_neuropod": "neuropod.loader",
     "plan": "neuropod.loader",
     "Package": "neuropod.package",
@@ -78,6 +80,7 @@ __all__ = [
     "VersionRangeError",
     "WorkerError",
     "__version__",
+    "compare",
     "hookimpl",
     "load_neuropod",
     "plan",

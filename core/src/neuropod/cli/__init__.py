@@ -7,6 +7,8 @@ r"""The ``neuropod`` command.
     neuropod explain PKG|URL [--host F]  which backend would run it, and why not the others
     neuropod test PKG                 run the package's bundled test data (a URL has none: an error)
     neuropod infer PKG|URL --input x=x.npy [--output-dir DIR]
+    neuropod compare A B [C ...]      one problem's implementations side by side: agreement, speed, memory
+                                      (--json FILE, --html FILE; exit 1 when one disagrees)
     neuropod demo [PLATFORM] [--dir DIR]  package a small model, explain, run it
     neuropod env create SPEC          a backend environment (e.g. onnx==1.20.1); env list, env remove NAME,
                                       env prepare PACKAGE (build the environment its requirements need),
@@ -41,6 +43,7 @@ from typing import Any, NoReturn, TextIO
 from neuropod._version import __version__
 from neuropod.cli.backends import cmd_backends
 from neuropod.cli.cache import cmd_cache_prune, cmd_cache_verify
+from neuropod.cli.compare import add_compare
 from neuropod.cli.demo import cmd_demo
 from neuropod.cli.env import cmd_env_create, cmd_env_list, cmd_env_prepare, cmd_env_prune, cmd_env_remove
 from neuropod.cli.inspect import cmd_explain, cmd_inspect
@@ -127,6 +130,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     token_arg(s)
     resolution_args(s)
     s.set_defaults(func=cmd_infer)
+
+    add_compare(sub)
 
     s = sub.add_parser("demo", help="package a small model, explain the resolution and run it")
     s.add_argument("platform", nargs="?", help="which plugin's demo (default: onnx)")
@@ -221,6 +226,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser(argv).parse_args(argv)
+        args.argv = argv
     except SystemExit as e:  # a usage error (printed), --help or --version
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
     out = safe_stream(out or sys.stdout)

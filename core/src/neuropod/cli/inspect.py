@@ -27,7 +27,7 @@ def print_spec(inputs: Sequence[Any], outputs: Sequence[Any], out: TextIO, devic
         print(f"Symbols:   {safe(', '.join(symbols))} (one size per call across inputs and outputs)", file=out)
 
 
-def _read_token(path: str) -> str:
+def read_token(path: str) -> str:
     """The bearer token in ``--auth-token-file``: the file's first line, as ``neuropod serve`` reads its own."""
     try:
         with open(path, "rb") as f:
@@ -55,7 +55,7 @@ def remote_options(args: argparse.Namespace) -> dict[str, Any]:
     if not is_remote(args.package):
         raise NeuropodError(f"--auth-token-file applies to a remote model's URL (grpc://host:8001/model), "
                             f"not to the package {short(args.package)}")  # fmt: skip
-    return {"auth_token": _read_token(path)}
+    return {"auth_token": read_token(path)}
 
 
 def _load_remote(args: argparse.Namespace) -> Any:
