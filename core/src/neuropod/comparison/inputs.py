@@ -144,7 +144,7 @@ def save_sets(path: Path, sets: Sequence[Mapping[str, Any]]) -> None:
         for name, arr in one.items():
             arrays.update(_encode(f"{i}/{name}", np.asarray(arr)))
     with open(path, "wb") as f:
-        np.savez(f, **arrays)
+        np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stubs read **kwds as allow_pickle
 
 
 def load_sets(path: Path) -> list[InputSet]:

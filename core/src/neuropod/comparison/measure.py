@@ -26,6 +26,8 @@ Call = Callable[[dict[str, Any]], Any]
 MIN_CALLS = 20
 #: Threads that serve calls in the Server scenario.
 SERVER_THREADS = 8
+#: How often the GPU memory of a candidate's processes is sampled while it runs.
+GPU_SAMPLE_S = 0.1
 
 
 def latency_of(times: list[float], *, rate: float | None = None, achieved: float | None = None) -> Latency:
@@ -92,14 +94,20 @@ def server(call: Call, inputs: dict[str, Any], rate: float, *, duration: float, 
         futures = []
         for offset in due:
             at = start + float(offset)
-            wait = at - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
+            _sleep_until(at)
             futures.append(pool.submit(one, at))
         for f in futures:
             f.result()
     achieved = len(times) / (max(done_at) - start) if done_at else 0.0
     return latency_of(times, rate=rate, achieved=achieved)
+
+
+def _sleep_until(at: float) -> None:
+    """Sleep until ``at`` (``perf_counter``). Not spun: a spinning thread would hold the GIL for the
+    interpreter's switch interval (5 ms) while the calls' threads wait for it."""
+    left = at - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
 
 
 # --- memory ------------------------------------------------------------------------------------
@@ -161,11 +169,15 @@ def peak_rss(tree: list[int]) -> tuple[int | None, str | None]:
 
 
 class GpuMemory:
-    """Peak GPU memory held by a set of processes, sampled through NVML (nothing without it)."""
+    """Peak GPU memory held by this process and its workers, sampled through NVML (nothing without it):
+    at each :meth:`sample`, and every :data:`GPU_SAMPLE_S` seconds on a thread between :meth:`start`
+    and :meth:`stop`."""
 
     def __init__(self) -> None:
         self.peak: int | None = None
         self._nvml: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         try:
             import pynvml
 
@@ -186,3 +198,20 @@ class GpuMemory:
                 continue
             used += sum(int(p.usedGpuMemory or 0) for p in procs if p.pid in pids)
         self.peak = used if self.peak is None else max(self.peak, used)
+
+    def start(self) -> None:
+        if self._nvml is None or self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(GPU_SAMPLE_S):
+                self.sample(process_tree())
+
+        self._thread = threading.Thread(target=loop, name="neuropod-compare-gpu", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -119,21 +119,22 @@ def compare(
     facts: list[Facts | None] = []
     for c, r in zip(parsed, results):
         try:
-            f = read_facts(c, remote_options=remote_options, trust_pickle=trust_pickle)
+            read = read_facts(c, remote_options=remote_options, trust_pickle=trust_pickle)
         except NeuropodError as e:
             _failed(r, str(e), "load")
             facts.append(None)
             continue
-        f.renames = dict(renames.get(c.label, {}))
-        r.package_bytes, r.model_name = f.package_bytes, f.model_name
-        facts.append(f)
+        read.renames = dict(renames.get(c.label, {}))
+        r.package_bytes, r.model_name = read.package_bytes, read.model_name
+        facts.append(read)
     known = [(c.label, f) for c, f in zip(parsed, facts) if f is not None]
     notes: list[str] = []
     reference: Facts | None = None
     if known:
         notes = check_problem([label for label, _ in known], [f for _, f in known])
         reference = known[0][1]
-    sets, source = ([], "none: no candidate could be read")
+    sets: list[InputSet] = []
+    source = "none: no candidate could be read"
     if reference is not None:
         dim_sizes = dict(dims) if isinstance(dims, Mapping) else parse_dims(dims or (), reference.inputs)
         sets, source = _input_sets(parsed, facts, reference, inputs, generate_sets, dim_sizes, seed, trust_pickle)
@@ -149,22 +150,21 @@ def compare(
         work = Path(tmp)
         if sets:
             save_sets(work / "inputs.npz", sets)
-        for i, (c, f, r) in enumerate(zip(parsed, facts, results)):
-            if f is None:
+        for i, (c, cf, r) in enumerate(zip(parsed, facts, results)):
+            if cf is None:
                 say(f"[{i + 1}/{len(parsed)}] {c.label}: failed before it ran: {r.error}")
                 continue
             job = {
-                "target": str(f.package) if f.package is not None else c.target, "remote": c.remote,
+                "target": str(cf.package) if cf.package is not None else c.target, "remote": c.remote,
                 "backend": c.backend, "device": c.device, "use_ope": c.use_ope,
                 "remote_options": dict(remote_options or {}) if c.remote else {},
                 "inputs": str(work / "inputs.npz"), "outputs": str(work / f"outputs-{i}.npz"),
                 "result": str(work / f"result-{i}.json"),
-                "rename_inputs": {base: own for own, base in f.renames.items()}, "rename_outputs": f.renames,
+                "rename_inputs": {base: own for own, base in cf.renames.items()}, "rename_outputs": cf.renames,
                 "speed": speed, "warmup": warmup, "duration": duration, "batch_sizes": list(batch_sizes),
                 "batch_symbol": symbol, "rate": rate, "seed": seed,
             }  # fmt: skip
-            outputs[i] = _run_worker(job, work, r, timeout, lambda line, i=i, c=c: say(
-                f"[{i + 1}/{len(parsed)}] {c.label}: {line}"))  # fmt: skip
+            outputs[i] = _run_worker(job, work, r, timeout, _prefixed(say, f"[{i + 1}/{len(parsed)}] {c.label}: "))
     _verdicts(results, outputs, reference, rtol=rtol, atol=atol)
     return Comparison(
         candidates=results, settings=settings, inputs=_describe_sets(sets, source), problem_notes=notes,
@@ -172,6 +172,10 @@ def compare(
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), neuropod_version=__version__,
         method=METHOD,
     )  # fmt: skip
+
+
+def _prefixed(say: Progress, prefix: str) -> Progress:
+    return lambda line: say(prefix + line)
 
 
 def _check_numbers(**values: Any) -> None:

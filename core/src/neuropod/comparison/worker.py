@@ -52,6 +52,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     gpu = measure.GpuMemory()
     result["memory"]["rss_before_load"] = measure.rss_now()
     stage = "load"
+    gpu.start()
     try:
         _progress("loading")
         options = dict(job.get("remote_options") or {})
@@ -103,6 +104,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         result.update(error=str(e), stage=stage)
     except Exception as e:  # noqa: BLE001  # a framework's own error: reported with its class, as a failed candidate
         result.update(error=f"{type(e).__name__}: {e}", stage=stage)
+    finally:
+        gpu.stop()
     result["memory"]["gpu_bytes"] = gpu.peak
     return result
 
