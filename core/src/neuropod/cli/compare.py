@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
+from neuropod.cli.inspect import read_token
 from neuropod.cli.output import safe
 from neuropod.errors import NeuropodError
 
@@ -70,9 +71,9 @@ def _batch_sizes(text: str) -> list[int]:
 
 
 def cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
-    from neuropod.cli.inspect import read_token  # the token file, as other URL commands read it
-    from neuropod.comparison import compare  # lazy: numpy, kept out of `neuropod --help`
-    from neuropod.comparison.runner import command_line
+    # lazy: numpy (and the comparison's modules), kept out of `neuropod --help`
+    from neuropod.comparison import compare, render_table, write_html
+    from neuropod.comparison.runner import command_line  # lazy: as above
 
     if args.generate is not None and args.generate < 1:
         raise NeuropodError("--generate N must be at least 1")
@@ -93,11 +94,11 @@ def cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
         remote_options={"auth_token": read_token(args.auth_token_file)} if args.auth_token_file else None, trust_pickle=args.trust_pickle, progress=progress,
         command=command_line(getattr(args, "argv", None) or sys.argv[1:]),
     )  # fmt: skip
-    print(safe(result.table(), keep="\n"), file=out)
+    print(safe(render_table(result), keep="\n"), file=out)
     if args.json:
         print(f"wrote {safe(str(result.write_json(args.json)))}", file=out)
     if args.html:
-        print(f"wrote {safe(str(result.write_html(args.html)))}", file=out)
+        print(f"wrote {safe(str(write_html(result, args.html)))}", file=out)
     return result.exit_code
 
 

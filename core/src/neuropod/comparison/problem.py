@@ -59,7 +59,7 @@ def read_facts(candidate: Candidate, *, remote_options: Mapping[str, Any] | None
         with load_neuropod(candidate.target, **dict(remote_options or {})) as model:
             return Facts(list(model.inputs), list(model.outputs), model_name=model.name)
     from neuropod.package import read_package  # lazy: numpy, kept out of parsing candidates
-    from neuropod.storage import fetch, is_package_url
+    from neuropod.storage import fetch, is_package_url  # lazy: numpy (the download cache), as read_package
 
     path = Path(fetch(candidate.target) if is_package_url(candidate.target) else candidate.target)
     package = read_package(path)

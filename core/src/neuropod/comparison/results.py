@@ -212,18 +212,6 @@ class Comparison:
         target.write_text(self.to_json() + "\n", encoding="utf-8")
         return target
 
-    def write_html(self, path: str | os.PathLike[str]) -> Path:
-        from neuropod.comparison.html import render_html  # lazy: the page's templates, only when a page is asked for
-
-        target = Path(path)
-        target.write_text(render_html(self), encoding="utf-8")
-        return target
-
-    def table(self, *, width: int = 100) -> str:
-        from neuropod.comparison.text import render_table  # lazy: only when a table is asked for
-
-        return render_table(self, width=width)
-
 
 def _plain(value: Any) -> Any:
     """JSON for what ``json`` does not know: numpy scalars, bytes (as latin-1 text), anything else as text."""

@@ -360,7 +360,7 @@ def machine() -> dict[str, Any]:
         "hostname": platform.node(),
     }  # fmt: skip
     try:
-        from neuropod.devices import read_nvml
+        from neuropod.devices import read_nvml  # lazy: the plugin registry, only when a report is made
 
         host = read_nvml()
         info["gpus"] = [{"name": g.name, "memory": g.memory_total} for g in host.gpus]

@@ -15,7 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from neuropod.comparison import measure
+from neuropod.comparison.inputs import batch_of, load_sets, save_sets
 from neuropod.errors import NeuropodError
+from neuropod.loader import load_neuropod
+from neuropod.testdata import joined_responses
 
 
 def _progress(text: str) -> None:
@@ -26,8 +30,6 @@ def _caller(model: Any) -> Any:
     """How a candidate is called: as ``neuropod test`` runs it (a decoupled model's responses joined,
     a stateful model one step of a new sequence)."""
     if getattr(model, "decoupled", False):
-        from neuropod.testdata import joined_responses
-
         return lambda inputs: joined_responses(model, inputs)
     if getattr(model, "stateful", False):
 
@@ -44,10 +46,6 @@ def _renamed(tensors: Mapping[str, Any], renames: Mapping[str, str]) -> dict[str
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
-    from neuropod.comparison import measure
-    from neuropod.comparison.inputs import batch_of, load_sets, save_sets
-    from neuropod.loader import load_neuropod
-
     result: dict[str, Any] = {"memory": {}, "throughput": [], "notes": []}
     gpu = measure.GpuMemory()
     result["memory"]["rss_before_load"] = measure.rss_now()
