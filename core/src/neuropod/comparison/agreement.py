@@ -25,7 +25,7 @@ def _one(t: TensorSpec, baseline: Sequence[InputSet], candidate: Sequence[InputS
          atol: float) -> OutputAgreement:  # fmt: skip
     exact = t.dtype in ("string", "bytes", "bool") or t.dtype.startswith(("int", "uint"))
     result = OutputAgreement(name=t.name, dtype=t.dtype, exact=exact)
-    worst: list[tuple[float, Worst]] = []
+    worst: list[tuple[bool, float, Worst]] = []
     for i, (want_set, got_set) in enumerate(zip(baseline, candidate)):
         if t.name not in got_set or t.name not in want_set:
             who = "the candidate" if t.name not in got_set else "the baseline"
@@ -40,30 +40,32 @@ def _one(t: TensorSpec, baseline: Sequence[InputSet], candidate: Sequence[InputS
             bad = _exact_mismatch(want, got)
             result.outside += int(bad.sum())
             for index in list(zip(*np.nonzero(bad)))[:WORST_KEPT]:
-                worst.append((math.inf, Worst(i, [int(x) for x in index], _show(got[index]), _show(want[index]))))
+                worst.append((True, math.inf, Worst(i, [int(x) for x in index], _show(got[index]), _show(want[index]))))
             continue
         w, g = want.astype(np.float64), got.astype(np.float64)
-        both_nan = np.isnan(w) & np.isnan(g)
+        same = (np.isnan(w) & np.isnan(g)) | (w == g)  # NaN against NaN, and an infinity against itself
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            abs_err = np.where(both_nan, 0.0, np.abs(g - w))
+            abs_err = np.where(same, 0.0, np.abs(g - w))
             abs_err = np.where(np.isnan(abs_err), np.inf, abs_err)  # NaN against a number
             rel_err = np.where(abs_err == 0, 0.0, abs_err / np.abs(w))
+            rel_err = np.where(np.isnan(rel_err), np.inf, rel_err)  # an infinite baseline
         bad = ~np.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True)
         result.outside += int(bad.sum())
         if abs_err.size:
             result.max_abs_error = _max(result.max_abs_error, float(abs_err.max()))
             result.max_rel_error = _max(result.max_rel_error, float(rel_err.max()))
-            order = np.argsort(abs_err, axis=None)[::-1][:WORST_KEPT]
+            # elements outside the tolerance first (a large error may be within it where the baseline is large)
+            order = np.lexsort((-np.arange(abs_err.size), abs_err.ravel(), bad.ravel()))[::-1][:WORST_KEPT]
             for flat in order:
                 index = np.unravel_index(int(flat), abs_err.shape)
                 if not bad[index] and abs_err[index] == 0:
                     break
-                worst.append((float(abs_err[index]), Worst(
+                worst.append((bool(bad[index]), float(abs_err[index]), Worst(
                     i, [int(x) for x in index], _show(got[index]), _show(want[index]),
                     _finite(float(abs_err[index])), _finite(float(rel_err[index])),
                 )))  # fmt: skip
-    worst.sort(key=lambda p: -p[0])
-    result.worst = [w for _, w in worst[:WORST_KEPT]]
+    worst.sort(key=lambda p: (not p[0], -p[1]))
+    result.worst = [w for _, _, w in worst[:WORST_KEPT]]
     result.max_abs_error = _finite(result.max_abs_error)
     result.max_rel_error = _finite(result.max_rel_error)
     return result

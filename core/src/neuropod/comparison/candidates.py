@@ -40,9 +40,11 @@ class Candidate:
 
     @property
     def remote(self) -> bool:
+        """A served model (``grpc://``, an OIP ``http://`` URL); a package URL (``s3://``, ``https://...zip``) is not."""
         from neuropod.remote import is_remote  # lazy: keeps this module free of the remote registry
+        from neuropod.storage.urls import is_package_url
 
-        return is_remote(self.target)
+        return is_remote(self.target) and not is_package_url(self.target)
 
 
 def parse_candidate(text: str, *, use_ope: bool = False) -> Candidate:
@@ -121,7 +123,8 @@ def unique_labels(candidates: list[Candidate]) -> list[Candidate]:
     """The candidates with labels made unique (``adder``, ``adder#2``); a label given twice is an error."""
     from dataclasses import replace
 
-    given = [c.label for c in candidates if c.given and c.given.partition("=")[0] == c.label]
+    # a LABEL= written by the user (a package named like its label, ``adder``, given twice is numbered)
+    given = [c.label for c in candidates if c.given and "=" in c.given and c.given.partition("=")[0] == c.label]
     seen_given = set()
     for label in given:
         if label in seen_given:

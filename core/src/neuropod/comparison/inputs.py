@@ -88,13 +88,15 @@ def read_npz(path: str | os.PathLike[str]) -> InputSet:
     if not os.path.exists(shown):
         raise NeuropodError(f"--inputs {shown}: no such file")
     try:
-        with np.load(shown, allow_pickle=False) as data:
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise NeuropodError(f"--inputs {shown} is a .npy file; give a .npz archive of every input "
-                                    "(numpy.savez(FILE, x=..., y=...))")  # fmt: skip
+        data = np.load(shown, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise NeuropodError(f"--inputs {shown} is not a readable .npz archive without pickles: {e}") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):  # a .npy: one array, no names
+        raise NeuropodError(f"--inputs {shown} is a .npy file (one unnamed array); give a .npz archive of every "
+                            "input (numpy.savez(FILE, x=..., y=...))")  # fmt: skip
+    try:
+        with data:
             return {k: data[k] for k in data.files}
-    except AttributeError:  # np.load of a .npy returns an array, which has no __enter__ in older numpy
-        raise NeuropodError(f"--inputs {shown} is not a .npz archive of inputs") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise NeuropodError(f"--inputs {shown} is not a readable .npz archive without pickles: {e}") from None
 
@@ -156,15 +158,18 @@ def load_sets(path: Path) -> list[InputSet]:
             one = sets.setdefault(int(index), {})
             if kind == "a":
                 one[name] = data[key]
-            elif kind == "s":
-                one[name] = data[key].astype(object)
-            elif kind == "b":
-                padded, lengths = data[key], data[f"n:{rest}"]
-                flat = [bytes(b).ljust(n, b"\0")[:n] for b, n in zip(padded.ravel().tolist(), lengths.ravel().tolist())]
-                arr = np.empty(len(flat), dtype=object)
-                arr[:] = flat
-                one[name] = arr.reshape(padded.shape)
+            elif kind in ("s", "b"):
+                one[name] = _unpadded(data[key], data[f"n:{rest}"])
     return [sets[i] for i in sorted(sets)]
+
+
+def _unpadded(padded: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """numpy's fixed-width strings and bytes lose their trailing NULs: the saved lengths put them back."""
+    pad = b"\0" if padded.dtype.kind == "S" else "\0"
+    flat = [v.ljust(n, pad)[:n] for v, n in zip(padded.ravel().tolist(), lengths.ravel().tolist())]
+    arr = np.empty(len(flat), dtype=object)
+    arr[:] = flat
+    return arr.reshape(padded.shape)
 
 
 def _encode(key: str, arr: np.ndarray) -> dict[str, np.ndarray]:
@@ -175,4 +180,5 @@ def _encode(key: str, arr: np.ndarray) -> dict[str, np.ndarray]:
         width = max((len(b) for b in flat), default=0) or 1
         return {f"b:{key}": np.array(flat, dtype=f"S{width}").reshape(arr.shape),
                 f"n:{key}": np.array([len(b) for b in flat], dtype=np.int64).reshape(arr.shape)}  # fmt: skip
-    return {f"s:{key}": np.asarray(arr.tolist(), dtype=str).reshape(arr.shape)}
+    return {f"s:{key}": np.asarray(arr.tolist(), dtype=str).reshape(arr.shape),
+            f"n:{key}": np.array([len(str(s)) for s in flat], dtype=np.int64).reshape(arr.shape)}  # fmt: skip
