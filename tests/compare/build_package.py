@@ -66,8 +66,9 @@ def hidden(x: np.ndarray) -> np.ndarray:
 
 def build_onnx(path: Path, w: dict[str, np.ndarray], test_data: bool) -> Path:
     import onnx  # lazy: a framework, imported only by the build that needs it
-    from neuropod_onnx.packager import create_onnx_neuropod  # lazy: pulls in the framework's plugin
     from onnx import TensorProto, helper, numpy_helper
+
+    from neuropod_onnx.packager import create_onnx_neuropod  # lazy: pulls in the framework's plugin
 
     inits = [numpy_helper.from_array(v, name=k) for k, v in w.items()]
     nodes = [
@@ -126,6 +127,7 @@ def build_torch_export(path: Path, w: dict[str, np.ndarray]) -> Path:
 
 def build_torchscript(path: Path, w: dict[str, np.ndarray]) -> Path:
     import torch  # lazy: a framework, imported only by the build that needs it
+
     from neuropod_torchscript.packager import create_torchscript_neuropod  # lazy: pulls in torch
 
     module = torch.jit.script(_torch_module(w))
@@ -135,6 +137,7 @@ def build_torchscript(path: Path, w: dict[str, np.ndarray]) -> Path:
 def build_jax(path: Path, w: dict[str, np.ndarray]) -> Path:
     import jax  # lazy: a framework, imported only by the build that needs it
     import jax.numpy as jnp  # lazy: as jax
+
     from neuropod_jax.packager import create_jax_neuropod  # lazy: pulls in jax
 
     def mlp(params: dict[str, Any], x: Any) -> dict[str, Any]:
