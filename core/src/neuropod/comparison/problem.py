@@ -140,9 +140,9 @@ def check_problem(labels: Sequence[str], facts: Sequence[Facts]) -> list[str]:
         for kind, mine, theirs in (("input", f.inputs, base.inputs), ("output", f.outputs, base.outputs)):
             renamed = {f.to_baseline(t.name): t for t in mine}
             wanted = {t.name: t for t in theirs}
-            for name in wanted.keys() - renamed.keys():
+            for name in sorted(wanted.keys() - renamed.keys()):  # sorted: the same message every run
                 differences.append(f"{label} has no {kind} {name!r} (the baseline's {wanted[name]})")
-            for name in renamed.keys() - wanted.keys():
+            for name in sorted(renamed.keys() - wanted.keys()):
                 differences.append(f"{label} has an {kind} {name!r} the baseline does not have ({renamed[name]})")
             for name in sorted(renamed.keys() & wanted.keys()):
                 differences += _tensor_differences(label, kind, renamed[name], wanted[name], symbols, notes)
