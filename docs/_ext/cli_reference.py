@@ -26,8 +26,9 @@ prints them. Commands that come from plugins (`serve`, from
 Errors print one line (`neuropod explain: error: ...`) and exit with status 2;
 `neuropod --debug COMMAND ...` adds the traceback. `explain` exits 1 when
 nothing can run the package (for a URL: when no server has the model ready),
-`test` exits 1 when outputs differ, and `cache verify` exits 1 when a cache
-entry does not match its record.
+`test` exits 1 when outputs differ, `compare` exits 1 when a candidate
+disagrees with the first, failed or is slower than `--max-slowdown` allows,
+and `cache verify` exits 1 when a cache entry does not match its record.
 """
 
 

@@ -19,13 +19,13 @@ def add_compare(sub: Any) -> None:
                    help="[LABEL=]PACKAGE[@PIN]... or a served model's URL: a package path or URL, pinned with "
                    "@onnx==1.20.1 (a backend or a backend environment's version), @cpu / @cuda:0, @ope")
     s.add_argument("--map", action="append", default=[], metavar="CAND.TENSOR=TENSOR",
-                   help="a candidate's tensor is the baseline's TENSOR (e.g. 2.logits=out); repeatable")
+                   help="a candidate's tensor is the baseline's TENSOR (e.g. 2.logits=out)")
     g = s.add_argument_group("inputs (default: the baseline's bundled test data)")
     g.add_argument("--inputs", action="append", default=[], metavar="FILE.npz",
-                   help="an input set (numpy.savez of every input); repeatable")
+                   help="an input set (numpy.savez of every input)")
     g.add_argument("--generate", type=int, metavar="N", help="N input sets generated from the baseline's spec")
     g.add_argument("--dims", action="append", default=[], metavar="SYMBOL=SIZE",
-                   help="a symbol's size in generated inputs (others: 2), e.g. batch_size=8; repeatable")
+                   help="a symbol's size in generated inputs (others: 2), e.g. batch_size=8")
     g.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
     g.add_argument("--trust-pickle", action="store_true", help="allow reading an old test_data.pkl (runs code!)")
     g = s.add_argument_group("agreement")
