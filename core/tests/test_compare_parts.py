@@ -85,9 +85,14 @@ def test_bad_candidates_are_refused(text: str, words: str) -> None:
     assert words in str(e.value)
 
 
-def test_served_candidates_take_no_ope() -> None:
+def test_use_ope_leaves_served_candidates_alone_and_an_ope_pin_on_one_is_refused() -> None:
+    c = parse_candidate("http://localhost:8000/v2/models/adder", use_ope=True)
+    assert c.remote and not c.use_ope
     with pytest.raises(NeuropodError, match="apply to packages only"):
-        parse_candidate("http://localhost:8000/v2/models/adder", use_ope=True)
+        parse_candidate("grpc://localhost:8001/adder@ope")
+    # a package URL is a package: its pins hold
+    s3 = parse_candidate("s3://bucket/adder.zip@onnx", use_ope=True)
+    assert not s3.remote and s3.use_ope and s3.backend == "onnx"
 
 
 def test_labels_are_numbered_and_a_given_label_twice_is_refused() -> None:
@@ -286,11 +291,31 @@ def test_read_npz(tmp_path: Path) -> None:
 
 def test_check_sets_names_what_is_missing_and_extra() -> None:
     spec = [ts("x"), ts("y")]
-    ins.check_sets([{"x": np.zeros(1), "y": np.zeros(1)}], spec, "a.npz")
+    ins.check_sets([{"x": np.float32(0), "y": np.float32(0)}], spec, "a.npz")
     with pytest.raises(NeuropodError) as e:
-        ins.check_sets([{"x": np.zeros(1), "y": np.zeros(1)}, {"x": np.zeros(1), "z": np.zeros(1)}], spec, "--inputs")
+        ins.check_sets(
+            [{"x": np.float32(0), "y": np.float32(0)}, {"x": np.float32(0), "z": np.float32(0)}], spec, "--inputs"
+        )
     assert str(e.value) == ("The inputs of --inputs, set 2 misses y and has z, which the baseline does not take; "
                             "the baseline's inputs: x, y")  # fmt: skip
+
+
+def test_check_sets_checks_dtypes_and_shapes_against_the_spec() -> None:
+    spec = [ts("x", "float32", "b", 2), ts("y", "float32", "b")]
+    ok = {"x": np.zeros((3, 2), np.float32), "y": np.zeros(3, np.float32)}
+    ins.check_sets([ok], spec, "a.npz")
+    ins.check_sets(ins.generate(SPEC, 2, {"batch": 3}, seed=1), SPEC, "generated")  # every dtype generated fits
+    for bad, words in [
+        ({**ok, "x": ok["x"].astype(np.float64)}, "Tensor 'x' in the input spec is expected to be of type float32"),
+        (
+            {**ok, "x": np.zeros((3, 5), np.float32)},
+            "Dim 1 of tensor 'x' in the input spec is expected to be of size 2",
+        ),
+        ({**ok, "y": np.zeros(4, np.float32)}, "'b'"),
+    ]:
+        with pytest.raises(NeuropodError) as e:
+            ins.check_sets([bad], spec, "a.npz")
+        assert str(e.value).startswith("The inputs of a.npz do not fit the baseline's spec: ") and words in str(e.value)
 
 
 def test_batch_axis_is_the_symbol_every_input_starts_with() -> None:
@@ -487,5 +512,9 @@ def test_results_round_trip_through_json_without_nan_or_infinity(tmp_path: Path)
     assert b["throughput"] == [{"batch_size": 4, "calls": 10, "seconds": 0.5, "items_per_s": 80.0, "p50": 0.05}]
     assert not math.isnan(b["latency"]["p50"])
     table = render_table(comparison)
-    assert "c: FAILED at load: boom" in table and "SLOW: b is 3.00x" in table and table.endswith("FAILED")
+    assert (
+        "c: FAILED at load: boom" in table
+        and "SLOW: b is 3.00x" in table
+        and table.splitlines()[-1].startswith("FAILED")
+    )
     assert "b: output 'w' disagrees in 1 of 2 elements" in table

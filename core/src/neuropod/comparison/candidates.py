@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuropod.errors import NeuropodError
+from neuropod.storage.urls import is_package_url
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _BACKEND = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*((==|~=|>=|<=|!=|<|>)[A-Za-z0-9_.*+!-]+)?$")
@@ -42,7 +43,6 @@ class Candidate:
     def remote(self) -> bool:
         """A served model (``grpc://``, an OIP ``http://`` URL); a package URL (``s3://``, ``https://...zip``) is not."""
         from neuropod.remote import is_remote  # lazy: keeps this module free of the remote registry
-        from neuropod.storage.urls import is_package_url
 
         return is_remote(self.target) and not is_package_url(self.target)
 

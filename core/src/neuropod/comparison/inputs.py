@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from neuropod.errors import NeuropodError
-from neuropod.spec import TensorSpec
+from neuropod.errors import NeuropodError, SpecError
+from neuropod.spec import SpecValidator, TensorSpec
 
 #: The size of a symbol (or a ``None`` dimension) that ``--dims`` does not give, in generated inputs.
 DEFAULT_SIZE = 2
@@ -102,8 +102,10 @@ def read_npz(path: str | os.PathLike[str]) -> InputSet:
 
 
 def check_sets(sets: Sequence[InputSet], spec: Sequence[TensorSpec], source: str) -> None:
-    """Every set has exactly the spec's inputs (a clear error before anything runs)."""
+    """Every set has exactly the spec's inputs, each of its dtype and shape (a clear error before anything
+    runs, not every candidate failing on them)."""
     names = {t.name for t in spec}
+    validator = SpecValidator("the baseline", spec, [])
     for i, one in enumerate(sets):
         where = source if len(sets) == 1 else f"{source}, set {i + 1}"
         missing, extra = names - one.keys(), one.keys() - names
@@ -115,6 +117,10 @@ def check_sets(sets: Sequence[InputSet], spec: Sequence[TensorSpec], source: str
                 parts.append(f"has {', '.join(sorted(extra))}, which the baseline does not take")
             raise NeuropodError(f"The inputs of {where} {' and '.join(parts)}; the baseline's inputs: "
                                 f"{', '.join(sorted(names))}")  # fmt: skip
+        try:
+            validator.check_inputs(one)
+        except SpecError as e:
+            raise NeuropodError(f"The inputs of {where} do not fit the baseline's spec: {e}") from None
 
 
 def batch_axis(spec: Sequence[TensorSpec]) -> str | None:
