@@ -11,6 +11,8 @@
     nox -s tests_jax               the JAX plugin on jax 0.10.2, 0.9.2 and 0.8.3
     nox -s tests_tensorflow        the TensorFlow plugin on tensorflow-cpu 2.21.0, 2.18.1 and 2.16.2
     nox -s tests_compat            code written for the original Neuropod (tests/compat), ONNX + torch + TensorFlow
+    nox -s tests_compare           neuropod compare on one model as ONNX, torch.export, TorchScript, JAX and TensorFlow;
+                                   its HTML report in headless Chromium (Playwright; installs Debian's chromium)
     nox -s tests_python            the Python backend: isolation, lock environments (scikit-learn, torch), other Pythons
     nox -s tests_tensorrt          the TensorRT plugin (GPU tests skip without a GPU and TensorRT)
     nox -s tests_gpu               on a GPU machine: core, ONNX (onnxruntime-gpu), TorchScript (CUDA torch), Python,
@@ -160,12 +162,15 @@ def tests_onnx(session: nox.Session, onnxruntime: str) -> None:
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
 def tests_envs(session: nox.Session) -> None:
     """Two real backend environments (onnxruntime 1.20.1 and 1.24.4) beside this session's 1.31.1:
-    creation, listing, resolution between them, and both models running at once (downloads ~30 MB);
+    creation, listing, resolution between them, both models running at once, and `neuropod compare` of one package
+    under the three releases (downloads ~30 MB);
     then a jax 0.9.2 environment beside jax 0.10.2, each running the other's packages; then AOTInductor
     packages compiled by torch 2.13.0 and 2.14.1, each run from the other release through an environment; then a
     pipeline whose TensorFlow step runs in a tensorflow 2.18.1 environment and feeds an ONNX step in this session."""
     session.install(f"{CORE}[test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]", f"onnxruntime=={ONNXRUNTIME_DEFAULT}")
-    _pytest(session, "plugins/neuropod-onnx/tests/test_environments.py", env={"NEUROPOD_TEST_ENVS": "1"})
+    # neuropod compare of one package under this onnxruntime and the environments' (in the same run: the same two).
+    _pytest(session, "plugins/neuropod-onnx/tests/test_environments.py",
+            "plugins/neuropod-onnx/tests/test_compare_environments.py", env={"NEUROPOD_TEST_ENVS": "1"})  # fmt: skip
     # A jax backend environment beside this session's jax (about 20 s more).
     session.install(f"{ROOT / 'plugins/neuropod-jax'}[test]", f"jax=={JAX_DEFAULT}", f"jaxlib=={JAX_DEFAULT}")
     _pytest(session, "plugins/neuropod-jax/tests/test_environments.py", env={"NEUROPOD_TEST_ENVS": "1"})
@@ -254,6 +259,36 @@ def tests_compat(session: nox.Session) -> None:
     )
     for module in sorted((ROOT / "tests" / "compat").glob("test_compat_*.py")):
         _pytest(session, str(module.relative_to(ROOT)))
+
+
+# Playwright drives a Chromium it does not download: Debian's, at this path.
+PLAYWRIGHT = "1.65.2"
+CHROMIUM = "/usr/bin/chromium"
+
+
+@nox.session(python=DEFAULT_PYTHON, tags=["ci"])
+def tests_compare(session: nox.Session) -> None:
+    """tests/compare: `neuropod compare` on one model packaged as ONNX, torch.export, TorchScript, JAX and
+    TensorFlow (each built in a process of its own), a changed weight caught; the HTML report opened in
+    headless Chromium through Playwright (no request but the file, no console error), a screenshot taken
+    (NEUROPOD_UPDATE_SCREENSHOT=1 writes docs/_static/compare/report.png). Installs Debian's chromium package
+    with apt-get when /usr/bin/chromium is missing and the session runs as root (otherwise the browser test
+    skips, saying why); Playwright's own browser downloads are never used."""
+    session.install(
+        f"{CORE}[test]", str(ROOT / "plugins/neuropod-onnx"), "onnx", f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
+        str(ROOT / "plugins/neuropod-torch"), str(ROOT / "plugins/neuropod-torchscript"), f"torch=={TORCH_DEFAULT}",
+        str(ROOT / "plugins/neuropod-jax"), f"jax=={JAX_DEFAULT}", f"jaxlib=={JAX_DEFAULT}",
+        str(ROOT / "plugins/neuropod-tensorflow"), f"tensorflow-cpu=={TENSORFLOW_DEFAULT}", f"playwright=={PLAYWRIGHT}",
+        "pillow",  # NEUROPOD_UPDATE_SCREENSHOT=1: the docs' screenshot, in 256 colours
+    )  # fmt: skip
+    if not os.access(CHROMIUM, os.X_OK):
+        if shutil.which("apt-get") and os.geteuid() == 0:
+            install = "apt-get install -y --no-install-recommends chromium"
+            session.run("bash", "-c", f"{install} || (apt-get update && {install})", external=True,
+                        env={"DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+        else:
+            session.warn(f"no {CHROMIUM} and no apt-get as root to install it: the browser test skips")
+    _pytest(session, "tests/compare")
 
 
 # The GPU builds tests_gpu and bench_gpu install: torch's PyPI wheels for Linux x86-64 are CUDA

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,10 +69,16 @@ def finish(framework: str, proc: subprocess.Popen[str]) -> Path:
 
 
 def compare(directory: Path, name: str, candidates: list[str]) -> Report:
-    """Run ``neuropod compare`` with short timings, --json and --html into ``directory``."""
-    json_path, html_path = directory / f"{name}.json", directory / f"{name}.html"
+    """Run ``neuropod compare`` in ``directory`` (candidates named relative to it, as the report shows them)
+    with short timings, writing NAME.json and NAME.html there."""
     out = io.StringIO()
-    code = main(["compare", *candidates, *TIMINGS, "--json", str(json_path), "--html", str(html_path)], out=out)
+    here = os.getcwd()
+    os.chdir(directory)
+    try:
+        code = main(["compare", *candidates, *TIMINGS, "--json", f"{name}.json", "--html", f"{name}.html"], out=out)
+    finally:
+        os.chdir(here)
+    json_path, html_path = directory / f"{name}.json", directory / f"{name}.html"
     data = json.loads(json_path.read_text()) if json_path.exists() else {}
     return Report(code, data, html_path, json_path, out.getvalue())
 
@@ -79,13 +86,14 @@ def compare(directory: Path, name: str, candidates: list[str]) -> Report:
 @pytest.fixture(scope="session")
 def onnx_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The model as ONNX, with test data (every comparison's baseline)."""
-    return finish("onnx", build("onnx", tmp_path_factory.mktemp("onnx")))
+    return finish("onnx", build("onnx", tmp_path_factory.mktemp("mlp")))
 
 
 @pytest.fixture(scope="session")
-def packages(onnx_package: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The model packaged for all five frameworks (two builds at a time: CI machines have few cores)."""
-    directory = tmp_path_factory.mktemp("packages")
+def packages(onnx_package: Path) -> dict[str, Path]:
+    """The model packaged for all five frameworks, in one directory (two builds at a time: CI machines have few
+    cores)."""
+    directory = onnx_package.parent
     others = [f for f in FRAMEWORKS if f != "onnx"]
     for framework in others:  # skip before building anything when a framework is missing
         if _missing(framework):
@@ -98,15 +106,16 @@ def packages(onnx_package: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 
 @pytest.fixture(scope="session")
-def frameworks_report(packages: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Report:
+def frameworks_report(packages: dict[str, Path]) -> Report:
     """The five packages compared, ONNX (with the test data) as the baseline."""
-    candidates = [f"{FRAMEWORKS[f][0]}={packages[f]}" for f in FRAMEWORKS]
-    return compare(tmp_path_factory.mktemp("frameworks"), "frameworks", candidates)
+    directory = packages["onnx"].parent
+    candidates = [f"{FRAMEWORKS[f][0]}={packages[f].name}" for f in FRAMEWORKS]
+    return compare(directory, "frameworks", candidates)
 
 
 @pytest.fixture(scope="session")
-def perturbed_report(onnx_package: Path, tmp_path_factory: pytest.TempPathFactory) -> Report:
+def perturbed_report(onnx_package: Path) -> Report:
     """The ONNX package against an ONNX package with one weight changed (W2[2, 1] += 0.25)."""
-    directory = tmp_path_factory.mktemp("perturbed")
+    directory = onnx_package.parent
     perturbed = finish("onnx", build("onnx", directory, perturb=True))
-    return compare(directory, "perturbed", [f"ONNX={onnx_package}", f"perturbed={perturbed}"])
+    return compare(directory, "perturbed", [f"ONNX={onnx_package.name}", f"perturbed={perturbed.name}"])
