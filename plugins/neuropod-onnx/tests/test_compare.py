@@ -85,6 +85,16 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     return code, out.getvalue(), capsys.readouterr().err
 
 
+def verdicts(table: str, labels: list[str]) -> dict[str, str]:
+    """Each candidate's verdict, read from its row of the table (the row starts with its label)."""
+    rows = {}
+    for line in table.splitlines():
+        words = line.split()
+        if len(words) > 1 and words[0] in labels and words[0] not in rows:
+            rows[words[0]] = words[1]
+    return rows
+
+
 @pytest.fixture
 def base(tmp_path: Path) -> str:
     return linear(tmp_path / "base.neuropod")
@@ -117,8 +127,8 @@ def test_equal_models_agree_and_a_changed_weight_is_caught(base: str, tmp_path: 
     assert col == 2 and outside == 8  # every row of column 2, in 3 + 5 rows
     assert "changed: output 'out' disagrees in 8 of 32 elements" in out
     assert f"set {i + 1} out[{row}, {col}]:" in out
-    lines = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:5]}
-    assert lines == {"base": "baseline", "same": "agrees", "changed": "disagrees"}
+    expected = {"base": "baseline", "same": "agrees", "changed": "disagrees"}
+    assert verdicts(out, list(expected)) == expected
     data = json.loads(report.read_text())
     assert data["inputs"]["sets"] == 2 and data["exit_code"] == 1
     (o,) = data["candidates"][2]["outputs"]
@@ -240,23 +250,40 @@ def test_candidates_that_fail_are_reported_and_the_rest_compared(base: str, tmp_
     assert errors["raises"].endswith("this model takes no negative x")
     assert "nosuch: FAILED at load: No Neuropod package at" in out
     assert "raises: FAILED at run: " in out and "this model takes no negative x" in out
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:7]}
-    assert rows == {"base": "baseline", "nosuch": "failed", "base@onnx==0.1": "failed", "raises": "failed",
-                    "same": "agrees"}  # fmt: skip
+    expected = {"base": "baseline", "nosuch": "failed", "base@onnx==0.1": "failed", "raises": "failed",
+                "same": "agrees"}  # fmt: skip
+    assert verdicts(out, list(expected)) == expected
+
+
+def processes_with(marker: str) -> list[int]:
+    """Processes whose environment holds ``marker`` (an orphan is no longer in this process's tree)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def test_a_candidate_past_its_timeout_is_killed_and_the_rest_compared(
-    base: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    base: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], neuropod_cache: Path
 ) -> None:
+    # in a worker process of its own (@ope): that one is killed too
     sleeps = python_model(tmp_path / "sleeps.neuropod", "time.sleep(30)\nreturn {}", XY_SPEC, OUT_SPEC)
     same = linear(tmp_path / "same.neuropod")
     before = set(process_tree())
-    code, out, err = run_cli([base, sleeps, same, "--timeout", "3", "--no-speed", "--generate", "1"], capsys)
+    args = [base, f"{sleeps}@ope", same, "--timeout", "3", "--no-speed", "--generate", "1"]
+    code, out, err = run_cli(args, capsys)
     assert code == 1, out + err
-    assert "sleeps: FAILED at timeout: did not finish within the timeout of 3 s (it was killed)" in out
-    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()[2:5]}
-    assert rows == {"base": "baseline", "sleeps": "failed", "same": "agrees"}
+    assert "sleeps@ope: FAILED at timeout: did not finish within the timeout of 3 s (it was killed)" in out
+    expected = {"base": "baseline", "sleeps@ope": "failed", "same": "agrees"}
+    assert verdicts(out, list(expected)) == expected
     assert set(process_tree()) == before  # no worker left behind
+    if os.path.isdir("/proc"):  # nor an orphan of one, with this test's environment
+        assert processes_with(f"NEUROPOD_CACHE_DIR={neuropod_cache}\0") == []
 
 
 # --- inputs ----------------------------------------------------------------------------------------
