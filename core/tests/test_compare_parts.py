@@ -103,6 +103,9 @@ def test_labels_are_numbered_and_a_given_label_twice_is_refused() -> None:
         "adder",
         "adder#2",
     ]
+    # a label the user wrote is kept; a default label that meets it is numbered
+    got = unique_labels([parse_candidate(t) for t in ("x.neuropod", "x=a.neuropod", "b/x.neuropod")])
+    assert [(c.label, c.target) for c in got] == [("x#2", "x.neuropod"), ("x", "a.neuropod"), ("x#3", "b/x.neuropod")]
     with pytest.raises(NeuropodError, match="Two candidates are labelled 'x'"):
         unique_labels([parse_candidate("x=a.neuropod"), parse_candidate("x=b.neuropod")])
 

@@ -214,6 +214,8 @@ def test_bad_input_is_one_clear_line(base: str, tmp_path: Path, capsys: pytest.C
         (["--map", "nosuch.x=out"], "the left side must name a candidate"),
         (["--dims", "nosuch=3"], "no symbol 'nosuch'; its symbols: batch_size"),
         (["--generate", "0"], "--generate N must be at least 1"),
+        (["--generate", "2", "--inputs", str(tmp_path / "f64.npz")], "--inputs and --generate both say"),
+        (["--dims", "batch_size=3", "--inputs", str(tmp_path / "f64.npz")], "--inputs and --dims both say"),
         (["--batch-sizes", "1,x"], "--batch-sizes '1,x': each size must be a whole number of at least 1"),
         (["--batch-sizes", "0"], "each size must be a whole number of at least 1"),
         (["--json", str(tmp_path / "no" / "r.json")], f"no such directory {tmp_path / 'no'}"),

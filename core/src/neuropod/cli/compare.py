@@ -77,6 +77,10 @@ def cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
 
     if args.generate is not None and args.generate < 1:
         raise NeuropodError("--generate N must be at least 1")
+    if args.inputs and (args.generate is not None or args.dims):
+        given = "--generate" if args.generate is not None else "--dims"
+        raise NeuropodError(f"--inputs and {given} both say what to run on: give the input files, or {given} to "
+                            "generate inputs, not both")  # fmt: skip
     err = sys.stderr
 
     def progress(line: str) -> None:

@@ -123,16 +123,20 @@ def unique_labels(candidates: list[Candidate]) -> list[Candidate]:
     """The candidates with labels made unique (``adder``, ``adder#2``); a label given twice is an error."""
     from dataclasses import replace
 
-    # a LABEL= written by the user (a package named like its label, ``adder``, given twice is numbered)
-    given = [c.label for c in candidates if c.given and "=" in c.given and c.given.partition("=")[0] == c.label]
-    seen_given = set()
-    for label in given:
-        if label in seen_given:
-            raise NeuropodError(f"Two candidates are labelled {label!r}; give each its own LABEL=")
-        seen_given.add(label)
-    out: list[Candidate] = []
+    # a LABEL= written by the user is kept as written (a package named like its label, ``adder``, given
+    # twice is numbered): the user's --map names it
+    explicit = [bool(c.given) and "=" in c.given and c.given.partition("=")[0] == c.label for c in candidates]
     used: set[str] = set()
-    for c in candidates:
+    for c, mine in zip(candidates, explicit):
+        if mine:
+            if c.label in used:
+                raise NeuropodError(f"Two candidates are labelled {c.label!r}; give each its own LABEL=")
+            used.add(c.label)
+    out: list[Candidate] = []
+    for c, mine in zip(candidates, explicit):
+        if mine:
+            out.append(c)
+            continue
         label, n = c.label, 1
         while label in used:
             n += 1
