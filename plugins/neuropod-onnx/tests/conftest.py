@@ -5,8 +5,10 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,9 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+
+from neuropod import envs
+from neuropod_onnx import _installed
 
 # onnxruntime writes a device id and a telemetry database under
 # $XDG_CACHE_HOME/Microsoft (~/.cache/Microsoft by default) when it is imported.
@@ -116,3 +121,25 @@ def xy(batch: int = 2) -> dict[str, np.ndarray]:
         "x": rng.standard_normal((batch, 2)).astype(np.float32),
         "y": rng.standard_normal((batch, 2)).astype(np.float32),
     }
+
+
+# The onnxruntime releases of the backend environments (tests that set NEUROPOD_TEST_ENVS=1; nox -s tests_envs).
+OLD, NEWER = "1.20.1", "1.24.4"
+
+
+@pytest.fixture(scope="session")
+def two_envs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, envs.Environment]]:
+    """Backend environments of onnxruntime OLD and NEWER in the session's own NEUROPOD_HOME, made once
+    for every test file of the session that uses them (they download onnxruntime)."""
+    here = _installed()[0][1]
+    if here in (OLD, NEWER):
+        pytest.skip(f"this process runs onnxruntime {here}; the environments need a version it does not have")
+    home = tmp_path_factory.mktemp("neuropod-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEUROPOD_HOME", str(home))
+        made = {}
+        for version in (OLD, NEWER):
+            t0 = time.perf_counter()
+            made[version] = envs.create_environment(f"onnx=={version}", out=sys.stderr)
+            print(f"created onnx=={version} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        yield made

@@ -15,9 +15,7 @@ import os
 import re
 import shutil
 import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ from neuropod import cli, envs
 from neuropod.errors import NeuropodError
 from neuropod_onnx import _installed
 
-from conftest import xy
+from conftest import NEWER, OLD, xy
 
 pytestmark = [
     pytest.mark.envs,
@@ -39,23 +37,8 @@ pytestmark = [
     ),
 ]
 
-OLD, NEWER = "1.20.1", "1.24.4"
 HERE = _installed()[0][1]  # this process's onnxruntime (or onnxruntime-gpu), e.g. 1.31.1
-
-
-@pytest.fixture(scope="session")
-def two_envs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, envs.Environment]]:
-    if HERE in (OLD, NEWER):
-        pytest.skip(f"this process runs onnxruntime {HERE}; the environments need a version it does not have")
-    home = tmp_path_factory.mktemp("neuropod-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEUROPOD_HOME", str(home))
-        made = {}
-        for version in (OLD, NEWER):
-            t0 = time.perf_counter()
-            made[version] = envs.create_environment(f"onnx=={version}", out=sys.stderr)
-            print(f"created onnx=={version} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        yield made
+# two_envs (conftest.py): the session's environments of OLD and NEWER, shared with test_compare_environments.py.
 
 
 def run_cli(*argv: str) -> tuple[int, str]:

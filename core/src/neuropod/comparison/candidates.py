@@ -79,6 +79,8 @@ def parse_candidate(text: str, *, use_ope: bool = False) -> Candidate:
             backend = pin
     if not target:
         raise NeuropodError(f"Candidate {text!r} names no package or URL before its pins")
+    if ope and "ope" not in pins and Candidate(target=target).remote:
+        ope = False  # --use-ope is for the packages among the candidates; a served model runs where it is served
     candidate = Candidate(target=target, label=label or _default_label(target, backend, device, ope),
                           backend=backend, device=device, use_ope=ope, given=text)  # fmt: skip
     return _checked(candidate)

@@ -121,7 +121,7 @@ def compare(
         try:
             read = read_facts(c, remote_options=remote_options, trust_pickle=trust_pickle)
         except NeuropodError as e:
-            _failed(r, str(e), "load")
+            _failed(r, _load_error(c, e, remote_options), "load")
             facts.append(None)
             continue
         read.renames = dict(renames.get(c.label, {}))
@@ -202,6 +202,14 @@ def _blank(c: Candidate) -> CandidateResult:
 
 def _failed(r: CandidateResult, error: str, stage: str) -> None:
     r.status, r.error, r.stage, r.verdict = FAILED, error, stage, FAILED
+
+
+def _load_error(c: Candidate, e: NeuropodError, remote_options: Mapping[str, Any] | None) -> str:
+    """A served candidate refused for want of a token says how to give one."""
+    refused = getattr(e, "code", None) in ("unauthenticated", "permission_denied")
+    if c.remote and refused and not (remote_options or {}).get("auth_token"):
+        return f"{e}; give the server's token with --auth-token-file FILE (in Python: remote_options={{'auth_token': ...}})"
+    return str(e)
 
 
 def _input_sets(

@@ -96,6 +96,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                     gpu.sample(measure.process_tree())
             tree = measure.process_tree()
             peak, note = measure.peak_rss(tree)
+            if job.get("remote"):
+                note = ("the client's process only (the comparison's worker calling the server): a served model's "
+                        "memory (RSS and GPU) is the server's, not measured here")  # fmt: skip
             result["memory"].update(peak_rss=peak, note=note)
             gpu.sample(tree)
     except NeuropodError as e:
@@ -104,7 +107,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         result.update(error=f"{type(e).__name__}: {e}", stage=stage)
     finally:
         gpu.stop()
-    result["memory"]["gpu_bytes"] = gpu.peak
+    result["memory"]["gpu_bytes"] = None if job.get("remote") else gpu.peak  # the client's would read as the model's
     return result
 
 
