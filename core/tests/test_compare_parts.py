@@ -213,6 +213,19 @@ def test_renames_make_a_renamed_tensor_comparable_and_are_noted() -> None:
     assert renamed.to_baseline("logits") == "out" and renamed.to_baseline("ids") == "ids"
 
 
+def test_a_map_onto_a_name_the_candidate_already_has_is_refused() -> None:
+    other = facts([ts("x", "float32", "batch", 3), ts("inp", "float32", "batch", 3), ts("ids", "int64", "batch")],
+                  BASE.outputs, {"inp": "x"})  # fmt: skip
+    with pytest.raises(ProblemMismatch) as e:
+        check_problem(["a", "b"], [BASE, other])
+    assert e.value.differences == ["b's inputs 'x' and 'inp' would both be the baseline's 'x' (check --map)"]
+    # a swap is fine
+    swapped = facts(
+        [ts("ids", "float32", "batch", 3), ts("x", "int64", "batch")], BASE.outputs, {"ids": "x", "x": "ids"}
+    )
+    assert check_problem(["a", "b"], [BASE, swapped])
+
+
 def test_a_map_naming_a_tensor_that_is_not_there_is_refused() -> None:
     other = facts(BASE.inputs, BASE.outputs, {"nosuch": "out"})
     with pytest.raises(NeuropodError) as e:

@@ -138,7 +138,13 @@ def check_problem(labels: Sequence[str], facts: Sequence[Facts]) -> list[str]:
             notes.append(f"{label}: its {own!r} is compared as the baseline's {target!r}")
         symbols: dict[Any, Any] = {}
         for kind, mine, theirs in (("input", f.inputs, base.inputs), ("output", f.outputs, base.outputs)):
-            renamed = {f.to_baseline(t.name): t for t in mine}
+            renamed: dict[str, TensorSpec] = {}
+            for t in mine:
+                name = f.to_baseline(t.name)
+                if name in renamed:  # a --map onto a name the candidate already has, or two onto one
+                    differences.append(f"{label}'s {kind}s {renamed[name].name!r} and {t.name!r} would both be the "
+                                       f"baseline's {name!r} (check --map)")  # fmt: skip
+                renamed[name] = t
             wanted = {t.name: t for t in theirs}
             for name in sorted(wanted.keys() - renamed.keys()):  # sorted: the same message every run
                 differences.append(f"{label} has no {kind} {name!r} (the baseline's {wanted[name]})")
