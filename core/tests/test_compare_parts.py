@@ -456,6 +456,16 @@ def test_integer_and_bool_outputs_are_compared_exactly(dtype: str) -> None:
     assert type(a.worst[0].value) in (int, bool)
 
 
+@pytest.mark.parametrize(("dtype", "want", "got"), [("int64", 3, 4), ("string", "a", "b"), ("float32", 1.0, 2.0)])
+def test_a_scalar_output_is_compared(dtype: str, want: object, got: object) -> None:
+    array = (lambda v: np.array(v, dtype=object)) if dtype == "string" else (lambda v: np.array(v, dtype=dtype))
+    (a,) = compare_sets([ts("o", dtype)], [{"o": array(want)}], [{"o": array(got)}], rtol=1e-4, atol=1e-5)
+    assert (a.elements, a.outside, a.agrees) == (1, 1, False)
+    assert (a.worst[0].index, a.worst[0].value, a.worst[0].baseline) == ([], got, want)
+    (same,) = compare_sets([ts("o", dtype)], [{"o": array(want)}], [{"o": array(want)}], rtol=1e-4, atol=1e-5)
+    assert same.agrees and same.worst == []
+
+
 def test_strings_and_bytes_are_compared_exactly() -> None:
     words = np.array(["a", "b", "c"], dtype=object)
     other = np.array(["a", "B", "c"], dtype=object)

@@ -39,8 +39,9 @@ def _one(t: TensorSpec, baseline: Sequence[InputSet], candidate: Sequence[InputS
         if exact:
             bad = _exact_mismatch(want, got)
             result.outside += int(bad.sum())
-            for index in list(zip(*np.nonzero(bad)))[:WORST_KEPT]:
-                worst.append((True, math.inf, Worst(i, [int(x) for x in index], _show(got[index]), _show(want[index]))))
+            for where in np.argwhere(bad)[:WORST_KEPT]:  # argwhere: a 0-d output too (nonzero refuses one)
+                at = tuple(int(x) for x in where)
+                worst.append((True, math.inf, Worst(i, list(at), _show(got[at]), _show(want[at]))))
             continue
         w, g = want.astype(np.float64), got.astype(np.float64)
         same = (np.isnan(w) & np.isnan(g)) | (w == g)  # NaN against NaN, and an infinity against itself
