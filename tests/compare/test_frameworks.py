@@ -7,10 +7,9 @@ from pathlib import Path
 
 import numpy as np
 from build_package import PERTURBED, hidden, reference, sample_inputs
+from compare_support import FRAMEWORKS, Report
 
 from neuropod import load_neuropod
-
-from conftest import FRAMEWORKS, Report
 
 
 def _by_label(report: Report) -> dict[str, dict]:

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from conftest import FRAMEWORKS, Report
+from compare_support import FRAMEWORKS, Report
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "_static" / "compare" / "report.png"
