@@ -219,6 +219,13 @@ def test_bad_input_is_one_clear_line(base: str, tmp_path: Path, capsys: pytest.C
         (["--batch-sizes", "1,x"], "--batch-sizes '1,x': each size must be a whole number of at least 1"),
         (["--batch-sizes", "0"], "each size must be a whole number of at least 1"),
         (["--json", str(tmp_path / "no" / "r.json")], f"no such directory {tmp_path / 'no'}"),
+        (["--html", str(tmp_path / "no" / "r.html")], f"no such directory {tmp_path / 'no'}"),
+        (["--json", str(tmp_path)], "it is a directory"),
+        (["--rate", "0"], "rate must be a finite number above 0, got 0.0"),
+        (["--timeout", "0"], "timeout must be a finite number above 0"),
+        (["--max-slowdown", "-1"], "max_slowdown must be a finite number above 0"),
+        (["--rtol", "nan"], "rtol must be a finite number of at least 0"),
+        (["--warmup", "-1"], "warmup must be a whole number of calls, at least 0"),
     ]
     for extra, words in cases:
         code, out, err = run_cli([base, base, *extra], capsys)
