@@ -199,6 +199,7 @@ def test_the_page_shows_every_candidate_verdict_output_and_worst_element(rich: C
     assert "x float32 [8, 8]" in text and "sets 1–2" in text
     assert rich.command in text and rich.method in text
     assert "symbol 'batch' of torch" in text  # a problem note
+    assert "How the figures were made" in text and "sent by 8 threads" in text
 
 
 def test_untrusted_text_is_escaped(rich: Comparison) -> None:
@@ -220,7 +221,7 @@ def test_a_single_candidate_and_no_speed_render() -> None:
                                 verdict=BASELINE)])  # fmt: skip
     page = render_html(one)
     parse(page)
-    assert "PASSED" in page and "Only the baseline" in page
+    assert "PASSED" in page and "Only the baseline" in page and "onnx: the baseline alone" in page
     assert len(svgs(page)) == 3  # latency, throughput, memory; no --rate
 
     c1 = candidate("a", "a.neuropod", "onnx", "onnxruntime", 1e-3, 1, verdict=BASELINE, latency=None, throughput=[])
@@ -229,7 +230,7 @@ def test_a_single_candidate_and_no_speed_render() -> None:
     quiet = comparison([c1, c2], speed=False)
     page = render_html(quiet)
     parse(page)
-    assert "Speed was not measured" in page
+    assert "Speed was not measured" in page and "<th class=num>p50</th>" not in page
     assert [c.findtext("title") for c in svgs(page)] == ["Peak memory"]
     assert "Speed: not measured" in render_table(quiet)
 

@@ -59,6 +59,12 @@ def _title(c: Canvas, title: str, subtitle: str) -> None:
         c.text(WIDTH / 2, 40, subtitle, px=11, anchor="middle", fill=MUTED)
 
 
+def _bands(c: Canvas, left: float, right: float, top: float, row_h: float, rows: int) -> None:
+    """Every other row shaded, so a row's figures read across to its label."""
+    for k in range(1, rows, 2):
+        c.rect(left, top + row_h * k, right - left, row_h, "#f6f8fa")
+
+
 def _missing(cand: CandidateResult) -> str:
     return f"failed at {cand.stage or 'run'}: no figures" if not cand.ok else "not measured"
 
@@ -122,10 +128,10 @@ def _distribution(comparison: Comparison, pick: Callable[[CandidateResult], Late
         axis = Axis(low / scale / 1.25, high / scale * 1.25, left, right, log=True)
     else:
         axis = Axis(0.0, nice_high(high / scale * 1.05), left, right)
+    _bands(c, left, right, top, row_h, len(rows))
+    x_axis(c, axis, top, bottom, f"latency per call, {unit}" + (" (log scale)" if log else ""))
     for k, (i, cand, lat) in enumerate(rows):
         y = top + row_h * (k + 0.5)
-        if k % 2:
-            c.rect(left, top + row_h * k, right - left, row_h, "#f6f8fa")
         _label(c, left - 10, y, i, cand)
         if lat is None:
             c.text(left + 12, y + 4, _missing(cand), px=12, fill=RED if not cand.ok else MUTED)
@@ -133,7 +139,6 @@ def _distribution(comparison: Comparison, pick: Callable[[CandidateResult], Late
         _one_distribution(c, axis, scale, lat, y, colour(i))
         c.text(right + 10, y - 3, f"p50 {duration(lat.p50)}   p99 {duration(lat.p99)}", px=12)
         c.text(right + 10, y + 12, clip(second(lat), 40), px=10.5, fill=MUTED)
-    x_axis(c, axis, top, bottom, f"latency per call, {unit}" + (" (log scale)" if log else ""))
     frame(c, left, top, right, bottom)
     _distribution_key(c, bottom + 58)
     footer(c, feet, height)
@@ -294,10 +299,13 @@ def memory_chart(comparison: Comparison) -> str | None:
     if gpus:
         g_scale, g_unit = _size_unit(max(gpus))
         gpu = Axis(0.0, nice_high(max(gpus) / g_scale * 1.55), split + 40, WIDTH - 24)
+    _bands(c, left, split, top, row_h, len(cands))
+    x_axis(c, rss, top, bottom, f"peak RSS, {unit}")
+    if gpus:
+        _bands(c, gpu.start, gpu.end, top, row_h, len(cands))
+        x_axis(c, gpu, top, bottom, f"GPU memory (NVML), {g_unit}")
     for k, cand in enumerate(cands):
         y = top + row_h * (k + 0.5)
-        if k % 2:
-            c.rect(left, top + row_h * k, split - left, row_h, "#f6f8fa")
         _label(c, left - 10, y, k, cand)
         m = cand.memory
         if m.peak_rss is None:
@@ -318,10 +326,8 @@ def memory_chart(comparison: Comparison) -> str | None:
                 c.text(x + 6, y + 4, size(m.gpu_bytes), px=11)
             else:
                 c.text(gpu.start + 6, y + 4, "none" if cand.ok else "-", px=11, fill=MUTED)
-    x_axis(c, rss, top, bottom, f"peak RSS, {unit}")
     frame(c, left, top, split, bottom)
     if gpus:
-        x_axis(c, gpu, top, bottom, f"GPU memory (NVML), {g_unit}")
         frame(c, gpu.start, top, gpu.end, bottom)
     c.rect(left, bottom + 50, 11, 11, GREY)
     c.text(left + 16, bottom + 60, "the process before loading (Python, neuropod, numpy)", px=10.5, fill=MUTED)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from neuropod.comparison.charts import latency_chart, memory_chart, rate_chart, throughput_chart
+from neuropod.comparison.measure import SERVER_THREADS
 from neuropod.comparison.results import (
     AGREES,
     BASELINE,
@@ -21,7 +22,7 @@ from neuropod.comparison.results import (
     Comparison,
     OutputAgreement,
 )
-from neuropod.comparison.svg import colour, esc
+from neuropod.comparison.svg import clip, colour, esc
 from neuropod.comparison.units import count, duration, element, error, plural, share, size, time_unit, times
 
 #: Verdict badges' colours (and "slow": too slow for --max-slowdown).
@@ -69,7 +70,7 @@ td.who{min-width:190px;max-width:320px}
 table.wide th,table.wide td{padding:6px 7px}
 table.fit{width:auto;min-width:min(100%,760px)}
 th .sub{font-weight:400}
-td.nw,td.nw .sub{white-space:nowrap}
+td.nw{white-space:nowrap}
 .swatch{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;vertical-align:-1px}
 .badge{display:inline-block;padding:1px 9px;border-radius:10px;color:#fff;font-size:12px;font-weight:650;
  white-space:nowrap;margin:1px 4px 1px 0}
@@ -86,11 +87,11 @@ def render_html(comparison: Comparison) -> str:
     """The report as one HTML page."""
     c = comparison
     verdict = "PASSED" if c.passed else "FAILED"
-    title = f"neuropod compare: {verdict}: " + ", ".join(x.label for x in c.candidates)
+    title = clip(f"neuropod compare: {verdict}: " + ", ".join(x.label for x in c.candidates), 200)
     body = [
-        _header(c), _candidates(c), _failures(c), _agreement(c), _speed(c), _memory(c), _notes(c),
-        f"<footer><p>{esc(c.method)}</p><p>Written by neuropod {esc(c.neuropod_version)} on {esc(c.date)}. "
-        "Times per call; KiB, MiB and GiB are 1024-based.</p></footer>",
+        _header(c), _candidates(c), _failures(c), _agreement(c), _speed(c), _memory(c), _notes(c), _method(c),
+        f"<footer><p>Written by neuropod {esc(c.neuropod_version)} on {esc(c.date)}. Times are per call; KiB, MiB "
+        "and GiB are 1024-based.</p></footer>",
     ]  # fmt: skip
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -119,7 +120,12 @@ def _td(value: str, cls: str = "") -> str:
 def _header(c: Comparison) -> str:
     base = c.baseline
     others = len(c.candidates) - 1
-    heading = esc(base.label) + (f" against {plural(others, 'candidate')}" if others else ": one candidate")
+    if 0 < others <= 2:
+        heading = f"{esc(clip(base.label, 60))} against " + " and ".join(
+            esc(clip(x.label, 60)) for x in c.candidates[1:]
+        )
+    else:
+        heading = esc(clip(base.label, 60)) + (f" against {others} candidates" if others else ": the baseline alone")
     return (f'<header><div class="kicker">neuropod compare</div><h1>{heading}</h1>{_verdict(c)}'
             f'<pre class="cmd">$ {esc(c.command)}</pre><dl class="facts">{_facts(c)}</dl></header>')  # fmt: skip
 
@@ -166,8 +172,8 @@ def _outside(o: OutputAgreement) -> str:
 
 
 def _first_line(text: str | None, limit: int = 240) -> str:
-    line = (text or "no error message").strip().splitlines()[0] if (text or "").strip() else "no error message"
-    return line if len(line) <= limit else line[: limit - 1] + "…"
+    lines = (text or "").strip().splitlines()
+    return clip(lines[0], limit) if lines else "no error message"
 
 
 def _facts(c: Comparison) -> str:
@@ -224,55 +230,65 @@ def _shapes(tensors: Sequence[dict[str, Any]]) -> str:
 
 def _candidates(c: Comparison) -> str:
     cands = c.candidates
-    unit = time_unit([v for x in cands if x.latency for v in (x.latency.p50, x.latency.mean)])
-    load_unit = time_unit([x.load_s for x in cands])
-    limit = c.settings.get("max_slowdown")
+    timed = any(x.latency for x in cands)
     gpu = any(x.memory.gpu_bytes is not None for x in cands)
-    rows = []
-    for i, x in enumerate(cands):
-        badges = _badge(x.verdict) + (_badge("slow") if x in c.slow else "")
-        given = f'<span class="sub mono">{esc(x.given)}</span>' if x.given != x.label else ""
-        facts = ", ".join(v for v in (f"model {x.model_name}" if x.model_name else None,
-                                      f"package {size(x.package_bytes)}" if x.package_bytes is not None else None) if v)  # fmt: skip
-        where = ", ".join(v for v in (x.location, "OPE worker" if x.use_ope else None,
-                                      "served" if x.remote and x.location != "remote" else None) if v)  # fmt: skip
-        if x.latency:
-            lat = x.latency
-            speed = [_td(duration(v, unit), "num") for v in (lat.p50, lat.p90, lat.p99, lat.mean, lat.stdev)]
-            slow = "baseline" if i == 0 else times(x.slowdown, "×")
-            speed.append(_td(esc(slow), "num bad" if limit is not None and (x.slowdown or 0) > limit else "num"))
-        else:
-            missing = "failed: no figures" if not x.ok else "not measured"
-            speed = [f'<td colspan="6" class="num">{missing}</td>']
-        added = f'<span class="sub">+{size(x.memory.added_rss)}</span>' if x.memory.added_rss is not None else ""
-        cells = [
-            f'<td class="who">{_swatch(i, x)}<span class="label">{esc(x.label)}</span>{given}'
-            f'<span class="sub">{esc(facts)}</span></td>',
-            _td(badges),
-            _td(f"{esc(x.backend or '-')}<span class=\"sub\">{esc(x.framework or '')}</span>", "nw"),
-            _td(f"{esc(x.device or '-')}<span class=\"sub\">{esc(where)}</span>", "nw"),
-            _td(duration(x.load_s, load_unit), "num"),
-            *speed,
-            _td(size(x.memory.peak_rss) + added, "num"),
-            *([_td(size(x.memory.gpu_bytes), "num")] if gpu else []),
-        ]  # fmt: skip
-        rows.append("<tr>" + "".join(cells) + "</tr>")
+    # One unit for the latency columns, so digits compare, unless the figures span more than 100x
+    # (then 11,553 µs would read worse than 11.6 ms).
+    figures = [v for x in cands if x.latency for v in (x.latency.p50, x.latency.p99, x.latency.mean) if v > 0]
+    unit = time_unit(figures) if figures and max(figures) / min(figures) < 100 else None
+    load_unit = time_unit([x.load_s for x in cands])
+    rows = [_candidate_row(c, i, x, timed=timed, gpu=gpu, unit=unit, load_unit=load_unit) for i, x in enumerate(cands)]
+    group = '<th colspan="6" class="num">latency, one call at a time</th>' if timed else ""
     head = (
-        '<thead><tr class="group"><th colspan="5"></th><th colspan="6" class="num">latency, one call at a time</th>'
-        f'<th colspan="{2 if gpu else 1}" class="num">memory</th></tr>'
-        "<tr><th>Candidate</th><th>Verdict</th><th>Backend</th><th>Device</th><th class=num>Load</th>"
-        "<th class=num>p50</th><th class=num>p90</th><th class=num>p99</th><th class=num>mean</th>"
-        "<th class=num>stdev</th><th class=num>vs baseline</th><th class=num>peak RSS<span class=sub>added</span></th>"
-        + ("<th class=num>GPU</th>" if gpu else "") + "</tr></thead>"
+        f'<thead><tr class="group"><th colspan="5"></th>{group}<th colspan="{2 if gpu else 1}" class="num">memory</th>'
+        "</tr><tr><th>Candidate</th><th>Verdict</th><th>Backend</th><th>Device</th><th class=num>Load</th>"
+        + ("<th class=num>p50</th><th class=num>p90</th><th class=num>p99</th><th class=num>mean</th>"
+           "<th class=num>stdev</th><th class=num>vs baseline</th>" if timed else "")
+        + "<th class=num>peak RSS<span class=sub>added</span></th>" + ("<th class=num>GPU</th>" if gpu else "")
+        + "</tr></thead>"
     )  # fmt: skip
+    notes = [
+        "The first candidate is the baseline. Load: opening the package and loading the model.",
+        '"vs baseline": p50 latency over the baseline\'s (2.00× is twice as slow).' if timed else
+        "No latency was measured.",
+        "Peak RSS sums the candidate's processes (its workers' too); under it, what loading and running the model "
+        "added to the process.",
+        "GPU: peak GPU memory of the candidate's processes (NVML)." if gpu else
+        "No GPU memory was measured (no NVIDIA GPU seen through NVML).",
+    ]  # fmt: skip
     return (f'<section id="candidates"><h2>Candidates</h2><div class="scroll"><table class="wide">{head}<tbody>'
-            + "".join(rows) + "</tbody></table></div>"
-            '<p class="note">The first candidate is the baseline. Load: opening the package and loading the model. '
-            '"vs baseline": p50 latency over the baseline\'s (2.00× is twice as slow). Peak RSS sums the candidate\'s '
-            "processes (its workers' too); under it, what loading and running the model added to the process. "
-            + ("GPU: peak GPU memory of the candidate's processes (NVML)." if gpu else
-               "No GPU memory was measured (no NVIDIA GPU seen through NVML).")
-            + "</p></section>")  # fmt: skip
+            + "".join(rows) + f'</tbody></table></div><p class="note">{esc(" ".join(notes))}</p></section>')  # fmt: skip
+
+
+def _candidate_row(c: Comparison, i: int, x: CandidateResult, *, timed: bool, gpu: bool,
+                   unit: tuple[float, str] | None, load_unit: tuple[float, str]) -> str:  # fmt: skip
+    badges = _badge(x.verdict) + (_badge("slow") if x in c.slow else "")
+    given = f'<span class="sub mono">{esc(x.given)}</span>' if x.given != x.label else ""
+    facts = ", ".join(v for v in (f"model {x.model_name}" if x.model_name else None,
+                                  f"package {size(x.package_bytes)}" if x.package_bytes is not None else None) if v)  # fmt: skip
+    where = ", ".join(v for v in (x.location, "OPE worker" if x.use_ope else None,
+                                  "served" if x.remote and x.location != "remote" else None) if v)  # fmt: skip
+    speed = []
+    if x.latency:
+        lat, limit = x.latency, c.settings.get("max_slowdown")
+        speed = [_td(duration(v, unit), "num") for v in (lat.p50, lat.p90, lat.p99, lat.mean, lat.stdev)]
+        slow = "baseline" if i == 0 else times(x.slowdown, "×")
+        speed.append(_td(esc(slow), "num bad" if limit is not None and (x.slowdown or 0) > limit else "num"))
+    elif timed:
+        speed = [f'<td colspan="6" class="num">{"failed: no figures" if not x.ok else "not measured"}</td>']
+    added = f'<span class="sub">+{size(x.memory.added_rss)}</span>' if x.memory.added_rss is not None else ""
+    cells = [
+        f'<td class="who">{_swatch(i, x)}<span class="label">{esc(x.label)}</span>{given}'
+        f'<span class="sub">{esc(facts)}</span></td>',
+        _td(badges),
+        _td(f"{esc(x.backend or '-')}<span class=\"sub\">{esc(x.framework or '')}</span>", "nw"),
+        _td(f"{esc(x.device or '-')}<span class=\"sub\">{esc(where)}</span>"),
+        _td(duration(x.load_s, load_unit), "num"),
+        *speed,
+        _td(size(x.memory.peak_rss) + added, "num"),
+        *([_td(size(x.memory.gpu_bytes), "num")] if gpu else []),
+    ]  # fmt: skip
+    return "<tr>" + "".join(cells) + "</tr>"
 
 
 def _failures(c: Comparison) -> str:
@@ -394,3 +410,28 @@ def _notes(c: Comparison) -> str:
         + "".join(f"<li>{n}</li>" for n in notes)
         + ("</ul></section>")
     )
+
+
+def _method(c: Comparison) -> str:
+    """How the figures were made, for a reader who was not there."""
+    s = c.settings
+    steps = [esc(c.method)]
+    if s.get("speed", True):
+        duration_s = esc(s.get("duration", "?"))
+        steps += [
+            f"Latency, one call at a time: {esc(s.get('warmup', '?'))} warm-up calls, then calls one after another "
+            f"for {duration_s} s and at least 20 calls, on the first input set.",
+            f"Throughput: calls of one batch (the first input set's rows repeated or cut to the batch size) back to back for "
+            f"{duration_s} s; items per second counts rows.",
+        ]  # fmt: skip
+        if s.get("rate"):
+            steps.append(f"At a rate: calls due at Poisson-distributed times, {esc(s['rate'])} per second on average, "
+                         f"sent by {SERVER_THREADS} threads; a call's latency counts from when it was due.")  # fmt: skip
+    steps += [
+        "Memory: the peak resident set (VmHWM) summed over the candidate's process and the processes it started; "
+        "GPU memory: what NVML reports for those processes, sampled while they ran.",
+        f"Agreement: every output of every input set against the baseline's; floats with numpy.isclose (rtol "
+        f"{esc(s.get('rtol', '?'))}, atol {esc(s.get('atol', '?'))}, NaN equal to NaN), other types exactly.",
+    ]  # fmt: skip
+    items = "".join(f"<li>{x}</li>" for x in steps)
+    return f'<section id="method"><h2>How the figures were made</h2><ul class="notes">{items}</ul></section>'
