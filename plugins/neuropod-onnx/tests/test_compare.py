@@ -242,25 +242,29 @@ def test_bad_input_is_one_clear_line(base: str, tmp_path: Path, capsys: pytest.C
 def test_candidates_that_fail_are_reported_and_the_rest_compared(base: str, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     raises = python_model(tmp_path / "raises.neuropod", LINEAR_PY, XY_SPEC, OUT_SPEC)
+    crash = "import os, sys\nprint('going down', file=sys.stderr, flush=True)\nos._exit(3)"
+    crashes = python_model(tmp_path / "crashes.neuropod", crash, XY_SPEC, OUT_SPEC)
     same = linear(tmp_path / "same.neuropod")
     missing = str(tmp_path / "nosuch.neuropod")
     inputs = xy_file(tmp_path / "in.npz", 4, x=-np.ones((3, 3), np.float32))  # negative: `raises` raises
     report = tmp_path / "r.json"
-    args = [base, missing, f"{base}@onnx==0.1", raises, same, "--inputs", inputs, "--no-speed", "--json", str(report)]
+    args = [base, missing, f"{base}@onnx==0.1", raises, crashes, same, "--inputs", inputs, "--no-speed", "--json",
+            str(report)]  # fmt: skip
     code, out, err = run_cli(args, capsys)
     assert code == 1, out + err
     data = json.loads(report.read_text())
     got = {c["label"]: (c["verdict"], c["stage"]) for c in data["candidates"]}
     assert got == {"base": ("baseline", None), "nosuch": ("failed", "load"), "base@onnx==0.1": ("failed", "load"),
-                   "raises": ("failed", "run"), "same": ("agrees", None)}  # fmt: skip
+                   "raises": ("failed", "run"), "crashes": ("failed", "crash"), "same": ("agrees", None)}  # fmt: skip
     errors = {c["label"]: c["error"] for c in data["candidates"]}
     assert "No Neuropod package at" in errors["nosuch"]
     assert "backend='onnx==0.1'" in errors["base@onnx==0.1"]
     assert errors["raises"].endswith("this model takes no negative x")
+    assert errors["crashes"] == "its process ended with status 3 and no result: going down"
     assert "nosuch: FAILED at load: No Neuropod package at" in out
     assert "raises: FAILED at run: " in out and "this model takes no negative x" in out
     expected = {"base": "baseline", "nosuch": "failed", "base@onnx==0.1": "failed", "raises": "failed",
-                "same": "agrees"}  # fmt: skip
+                "crashes": "failed", "same": "agrees"}  # fmt: skip
     assert verdicts(out, list(expected)) == expected
 
 
