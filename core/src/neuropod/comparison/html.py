@@ -75,8 +75,9 @@ td.nw{white-space:nowrap}
 .badge{display:inline-block;padding:1px 9px;border-radius:10px;color:#fff;font-size:12px;font-weight:650;
  white-space:nowrap;margin:1px 4px 1px 0}
 .error{border-left:4px solid #8e1b10;background:#fbeceb;padding:10px 14px;border-radius:4px;margin:8px 0}
-figure{margin:0 0 18px;border:1px solid #e3e6ea;border-radius:6px;padding:8px;background:#fff;overflow-x:auto}
+figure{margin:18px 0 10px;border:1px solid #e3e6ea;border-radius:6px;padding:8px;background:#fff;overflow-x:auto}
 figure svg{display:block;max-width:100%;height:auto;margin:0 auto}
+figure:first-of-type{margin-top:0}
 .note{color:#5f6b7a;margin:6px 0}
 ul.notes{margin:0;padding-left:20px}ul.notes li{margin:3px 0;overflow-wrap:anywhere}
 footer{color:#5f6b7a;font-size:12.5px;margin-top:18px}
@@ -386,10 +387,49 @@ def _speed(c: Comparison) -> str:
         _figure(latency_chart(c), "No candidate has latency figures."),
         _figure(throughput_chart(c), "No throughput figures: the inputs share no batch symbol (a first dimension "
                 "every input has), or no batch sizes were asked for."),
+        _throughput_table(c),
     ]  # fmt: skip
     if c.settings.get("rate"):
         parts.append(_figure(rate_chart(c), f"No candidate has figures at {c.settings['rate']:g} calls per second."))
+        parts.append(_rate_table(c))
     return '<section id="speed"><h2>Speed</h2>' + "".join(parts) + "</section>"
+
+
+def _throughput_table(c: Comparison) -> str:
+    """The throughput chart's figures in full: items per second and the p50 time of one call, per batch size."""
+    sizes = sorted({t.batch_size for x in c.candidates for t in x.throughput})
+    if not sizes:
+        return ""
+    rows = []
+    for i, x in enumerate(c.candidates):
+        if not x.throughput:
+            continue
+        by = {t.batch_size: t for t in x.throughput}
+        cells = "".join(
+            _td(f"{count(by[b].items_per_s)}<span class=sub>{duration(by[b].p50)} per call</span>", "num")
+            if b in by else _td("-", "num") for b in sizes
+        )  # fmt: skip
+        rows.append(f"<tr><td>{_swatch(i, x)}{esc(x.label)}</td>{cells}</tr>")
+    head = "<tr><th>Items per second</th>" + "".join(f"<th class=num>batch {b}</th>" for b in sizes) + "</tr>"
+    return f'<div class="scroll"><table class="fit"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
+
+
+def _rate_table(c: Comparison) -> str:
+    """The latency at the target rate in figures, with the rate each candidate reached."""
+    rows = []
+    for i, x in enumerate(c.candidates):
+        if x.server is None:
+            continue
+        srv = x.server
+        reached = f"{srv.achieved_rate:.3g}/s" if srv.achieved_rate is not None else "-"
+        cells = [_td(duration(v), "num") for v in (srv.p50, srv.p90, srv.p99, srv.mean, srv.max)]
+        rows.append(f"<tr><td>{_swatch(i, x)}{esc(x.label)}</td>{''.join(cells)}{_td(reached, 'num')}"
+                    f"{_td(count(srv.count), 'num')}</tr>")  # fmt: skip
+    if not rows:
+        return ""
+    head = ("<tr><th>At the target rate</th><th class=num>p50</th><th class=num>p90</th><th class=num>p99</th>"
+            "<th class=num>mean</th><th class=num>max</th><th class=num>reached</th><th class=num>calls</th></tr>")  # fmt: skip
+    return f'<div class="scroll"><table class="fit"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
 
 
 def _memory(c: Comparison) -> str:
