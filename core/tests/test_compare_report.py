@@ -78,7 +78,7 @@ def comparison(candidates: list[CandidateResult], **settings: object) -> Compari
     return Comparison(
         candidates=candidates, settings=base,
         inputs={"source": "the test data bundled in onnx", "sets": 2,
-                "tensors": [{"x": {"dtype": "float32", "shape": [8, 8]}, "y": {"dtype": "float32", "shape": [8, 8]}}] * 2},
+                "tensors": [{name: {"dtype": "float32", "shape": [8, 8]} for name in "xy"}] * 2},
         problem_notes=["symbol 'batch' of torch is 'batch_size' of the baseline"],
         machine={"cpu": "AMD EPYC 7B13", "cores": 2, "os": "Linux-6.1-x86_64", "python": "3.11.7", "hostname": "vm",
                  "gpus": [{"name": "NVIDIA H200", "memory": 150_000_000_000}], "gpu_driver": "570.1"},
@@ -236,7 +236,9 @@ def test_a_single_candidate_and_no_speed_render() -> None:
     parse(page)
     assert "Speed was not measured" in page and "<th class=num>p50</th>" not in page
     assert [c.findtext("title") for c in svgs(page)] == ["Peak memory"]
-    assert "Speed: not measured" in render_table(quiet)
+    table = render_table(quiet)
+    assert "Speed: not measured" in table and "p50" not in table
+    assert table.splitlines()[0].split() == ["candidate", "verdict", "backend", "load", "peak", "RSS"]  # all on cpu
 
 
 def test_charts_take_zero_missing_and_failed_figures() -> None:
@@ -285,6 +287,8 @@ def test_figures_read_with_their_units() -> None:
     )
     assert duration(None) == "-" and duration(0.0) == "0 ms"
     assert size(79_622_144) == "75.9 MiB" and size(2061) == "2.01 KiB" and size(512) == "512 B" and size(None) == "-"
+    assert size(1023.8 * 1024) == "1,024 KiB" and size(999.7 * 2**20) == "1,000 MiB" and size(3 * 2**40) == "3.00 TiB"
+    assert duration(99.97e-6) == "100 µs" and duration(9.999e-3) == "10.0 ms"
     assert compact(213_456.7) == "213k" and compact(1_706_054.9) == "1.71M" and compact(950) == "950"
     assert error(0.0) == "0" and error(1.234e-7) == "1.2e-07" and error(None, infinite=True) == "inf/NaN"
     assert share(0.0) == "0%" and share(0.75) == "75%" and share(2 / 16) == "12.5%" and share(1 / 8000) == "0.013%"
@@ -311,7 +315,8 @@ def test_the_terminal_table(rich: Comparison) -> None:
     tp = [
         f"{t.items_per_s / 1e3:.3g}k" if t.items_per_s < 1e6 else f"{t.items_per_s / 1e6:.3g}M" for t in base.throughput
     ]
-    assert lines[3].split() == ["onnx", "baseline", "onnx==1.31.1", "cpu", f"{base.load_s * 1e3:.1f}",  # type: ignore[operator]
+    assert base.load_s is not None
+    assert lines[3].split() == ["onnx", "baseline", "onnx==1.31.1", "cpu", f"{base.load_s * 1e3:.1f}",
                                 f"{base.latency.p50 * 1e6:.2f}", f"{base.latency.p99 * 1e6:.2f}", *tp,
                                 f"{base.memory.peak_rss / 2**20:.1f}", "base"]  # fmt: skip
     assert lines[6].split() == ["<script>aler…", "failed", *["-"] * 10]  # cut to fit 100 columns

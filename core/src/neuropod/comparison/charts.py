@@ -42,8 +42,10 @@ def chart_footer(comparison: Comparison) -> list[str]:
     versions = ", ".join([f"neuropod {comparison.neuropod_version}", *frameworks])
     lines.append(clip(f"({versions}; {comparison.date})", FOOTER_CHARS))
     gpus = ", ".join(str(g.get("name", "GPU")) for g in m.get("gpus") or [])
-    lines.append(clip(f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} CPUs, {m.get('os', '?')}, "
-                      f"Python {m.get('python', '?')}" + (f"; GPUs: {gpus}" if gpus else ""), FOOTER_CHARS))  # fmt: skip
+    where = (
+        f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} CPUs, {m.get('os', '?')}, Python {m.get('python', '?')}"
+    )
+    lines.append(clip(where + (f"; GPUs: {gpus}" if gpus else ""), FOOTER_CHARS))
     return lines
 
 
@@ -315,8 +317,8 @@ def memory_chart(comparison: Comparison) -> str | None:
             before = min(m.rss_before_load or 0, m.peak_rss)
             x0, x1, x2 = rss(0), rss(before / scale), rss(m.peak_rss / scale)
             c.rect(x0, y - 10, x1 - x0, 20, GREY, tip=f"before loading: {size(m.rss_before_load)}")
-            c.rect(x1, y - 10, x2 - x1, 20, colour(k),
-                   tip=f"{cand.label}: peak {size(m.peak_rss)}; added by loading and running {size(m.added_rss)}")  # fmt: skip
+            tip = f"{cand.label}: peak {size(m.peak_rss)}; loading and running added {size(m.added_rss)}"
+            c.rect(x1, y - 10, x2 - x1, 20, colour(k), tip=tip)
             added = f" (+{size(m.added_rss)})" if m.added_rss is not None else ""
             c.text(x2 + 6, y + 4, size(m.peak_rss) + added, px=11)
         if gpus:

@@ -81,6 +81,7 @@ figure:first-of-type{margin-top:0}
 .note{color:#5f6b7a;margin:6px 0}
 ul.notes{margin:0;padding-left:20px}ul.notes li{margin:3px 0;overflow-wrap:anywhere}
 footer{color:#5f6b7a;font-size:12.5px;margin-top:18px}
+@media print{body{background:#fff}main{padding:0}section,figure{break-inside:avoid}.scroll{overflow:visible}}
 """
 
 
@@ -96,7 +97,7 @@ def render_html(comparison: Comparison) -> str:
     ]  # fmt: skip
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1"><meta name="color-scheme" content="light">'
         f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body><main>\n"
         + "\n".join(part for part in body if part)
         + "\n</main></body></html>\n"
@@ -109,6 +110,11 @@ def _badge(verdict: str) -> str:
 
 def _swatch(i: int, cand: CandidateResult) -> str:
     return f'<span class="swatch" style="background:{colour(i) if cand.ok else "#c0392b"}"></span>'
+
+
+def _table(head: str, rows: Sequence[str]) -> str:
+    """A table as wide as its figures (scrolling sideways on a narrow screen)."""
+    return f'<div class="scroll"><table class="fit"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
 
 
 def _td(value: str, cls: str = "") -> str:
@@ -191,7 +197,8 @@ def _facts(c: Comparison) -> str:
     ))  # fmt: skip
     rows = [
         ("Date", c.date),
-        ("Machine", f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores; {m.get('os', '?')}; Python {m.get('python', '?')}"),
+        ("Machine", f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores; {m.get('os', '?')}; "
+                    f"Python {m.get('python', '?')}"),
         ("GPUs", gpu_text or "none found (NVML)"),
         ("neuropod", c.neuropod_version),
         ("Inputs", f"{i.get('source', '?')}: {plural(int(i.get('sets', 0)), 'set')}"),
@@ -257,16 +264,16 @@ def _candidates(c: Comparison) -> str:
         "GPU: peak GPU memory of the candidate's processes (NVML)." if gpu else
         "No GPU memory was measured (no NVIDIA GPU seen through NVML).",
     ]  # fmt: skip
-    return (f'<section id="candidates"><h2>Candidates</h2><div class="scroll"><table class="wide">{head}<tbody>'
-            + "".join(rows) + f'</tbody></table></div><p class="note">{esc(" ".join(notes))}</p></section>')  # fmt: skip
+    table = f'<div class="scroll"><table class="wide">{head}<tbody>{"".join(rows)}</tbody></table></div>'
+    return f'<section id="candidates"><h2>Candidates</h2>{table}<p class="note">{esc(" ".join(notes))}</p></section>'
 
 
 def _candidate_row(c: Comparison, i: int, x: CandidateResult, *, timed: bool, gpu: bool,
                    unit: tuple[float, str] | None, load_unit: tuple[float, str]) -> str:  # fmt: skip
     badges = _badge(x.verdict) + (_badge("slow") if x in c.slow else "")
     given = f'<span class="sub mono">{esc(x.given)}</span>' if x.given != x.label else ""
-    facts = ", ".join(v for v in (f"model {x.model_name}" if x.model_name else None,
-                                  f"package {size(x.package_bytes)}" if x.package_bytes is not None else None) if v)  # fmt: skip
+    facts = ", ".join(([f"model {x.model_name}"] if x.model_name else [])
+                      + ([f"package {size(x.package_bytes)}"] if x.package_bytes is not None else []))  # fmt: skip
     where = ", ".join(v for v in (x.location, "OPE worker" if x.use_ope else None,
                                   "served" if x.remote and x.location != "remote" else None) if v)  # fmt: skip
     speed = []
@@ -297,7 +304,8 @@ def _failures(c: Comparison) -> str:
     if not failed:
         return ""
     parts = [f"<h3>{_swatch(i, x)}{esc(x.label)} failed at {esc(x.stage or 'run')}</h3>"
-             f'<div class="error"><pre>{esc(x.error or "no error message")}</pre></div>' for i, x in failed]  # fmt: skip
+             f'<div class="error"><pre>{esc(x.error or "no error message")}</pre></div>'
+             for i, x in failed]  # fmt: skip
     note = '<p class="note">A failed candidate is left out of the charts\' figures; the others are still compared.</p>'
     return '<section id="failures"><h2>Failed candidates</h2>' + "".join(parts) + note + "</section>"
 
@@ -352,7 +360,7 @@ def _output_table(outputs: Sequence[OutputAgreement]) -> str:
     head = ("<tr><th>Output</th><th>dtype</th><th>Compared</th><th class=num>elements</th>"
             "<th class=num>outside</th><th class=num>share outside</th><th class=num>max abs error</th>"
             "<th class=num>max rel error</th><th>Verdict</th></tr>")  # fmt: skip
-    return f'<div class="scroll"><table class="fit"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
+    return _table(head, rows)
 
 
 def _worst_table(o: OutputAgreement) -> str:
@@ -369,7 +377,7 @@ def _worst_table(o: OutputAgreement) -> str:
     head = ("<tr><th class=num>input set</th><th>index</th><th class=num>value</th><th class=num>baseline</th>"
             "<th class=num>abs error</th><th class=num>rel error</th></tr>")  # fmt: skip
     title = f"<h4>Worst elements of <code>{esc(o.name)}</code></h4>"
-    return f'{title}<div class="scroll"><table class="fit"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
+    return title + _table(head, rows)
 
 
 # --- charts and notes -------------------------------------------------------------------------------------
@@ -411,7 +419,7 @@ def _throughput_table(c: Comparison) -> str:
         )  # fmt: skip
         rows.append(f"<tr><td>{_swatch(i, x)}{esc(x.label)}</td>{cells}</tr>")
     head = "<tr><th>Items per second</th>" + "".join(f"<th class=num>batch {b}</th>" for b in sizes) + "</tr>"
-    return f'<div class="scroll"><table class="fit"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
+    return _table(head, rows)
 
 
 def _rate_table(c: Comparison) -> str:
@@ -428,8 +436,9 @@ def _rate_table(c: Comparison) -> str:
     if not rows:
         return ""
     head = ("<tr><th>At the target rate</th><th class=num>p50</th><th class=num>p90</th><th class=num>p99</th>"
-            "<th class=num>mean</th><th class=num>max</th><th class=num>reached</th><th class=num>calls</th></tr>")  # fmt: skip
-    return f'<div class="scroll"><table class="fit"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
+            "<th class=num>mean</th><th class=num>max</th><th class=num>reached</th>"
+            "<th class=num>calls</th></tr>")  # fmt: skip
+    return _table(head, rows)
 
 
 def _memory(c: Comparison) -> str:
@@ -461,12 +470,15 @@ def _method(c: Comparison) -> str:
         steps += [
             f"Latency, one call at a time: {esc(s.get('warmup', '?'))} warm-up calls, then calls one after another "
             f"for {duration_s} s and at least 20 calls, on the first input set.",
-            f"Throughput: calls of one batch (the first input set's rows repeated or cut to the batch size) back to back for "
+            "Throughput: calls of one batch (the first input set's rows repeated or cut to the batch size) back to "
+            f"back for "
             f"{duration_s} s; items per second counts rows.",
         ]  # fmt: skip
         if s.get("rate"):
-            steps.append(f"At a rate: calls due at Poisson-distributed times, {esc(s['rate'])} per second on average, "
-                         f"sent by {SERVER_THREADS} threads; a call's latency counts from when it was due.")  # fmt: skip
+            steps.append(
+                f"At a rate: calls due at Poisson-distributed times, {esc(s['rate'])} per second on average, "
+                f"sent by {SERVER_THREADS} threads; a call's latency counts from when it was due."
+            )
     steps += [
         "Memory: the peak resident set (VmHWM) summed over the candidate's process and the processes it started; "
         "GPU memory: what NVML reports for those processes, sampled while they ran.",

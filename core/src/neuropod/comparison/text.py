@@ -22,9 +22,10 @@ def render_table(comparison: Comparison, *, width: int = 100) -> str:
     # Two header lines: a column's name, then its unit (numbers line up without a unit in every cell).
     head: list[tuple[str, str]] = [("candidate", ""), ("verdict", ""), ("backend", "")]
     head += [] if one_place else [("device", "")]
-    head += [("load", load_unit), ("p50", lat_unit), ("p99", lat_unit)]
+    timed = any(c.latency for c in cands)
+    head += [("load", load_unit)] + ([("p50", lat_unit), ("p99", lat_unit)] if timed else [])
     head += [("items/s" if k == 0 else "", f"@{b}") for k, b in enumerate(sizes)]
-    head += [("peak RSS", mem_unit), ("vs", "base")]
+    head += [("peak RSS", mem_unit)] + ([("vs", "base")] if timed else [])
     text_columns = 3 if one_place else 4
     rows = []
     for i, c in enumerate(cands):
@@ -32,11 +33,10 @@ def render_table(comparison: Comparison, *, width: int = 100) -> str:
         lat = c.latency
         row = [c.label, c.verdict + (" SLOW" if c in comparison.slow else ""), c.backend or "-"]
         row += [] if one_place else [(c.device or "-") + (" ope" if c.use_ope else "")]
-        row += [
-            _in(c.load_s, load_scale), _in(lat.p50 if lat else None, lat_scale),
-            _in(lat.p99 if lat else None, lat_scale), *[compact(tp[b].items_per_s) if b in tp else "-" for b in sizes],
-            _in(c.memory.peak_rss, mem_scale), "base" if i == 0 and lat else times(c.slowdown),
-        ]  # fmt: skip
+        row += [_in(c.load_s, load_scale)]
+        row += [_in(lat.p50 if lat else None, lat_scale), _in(lat.p99 if lat else None, lat_scale)] if timed else []
+        row += [compact(tp[b].items_per_s) if b in tp else "-" for b in sizes] + [_in(c.memory.peak_rss, mem_scale)]
+        row += ["base" if i == 0 and lat else times(c.slowdown)] if timed else []
         rows.append([" ".join(cell.split()) for cell in row])  # one line per row, whatever a label holds
     widths = [max(len(h[0]), len(h[1]), *(len(r[k]) for r in rows)) for k, h in enumerate(head)]
     widths = _fit(widths, width - (len(widths) - 1) - text_columns)

@@ -30,11 +30,11 @@ def number(value: float) -> str:
     if value == 0:
         return "0"
     size = abs(value)
-    if size >= 100:
+    if size >= 99.95:
         return f"{value:,.0f}"
-    if size >= 10:
+    if size >= 9.995:
         return f"{value:.1f}"
-    if size >= 1:
+    if size >= 0.9995:
         return f"{value:.2f}"
     return f"{value:.3g}"
 
@@ -54,11 +54,11 @@ def size(n: int | float | None) -> str:
     if n < 1024:
         return f"{n:.0f} B"
     value = float(n)
-    for name in ("KiB", "MiB", "GiB", "TiB"):
+    for name in ("KiB", "MiB", "GiB"):
         value /= 1024
-        if value < 1024 or name == "TiB":
-            return f"{value:.3g} {name}" if value < 1000 else f"{value:,.0f} {name}"
-    raise AssertionError("unreachable")
+        if value < 1024:
+            return f"{number(value)} {name}"
+    return f"{number(value / 1024)} TiB"
 
 
 def compact(value: float | None) -> str:
