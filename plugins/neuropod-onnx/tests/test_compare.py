@@ -143,21 +143,28 @@ def test_equal_models_agree_and_a_changed_weight_is_caught(base: str, tmp_path: 
     assert result.exit_code == 1 and result.candidates[2].outputs[0].outside == 8
 
 
-def test_strings_and_integers_are_compared_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_strings_bytes_and_integers_are_compared_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     inputs = [("x", "float32", ["batch"])]
-    outputs = [("label", "string", ["batch"]), ("count", "int64", ["batch"])]
+    outputs = [("label", "string", ["batch"]), ("count", "int64", ["batch"]), ("blob", "bytes", ["batch"])]
     body = ("x = inputs['x']\nlabel = np.array(['pos' if v > 0 else 'neg' for v in x], dtype=object)\n"
-            "count = (np.abs(x) * 10).astype(np.int64)\n{}return {{'label': label, 'count': count}}")  # fmt: skip
+            "count = (np.abs(x) * 10).astype(np.int64)\n"
+            "blob = np.array([b'v%d\\0\\0' % i for i in range(len(x))], dtype=object)\n"
+            "{}return {{'label': label, 'count': count, 'blob': blob}}")  # fmt: skip
     a = python_model(tmp_path / "words.neuropod", body.format(""), inputs, outputs)
-    changed = "label[x > 1] = 'big'\ncount[x > 1.5] += 1\n"
+    same = python_model(tmp_path / "same.neuropod", body.format(""), inputs, outputs)
+    # a trailing NUL less is a different value (numpy's fixed-width bytes would drop it unnoticed)
+    changed = "label[x > 1] = 'big'\ncount[x > 1.5] += 1\nblob[0] = b'v0\\0'\n"
     b = python_model(tmp_path / "words2.neuropod", body.format(changed), inputs, outputs)
     np.savez(tmp_path / "x.npz", x=np.array([-0.5, 0.3, 1.2, 2.0], np.float32))
-    code, out, err = run_cli([a, b, "--inputs", str(tmp_path / "x.npz"), "--no-speed"], capsys)
+    code, out, err = run_cli([a, same, b, "--inputs", str(tmp_path / "x.npz"), "--no-speed"], capsys)
     assert code == 1, out + err
+    assert verdicts(out, ["words", "same", "words2"]) == {"words": "baseline", "same": "agrees", "words2": "disagrees"}
     assert "words2: output 'label' disagrees in 2 of 4 elements" in out
     assert "set 1 label[2]: 'big', baseline 'pos'" in out and "set 1 label[3]: 'big', baseline 'pos'" in out
     assert "words2: output 'count' disagrees in 1 of 4 elements" in out
     assert "set 1 count[3]: 21, baseline 20" in out
+    assert "words2: output 'blob' disagrees in 1 of 4 elements" in out
+    assert r"set 1 blob[0]: b'v0\x00', baseline b'v0\x00\x00'" in out
 
 
 # --- the spec check and --map ----------------------------------------------------------------------
