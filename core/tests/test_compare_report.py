@@ -199,7 +199,7 @@ def test_the_page_shows_every_candidate_verdict_output_and_worst_element(rich: C
     assert "x float32 [8, 8]" in text and "sets 1–2" in text
     assert rich.command in text and rich.method in text
     assert "symbol 'batch' of torch" in text  # a problem note
-    assert "How the figures were made" in text and "sent by 8 threads" in text
+    assert "How the figures were made" in text and "200 per second on average, sent by 8 threads" in text
     base = rich.baseline
     assert base.throughput and base.server is not None
     assert f"{base.throughput[2].items_per_s:,.0f}" in text  # the throughput chart's figures in full

@@ -75,6 +75,7 @@ td.nw{white-space:nowrap}
 .badge{display:inline-block;padding:1px 9px;border-radius:10px;color:#fff;font-size:12px;font-weight:650;
  white-space:nowrap;margin:1px 4px 1px 0}
 .error{border-left:4px solid #8e1b10;background:#fbeceb;padding:10px 14px;border-radius:4px;margin:8px 0}
+.error pre{max-height:24em;overflow:auto}
 figure{margin:18px 0 10px;border:1px solid #e3e6ea;border-radius:6px;padding:8px;background:#fff;overflow-x:auto}
 figure svg{display:block;max-width:100%;height:auto;margin:0 auto}
 figure:first-of-type{margin-top:0}
@@ -476,7 +477,7 @@ def _method(c: Comparison) -> str:
         ]  # fmt: skip
         if s.get("rate"):
             steps.append(
-                f"At a rate: calls due at Poisson-distributed times, {esc(s['rate'])} per second on average, "
+                f"At a rate: calls due at Poisson-distributed times, {s['rate']:g} per second on average, "
                 f"sent by {SERVER_THREADS} threads; a call's latency counts from when it was due."
             )
     steps += [
