@@ -31,7 +31,7 @@ from neuropod.comparison.results import (
 )
 from neuropod.comparison.svg import Axis, esc, linear_ticks
 from neuropod.comparison.text import render_table
-from neuropod.comparison.units import compact, duration, error, share, size, time_unit
+from neuropod.comparison.units import compact, duration, error, share, size, time_unit, times
 
 HOSTILE = "<script>alert(1)</script>"
 QUOTES = 'it\'s "quoted" & <b>bold</b>'
@@ -291,6 +291,7 @@ def test_figures_read_with_their_units() -> None:
     assert duration(99.97e-6) == "100 µs" and duration(9.999e-3) == "10.0 ms"
     assert compact(213_456.7) == "213k" and compact(1_706_054.9) == "1.71M" and compact(950) == "950"
     assert error(0.0) == "0" and error(1.234e-7) == "1.2e-07" and error(None, infinite=True) == "inf/NaN"
+    assert times(4.1605) == "4.16x" and times(27.96, "×") == "28.0×" and times(486.01) == "486x" and times(None) == "-"
     assert share(0.0) == "0%" and share(0.75) == "75%" and share(2 / 16) == "12.5%" and share(1 / 8000) == "0.013%"
     assert linear_ticks(0, 25, 6) == [0, 5, 10, 15, 20, 25]
     assert Axis(1.0, 100.0, 0, 200, log=True)(10.0) == pytest.approx(100.0)
@@ -306,9 +307,9 @@ def test_the_terminal_table(rich: Comparison) -> None:
         assert c.label.replace("\n", " ") in table
     assert max(len(line) for line in lines[:8]) <= 100
     assert lines[:3] == [  # units under the names; text left-aligned, numbers right-aligned
-        "candidate      verdict      backend       device  load  p50  p99 items/s             peak RSS     vs",
-        "                                                    ms   µs   µs      @1    @8   @32      MiB   base",
-        "-------------  -----------  ------------  ------  ---- ---- ---- ------- ----- ----- -------- ------",
+        "candidate       verdict      backend       device  load  p50  p99 items/s             peak RSS    vs",
+        "                                                     ms   µs   µs      @1    @8   @32      MiB  base",
+        "--------------  -----------  ------------  ------  ---- ---- ---- ------- ----- ----- -------- -----",
     ]
     base = rich.baseline
     assert base.latency is not None and base.memory.peak_rss is not None
@@ -319,7 +320,7 @@ def test_the_terminal_table(rich: Comparison) -> None:
     assert lines[3].split() == ["onnx", "baseline", "onnx==1.31.1", "cpu", f"{base.load_s * 1e3:.1f}",
                                 f"{base.latency.p50 * 1e6:.2f}", f"{base.latency.p99 * 1e6:.2f}", *tp,
                                 f"{base.memory.peak_rss / 2**20:.1f}", "base"]  # fmt: skip
-    assert lines[6].split() == ["<script>aler…", "failed", *["-"] * 10]  # cut to fit 100 columns
+    assert lines[6].split() == ["<script>alert…", "failed", *["-"] * 10]  # cut to fit 100 columns
     assert f"{HOSTILE}: FAILED at load: no backend for tensorflow {QUOTES}\n    Traceback line two" in table
     assert (
         "perturbed: output 'out' disagrees in 2 of 128 elements (1.56%); max abs error 1, max rel error 0.16" in table
@@ -328,5 +329,6 @@ def test_the_terminal_table(rich: Comparison) -> None:
     assert "    set 1 label_out[7]: 'cat', baseline 'dog'" in table
     assert lines[-1] == f"FAILED: perturbed, {HOSTILE}, torch, {QUOTES}"
     assert "SLOW: torch is 4.20x the baseline's p50 latency (--max-slowdown 2)" in table
+    assert f"SLOW: {QUOTES} is 28.0x the baseline's p50 latency" in table
     ok = comparison([rich.candidates[0], rich.candidates[1]])
     assert render_table(ok).splitlines()[-1] == "PASSED: every candidate agrees with the baseline"

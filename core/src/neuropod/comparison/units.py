@@ -94,8 +94,10 @@ def share(value: float) -> str:
 
 
 def times(value: float | None, sign: str = "x") -> str:
-    """A ratio such as a slowdown: ``4.16x`` (``sign`` ``×`` on a page); ``-`` for None."""
-    return "-" if value is None else f"{value:.2f}{sign}"
+    """A ratio such as a slowdown: ``4.16x``, ``12.5x``, ``486x`` (``sign`` ``×`` on a page); ``-`` for None."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}{sign}" if value >= 99.5 else f"{value:.1f}{sign}" if value >= 9.995 else f"{value:.2f}{sign}"
 
 
 def element(value: object, dtype: str = "", limit: int = 60) -> str:
