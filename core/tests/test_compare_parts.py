@@ -168,6 +168,17 @@ def test_none_and_a_symbol_against_a_fixed_size_fit_and_are_noted() -> None:
     assert notes == ["b's input 'ids': axis 0 is 8 here and 'batch' in the baseline"]
 
 
+def test_a_symbol_fixed_in_one_tensor_still_maps_to_a_symbol_in_another() -> None:
+    # The candidate fixes 'ids' at 8 rows but keeps 'batch' for 'x' and 'out': both fit the baseline.
+    other = facts([ts("x", "float32", "batch", 3), ts("ids", "int64", 8)], [ts("out", "float32", "batch", 4)])
+    assert check_problem(["a", "b"], [BASE, other]) == ["b's input 'ids': axis 0 is 8 here and 'batch' in the baseline"]
+    # A symbol that stands for two of the baseline's symbols does not.
+    two = facts([ts("x", "float32", "n", 3), ts("ids", "int64", "n")], [ts("out", "float32", "n", "n")])
+    base = facts([ts("x", "float32", "batch", 3), ts("ids", "int64", "batch")], [ts("out", "float32", "batch", "k")])
+    with pytest.raises(ProblemMismatch, match="symbol 'n' stands for 'batch' elsewhere and for 'k'"):
+        check_problem(["a", "b"], [base, two])
+
+
 def test_every_difference_is_listed() -> None:
     other = facts(
         [ts("x", "float64", "batch", 3), ts("ids", "int64", "batch", 1), ts("extra", "bool", 2)],
@@ -248,13 +259,14 @@ SPEC = [
 
 
 def test_parse_dims_reads_and_checks_symbols() -> None:
-    assert ins.parse_dims(["batch=5", "other=0"], SPEC) == {"batch": 5, "other": 0}
+    assert ins.parse_dims(["batch=5", "other=1"], SPEC) == {"batch": 5, "other": 1}
     assert ins.parse_dims([], SPEC) == {}
     for text, words in [
         ("batch", "must be SYMBOL=SIZE"),
         ("=3", "must be SYMBOL=SIZE"),
-        ("batch=-1", "at least 0"),
-        ("batch=two", "at least 0"),
+        ("batch=-1", "at least 1"),
+        ("batch=0", "at least 1"),
+        ("batch=two", "at least 1"),
         ("nosuch=3", "no symbol 'nosuch'; its symbols: batch, other"),
     ]:
         with pytest.raises(NeuropodError) as e:

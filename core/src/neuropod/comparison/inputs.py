@@ -38,9 +38,9 @@ def parse_dims(values: Iterable[str], spec: Sequence[TensorSpec]) -> dict[str, i
         try:
             n = int(size)
         except ValueError:
-            n = -1
-        if n < 0:
-            raise NeuropodError(f"--dims {text!r}: the size must be a whole number of at least 0")
+            n = 0
+        if n < 1:
+            raise NeuropodError(f"--dims {text!r}: the size must be a whole number of at least 1")
         out[name] = n
     return out
 

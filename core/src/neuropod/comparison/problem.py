@@ -172,18 +172,17 @@ def _tensor_differences(label: str, kind: str, mine: TensorSpec, theirs: TensorS
             if a != b:
                 out.append(f"{where} has size {a} on axis {axis}, the baseline's has {b}")
             continue
-        key_a, key_b = ("mine", a), ("theirs", b)
-        for key, other in ((key_a, b), (key_b, a)):
-            if isinstance(key[1], str):
-                bound = symbols.setdefault(key, other)
-                if bound != other:
-                    side = label if key[0] == "mine" else "the baseline"
-                    out.append(f"{where}: {side}'s symbol {key[1]!r} stands for {bound!r} elsewhere and for {other!r} "
-                               f"on axis {axis} here")  # fmt: skip
-        if isinstance(a, str) and isinstance(b, str) and a != b:
+        if not (isinstance(a, str) and isinstance(b, str)):  # a symbol against a fixed size fits (noted below)
+            notes.append(f"{where}: axis {axis} is {a!r} here and {b!r} in the baseline")
+            continue
+        for key, other in ((("mine", a), b), (("theirs", b), a)):
+            bound = symbols.setdefault(key, other)
+            if bound != other:
+                side = label if key[0] == "mine" else "the baseline"
+                out.append(f"{where}: {side}'s symbol {key[1]!r} stands for {bound!r} elsewhere and for {other!r} "
+                           f"on axis {axis} here")  # fmt: skip
+        if a != b:
             note = f"{label}: symbol {a!r} is the baseline's {b!r}"
             if note not in notes:
                 notes.append(note)
-        elif isinstance(a, str) != isinstance(b, str):
-            notes.append(f"{where}: axis {axis} is {a!r} here and {b!r} in the baseline")
     return out

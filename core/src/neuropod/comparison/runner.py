@@ -110,6 +110,12 @@ def compare(
     say = progress or (lambda _line: None)
     _check_numbers(rtol=rtol, atol=atol, warmup=warmup, duration=duration, rate=rate, max_slowdown=max_slowdown,
                    timeout=timeout, batch_sizes=batch_sizes)  # fmt: skip
+    if isinstance(candidates, (str, os.PathLike, Candidate)):
+        raise NeuropodError("candidates must be a list of candidates (a package path or URL each), not one "
+                            f"{type(candidates).__name__}: compare([{str(candidates)!r}, ...])")  # fmt: skip
+    if isinstance(inputs, (str, os.PathLike, Mapping)):
+        raise NeuropodError("inputs must be a list of input sets (.npz files or dicts of arrays), not one "
+                            f"{type(inputs).__name__}: inputs=[...]")  # fmt: skip
     parsed = unique_labels([c if isinstance(c, Candidate) else parse_candidate(c, use_ope=use_ope) for c in candidates])
     if not parsed:
         raise NeuropodError("Give at least one candidate (a package path or URL, or a served model's URL)")
@@ -136,7 +142,8 @@ def compare(
     sets: list[InputSet] = []
     source = "none: no candidate could be read"
     if reference is not None:
-        dim_sizes = dict(dims) if isinstance(dims, Mapping) else parse_dims(dims or (), reference.inputs)
+        dim_sizes = parse_dims([f"{k}={v}" for k, v in dims.items()] if isinstance(dims, Mapping) else dims or (),
+                               reference.inputs)  # fmt: skip
         sets, source = _input_sets(parsed, facts, reference, inputs, generate_sets, dim_sizes, seed, trust_pickle)
         check_sets(sets, reference.inputs, source)
     settings = {
@@ -282,7 +289,8 @@ def _run_worker(job: dict[str, Any], work: Path, r: CandidateResult, timeout: fl
         return None
     data = json.loads(result_path.read_text(encoding="utf-8"))
     _fill(r, data)
-    say(f"{'failed: ' + (r.error or '') if r.status == FAILED else 'done'} ({elapsed:.1f} s)")
+    first_line = (r.error or "").strip().splitlines()[:1]
+    say(f"{'failed: ' + ''.join(first_line) if r.status == FAILED else 'done'} ({elapsed:.1f} s)")
     if not data.get("outputs_saved"):
         return None
     return load_sets(Path(job["outputs"]))
