@@ -21,6 +21,7 @@ from neuropod.comparison.results import (
     BASELINE,
     DISAGREES,
     FAILED,
+    NOT_COMPARED,
     CandidateResult,
     Comparison,
     Latency,
@@ -253,6 +254,12 @@ def test_charts_take_zero_missing_and_failed_figures() -> None:
     parse(page)
     assert len(svgs(page)) == 3
     assert "failed at run: no figures" in page and "no error message" in page
+    lone = candidate("lone", "l.neuropod", "onnx", "ort", 2e-6, 3, verdict=NOT_COMPARED,
+                     notes=["not compared: the baseline has no outputs"])  # fmt: skip
+    page = render_html(comparison([c2, lone]))
+    parse(page)
+    assert "<b>lone</b> was not compared: the baseline has no outputs" in page
+    assert "not compared: the baseline has no outputs" in render_table(comparison([c2, lone]))
     nothing = comparison([c2, replace(c2, label="broken#2")])
     page = render_html(nothing)
     parse(page)
