@@ -127,4 +127,6 @@ def _details(c: CandidateResult) -> list[str]:
                        f"baseline {element(w.baseline, o.dtype)}")  # fmt: skip
     for note in c.notes:
         out.append(f"{c.label}: {note}")
+    if c.remote and c.memory.note:  # the peak RSS column is the client's, not the served model's
+        out.append(f"{c.label}: memory: {c.memory.note}")
     return out
