@@ -95,6 +95,13 @@ def test_use_ope_leaves_served_candidates_alone_and_an_ope_pin_on_one_is_refused
     assert not s3.remote and s3.use_ope and s3.backend == "onnx"
 
 
+def test_a_label_named_like_a_folder_is_still_a_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "onnx").mkdir()
+    monkeypatch.chdir(tmp_path)
+    c = parse_candidate("onnx=onnx/model.neuropod@cpu")
+    assert (c.label, c.target, c.device) == ("onnx", "onnx/model.neuropod", "cpu")
+
+
 def test_labels_are_numbered_and_a_given_label_twice_is_refused() -> None:
     got = unique_labels([parse_candidate(t) for t in ("a.neuropod", "b/a.neuropod", "a.zip", "a.neuropod@ope")])
     assert [c.label for c in got] == ["a", "a#2", "a#3", "a@ope"]

@@ -318,7 +318,7 @@ def test_generated_inputs_use_the_dims(base: str, tmp_path: Path, capsys: pytest
     assert inputs["sets"] == 3
     assert inputs["tensors"] == [{"x": {"dtype": "float32", "shape": [5, 3]},
                                   "y": {"dtype": "float32", "shape": [5, 4]}}] * 3  # fmt: skip
-    assert "3 sets generated from the baseline's spec (seed 0; batch_size=5)" in out
+    assert "Inputs: generated from the baseline's spec (seed 0; batch_size=5) (3 sets)" in out
 
 
 # --- speed -----------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def parse_candidate(text: str, *, use_ope: bool = False) -> Candidate:
                                   given=text))  # fmt: skip
     label = ""
     head, eq, rest = text.partition("=")
-    if eq and _LABEL.match(head) and "://" not in head and not os.path.exists(head):
+    if eq and _LABEL.match(head) and "://" not in head:
         label, text_left = head, rest
     else:
         text_left = text

@@ -229,21 +229,21 @@ def _input_sets(
         names = [os.fspath(x) for x in inputs if not isinstance(x, Mapping)]
         return sets, f"--inputs {', '.join(names)}" if names else "the inputs given"
     if generate_sets:
-        return generate(reference.inputs, generate_sets, dims, seed), _generated(generate_sets, dims, seed)
+        return generate(reference.inputs, generate_sets, dims, seed), _generated(dims, seed)
     if dims:
-        return generate(reference.inputs, 1, dims, seed), _generated(1, dims, seed)
+        return generate(reference.inputs, 1, dims, seed), _generated(dims, seed)
     for c, f in zip(parsed, facts):
         if f is not None and f.package is not None and f.has_test_data:
             from neuropod.package import read_package  # lazy: only when test data is read
 
             test_inputs, _ = read_package(f.package).test_data(trust_pickle=trust_pickle)
             return [{f.to_baseline(k): v for k, v in test_inputs.items()}], f"the test data bundled in {c.label}"
-    return generate(reference.inputs, 1, dims, seed), _generated(1, dims, seed) + " (no candidate bundles test data)"
+    return generate(reference.inputs, 1, dims, seed), _generated(dims, seed) + " (no candidate bundles test data)"
 
 
-def _generated(count: int, dims: Mapping[str, int], seed: int) -> str:
+def _generated(dims: Mapping[str, int], seed: int) -> str:
     sizes = ", ".join(f"{k}={v}" for k, v in sorted(dims.items()))
-    return f"{count} set{'' if count == 1 else 's'} generated from the baseline's spec (seed {seed}" + (
+    return f"generated from the baseline's spec (seed {seed}" + (
         f"; {sizes})" if sizes else ")")
 
 
