@@ -1,4 +1,4 @@
-"""The core on a real GPU host: NVML facts, resolution, fresh free memory, GPU workers, and the CLI.
+"""The core on a real GPU host: NVML facts, resolution, fresh free memory, GPU workers, the CLI, and `neuropod compare` on the CPU against cuda:0.
 
 Needs an NVIDIA GPU, torch with CUDA and neuropod-torchscript (neuropod-python too for the worker
 environment check). Every test is marked ``gpu``: skipped with the reason elsewhere, a failure under
@@ -21,6 +21,7 @@ import pytest
 
 import neuropod
 from neuropod import devices
+from neuropod.cli import main as cli_main
 from neuropod.devices import local_host, read_nvml
 from neuropod.errors import NoBackendError, WorkerError
 
@@ -190,3 +191,39 @@ def test_backends_and_explain_on_a_gpu_host(doubler: Path) -> None:
     assert explained.returncode == 0, explained.stdout + explained.stderr
     best = max(host.gpus, key=lambda g: (g.memory_free, -g.index))
     assert f"ok: {best.device} {best.name}" in explained.stdout
+
+
+def test_a_package_on_the_cpu_against_itself_on_the_gpu(tmp_path: Path) -> None:
+    import torch
+
+    from neuropod.packagers import create_torchscript_neuropod
+
+    class Mlp(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(16, 64)
+            self.b = torch.nn.Linear(64, 8)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"y": self.b(torch.tanh(self.a(x)))}
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+    package = create_torchscript_neuropod(
+        tmp_path / "mlp.neuropod", "mlp", [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}],
+        [{"name": "y", "dtype": "float32", "shape": ["batch", 8]}], module=torch.jit.script(Mlp().eval()),
+        test_input_data={"x": x},
+    )  # fmt: skip
+    report = tmp_path / "report.json"
+    status = cli_main([
+        "compare", f"{package}@cpu", f"{package}@cuda:0", "--duration", "0.2", "--warmup", "2",
+        "--batch-sizes", "1,64", "--json", str(report), "--html", str(tmp_path / "report.html"), "-q",
+    ])  # fmt: skip
+    data = json.loads(report.read_text())
+    assert status == 0, data
+    cpu, gpu = data["candidates"]
+    assert (cpu["device"], gpu["device"]) == ("cpu", "cuda:0")
+    assert gpu["verdict"] == "agrees"
+    assert gpu["memory"]["gpu_bytes"] and gpu["memory"]["gpu_bytes"] > 0  # NVML saw the worker's CUDA context
+    assert not cpu["memory"]["gpu_bytes"]
+    assert data["machine"]["gpus"], data["machine"]
