@@ -11,6 +11,7 @@ from typing import Any
 
 from neuropod.errors import PackageError, PluginNotInstalledError
 from neuropod.storage.urls import SCHEMES, shown
+from neuropod.storage.web import denied
 
 #: Bytes read and written at a time: a download holds at most about ``2 * PARALLEL + 4`` of them in
 #: memory (each range read in flight twice while the HTTP client joins its body into one bytes object).
@@ -67,7 +68,11 @@ def object_info(fs: Any, path: str, where: str) -> dict[str, Any]:
         fs.invalidate_cache(path)
     try:
         info = fs.info(path)
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        # fsspec's web filesystem says "not found" for every failed HEAD and GET: its cause has the status.
+        status = _status(e.__cause__) if e.__cause__ is not None else None
+        if status in (401, 403):
+            raise denied(where, status) from None
         raise PackageError(f"No Neuropod package at {where}: {_what_is_missing(fs, path)}") from None
     except Exception as e:  # noqa: BLE001  # every filesystem raises its own: each one worded
         raise store_error(e, where, "reading what is") from None

@@ -20,9 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import neuropod.storage.stores as stores
+import neuropod.storage.web as web
 from neuropod import cache
 from neuropod.errors import NeuropodError, PackageError
-from neuropod.storage.stores import is_ranged, list_files, listed_md5, object_identity, object_info, store_error
+from neuropod.storage.stores import (
+    fs_protocol,
+    is_ranged,
+    list_files,
+    listed_md5,
+    object_identity,
+    object_info,
+    store_error,
+)
+from neuropod.storage.web import Changed, Unfit
 
 log = logging.getLogger("neuropod.storage")
 
@@ -177,10 +187,18 @@ def download(
             if head and not name and not (target.exists() and target.stat().st_size >= len(head[0])):
                 with open(target, "wb") as out:
                     written = out.write(head.pop())
-            sizes[name], md5 = _download_file(fs, source, target, info,
-                                              where if not name else f"{where.rstrip('/')}/{name}",
-                                              md5=expected is not None, head=written)  # fmt: skip
-        same = same and expected is not None and md5 == expected
+            try:
+                sizes[name], md5 = _download_file(fs, source, target, info,
+                                                  where if not name else f"{where.rstrip('/')}/{name}",
+                                                  md5=expected is not None, head=written)  # fmt: skip
+            except Unfit:  # another version's bytes, or too many: nothing of them is kept
+                cache.remove_path(partial)
+                raise
+        if expected is not None and md5 != expected:  # bytes of another version than the one listed
+            cache.remove_path(partial)
+            raise Changed(f"{where} changed while it was being downloaded (its bytes are not those of the "
+                          "version listed); load it again once it is complete")  # fmt: skip
+        same = same and expected is not None
     # The object (or any file under the prefix) rewritten while it was read would mix two versions,
     # or put another version under this one's key: asked again, unless the MD5s said so already.
     if not same:
@@ -220,9 +238,10 @@ def _download_file(
     and with ``md5`` the MD5 of its bytes (hashed as they are written)."""
     size = info.get("size")
     wait = FIRST_WAIT_S
+    ranges = [True]  # a web server that showed it takes no ranges: every attempt starts again
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            have = target.stat().st_size if target.exists() else 0
+            have = target.stat().st_size if target.exists() and ranges[0] else 0
             if size is not None and have > size:
                 target.unlink()
                 have = 0
@@ -233,6 +252,9 @@ def _download_file(
                 return have, digest.hexdigest() if digest is not None else None
             if have and (attempt > 1 or have != head):  # not the first chunk just written
                 log.info("resuming %s from byte %s", where, f"{have:,}")
+            if fs_protocol(fs) in ("http", "https"):
+                written = web.copy(fs, source, target, have, info, where, ranges)
+                return written, None  # a web server lists no MD5
             written = _copy(fs, source, target, have, size, digest)
             return written, digest.hexdigest() if digest is not None else None
         except FileNotFoundError:
