@@ -35,7 +35,7 @@ from neuropod.storage.transfer import (
     s3_probe,
     whole_read_ahead,
 )
-from neuropod.storage.urls import is_package_url, shown
+from neuropod.storage.urls import download_url, is_package_url, shown
 
 
 def downloads_dir() -> Path:
@@ -60,11 +60,13 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
         raise TypeError(f"storage_options must be a dict of the filesystem's options, not {type(storage_options).__name__}")
     fs, path = open_filesystem(url, dict(storage_options or {}))
     where = shown(url)
+    # The URL's query names the package too (?version=3), less what only signs it (a presigned URL).
+    keyed = download_url(url)
     root = cache.make_private_dir("downloads", "download cache")
     # A URL never downloaded here: its first chunk is read while the store is asked what the
     # object is (GCS, Azure: used only when its MD5 proves it whole), a round trip less for a
     # small package.
-    seen = root / "urls" / hashlib.sha256(where.encode()).hexdigest()
+    seen = root / "urls" / hashlib.sha256(keyed.encode()).hexdigest()
     first_time = is_ranged(fs) and not path.endswith("/") and not seen.exists()
     # S3: one GET of the first chunk says what the object is (its ETag, size...) and holds its first
     # chunk (a small object whole): no HEAD, and no MD5 needed to tie the bytes to their identity.
@@ -89,7 +91,7 @@ def fetch(url: str, *, storage_options: Mapping[str, Any] | None = None) -> Path
         files = {"": info}
         identity = object_identity(info)
         kind = ZIP_ENTRY
-    key = hashlib.sha256(json.dumps({"url": where, "kind": kind, "identity": identity}, sort_keys=True,
+    key = hashlib.sha256(json.dumps({"url": keyed, "kind": kind, "identity": identity}, sort_keys=True,
                                     default=str).encode()).hexdigest()  # fmt: skip
     cacheable = all(is_validated(i) for i in identity.values()) if kind == DIR_ENTRY else is_validated(identity)
     entry = root / key

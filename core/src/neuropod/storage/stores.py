@@ -10,7 +10,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from neuropod.errors import PackageError, PluginNotInstalledError
-from neuropod.storage.urls import SCHEMES, shown
+from neuropod.storage.urls import SCHEMES, redact, shown
 from neuropod.storage.web import denied
 
 #: Bytes read and written at a time: a download holds at most about ``2 * PARALLEL + 4`` of them in
@@ -37,7 +37,7 @@ def open_filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     try:
         fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as e:
-        raise PluginNotInstalledError(f"Loading {shown(url)} needs {distribution} ({e}): {hint}") from None
+        raise PluginNotInstalledError(f"Loading {shown(url)} needs {distribution} ({redact(str(e))}): {hint}") from None
     if protocol in ("http", "https"):
         # Ours is the only retry; fsspec's http filesystem must not read whole files into memory.
         options.setdefault("block_size", CHUNK)
@@ -47,7 +47,7 @@ def open_filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     try:
         fs, path = fsspec.core.url_to_fs(target, **options)
     except (TypeError, ValueError) as e:
-        raise PackageError(f"Cannot open {shown(url)} with these storage_options: {e}") from None
+        raise PackageError(f"Cannot open {shown(url)} with these storage_options: {redact(str(e))}") from None
     return fs, path
 
 
@@ -157,7 +157,7 @@ def listed_md5(fs: Any, info: Mapping[str, Any]) -> str | None:
 def store_error(e: BaseException, where: str, doing: str) -> PackageError:
     """A filesystem's exception as a PackageError naming the URL and, for access, what to do."""
     name = type(e).__name__
-    text = str(e) or name
+    text = redact(str(e) or name)  # an HTTP client's words name the URL it requested, signature and all
     if isinstance(e, PermissionError) or _status(e) in (401, 403) \
             or any(s in name for s in ("Credential", "Auth", "Forbidden", "AccessDenied")) \
             or any(s in text for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403 Forbidden")):  # fmt: skip

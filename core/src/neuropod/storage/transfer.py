@@ -32,6 +32,7 @@ from neuropod.storage.stores import (
     object_info,
     store_error,
 )
+from neuropod.storage.urls import redact
 from neuropod.storage.web import Changed, Unfit
 
 log = logging.getLogger("neuropod.storage")
@@ -267,7 +268,7 @@ def _download_file(
             if "No access" in str(error) or attempt == ATTEMPTS:
                 raise error from None
             log.warning("downloading %s failed (%s: %s); retrying in %.1f s (attempt %d of %d)", where,
-                        type(e).__name__, e, wait, attempt + 1, ATTEMPTS)  # fmt: skip
+                        type(e).__name__, redact(str(e)), wait, attempt + 1, ATTEMPTS)  # fmt: skip
             time.sleep(wait)
             wait *= 2
     raise AssertionError("unreachable")
