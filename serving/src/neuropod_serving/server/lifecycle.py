@@ -23,6 +23,7 @@ from neuropod_serving.errors import UnknownModelError
 from neuropod_serving.server.admission import Gate, ModelLimits
 from neuropod_serving.server.batching import Batcher, BatchPolicy, batch_symbol
 from neuropod_serving.server.metrics import NoMetrics, Recorder
+from neuropod_serving.server.polling import RepositoryPolling, failed_load
 from neuropod_serving.server.registry import (
     MODEL_VERSION,
     Catalog,
@@ -102,7 +103,7 @@ def in_several_processes(name: str) -> NeuropodError:
     )
 
 
-class ModelLifecycle:
+class ModelLifecycle(RepositoryPolling):
     """The engine's models: which are served and how (:meth:`get`, :meth:`serving`), and
     loading, reloading, polling, unloading and closing them. :class:`~.engine.Engine` (its
     parameters are documented there) adds the request path.
@@ -351,65 +352,6 @@ class ModelLifecycle:
             raise PackageError("; ".join(failures))
         return self.registry.get(name)
 
-    def poll(self, drain_s: float = 30.0) -> None:
-        """Bring the loaded models in step with the repository as it is now: load the versions
-        the policy serves that are new or whose files changed, and unload those removed from it
-        (after their requests finish, as :meth:`load`). A version that fails to load is logged
-        once, listed with its reason, and tried again only once its files change; it replaces
-        nothing. When a repository PATH cannot be listed, nothing is unloaded this time."""
-        retired: list[tuple[ServedModel, Runner | None]] = []
-        # Listed (and new packages downloaded) before the lock: a slow store holds up no load or unload.
-        catalog = self.registry.scan()
-        with self._lock:
-            if self._closing.is_set():
-                return
-            removals = not catalog.errors
-            if self._said("listing", "; ".join(catalog.errors)):  # once per outage, not once per poll
-                for error in catalog.errors:
-                    log.warning("polling the model repository: %s; nothing is unloaded until it can be listed", error)
-            for name in sorted(set(catalog.models) | set(self.registry.names())):
-                if name not in catalog.models:
-                    if removals:
-                        log.info("model %r is no longer in the repository: unloading it", name)
-                        retired += self._remove(name, self.registry.versions(name))
-                        self._notify(name, None)
-                    continue
-                try:
-                    plan = self.registry.plan(name, catalog)
-                except NeuropodError as e:
-                    self._failed_all(name, e)
-                    if self._said(f"model {name}", str(e)):
-                        log.error("model %r: %s", name, e)
-                    continue
-                self._said(f"model {name}", "")
-                done, _ = self._apply(name, plan, catalog, None, force=False, removals=removals)
-                retired += done
-            self._update_loaded()
-        self._retire(retired, drain_s)
-
-    def _said(self, about: str, message: str) -> bool:
-        """Whether ``message`` about ``about`` is new since the last poll ("": nothing to say now)."""
-        if self._poll_said.get(about, "") == message:
-            return False
-        self._poll_said[about] = message
-        return bool(message)
-
-    def start_polling(self, interval_s: float) -> None:
-        """Call :meth:`poll` every ``interval_s`` seconds on a thread of its own, until :meth:`close`."""
-        if interval_s <= 0:
-            raise ValueError(f"the poll interval is a number of seconds above 0, not {interval_s}")
-        self.poll_interval_s = interval_s
-
-        def run() -> None:
-            while not self._closing.wait(interval_s):
-                try:
-                    self.poll()
-                except Exception:  # a poll's bug must not stop the next one
-                    log.exception("polling the model repository failed")
-
-        self._poller = threading.Thread(target=run, name="neuropod-repository-poll", daemon=True)
-        self._poller.start()
-
     def _apply(
         self, name: str, plan: dict[str, Found], catalog: Catalog, settings: ModelSettings | None, *,
         force: bool, removals: bool = True,
@@ -437,7 +379,8 @@ class ModelLifecycle:
                 continue
             try:
                 served = registry.open(found, name, options)
-            except NeuropodError as e:
+            except BaseException as raised:  # noqa: BLE001 - a model's code may raise anything while it loads
+                e = failed_load(raised)
                 kept = f"; still serving the model loaded before from {current.where}" if current is not None else ""
                 registry.failed(name, version, f"the last load failed: {e}{kept}", found.stamp)
                 if not force:
@@ -538,8 +481,7 @@ class ModelLifecycle:
         repository poll's too) and close every model."""
         self.streams.stop_all("the server is stopping")
         self._closing.set()
-        if self._poller is not None and self._poller is not threading.current_thread():
-            self._poller.join()
+        self._stop_polling()
         if self._sweeper is not None:
             self._sweeper.join()
         with self._lock:

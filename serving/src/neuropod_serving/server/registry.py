@@ -281,7 +281,9 @@ class ModelRegistry:
     def scan(self, *, strict: bool = False, listing: bool = True) -> Catalog:
         """What the repository PATHs hold now.
 
-        :param strict: raise when a PATH holds nothing or cannot be listed (else it is skipped).
+        :param strict: raise when a PATH holds nothing or cannot be listed; else a PATH that cannot
+            be listed is skipped (its error in :attr:`Catalog.errors`) and a folder that holds
+            nothing holds no model.
         :param listing: list URL PATHs again (downloading changed packages); False: take what
             their last listing found.
         :raises PackageError: with ``strict``, as :func:`.versions.scan_local` and
@@ -293,8 +295,8 @@ class ModelRegistry:
             try:
                 if isinstance(source, RemoteRepository):
                     found += source.scan() if listing else source.last
-                else:
-                    found += scan_local(source)
+                else:  # a folder that is there and holds nothing is an empty repository (not strict)
+                    found += scan_local(source, empty_ok=not strict)
             except NeuropodError as e:
                 if strict:
                     raise

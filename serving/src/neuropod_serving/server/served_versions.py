@@ -162,10 +162,13 @@ def _local_stamp(path: Path) -> str:
     return h.hexdigest()
 
 
-def scan_local(path: str | os.PathLike[str]) -> list[Found]:
+def scan_local(path: str | os.PathLike[str], *, empty_ok: bool = False) -> list[Found]:
     """The versions of the models in the repository PATH ``path`` (or the package it is).
 
-    :raises PackageError: PATH does not exist, or holds neither packages nor versioned models.
+    :param empty_ok: a folder that holds no package is an empty repository (a poll after its last
+        model was deleted: every model is unloaded), not an error.
+    :raises PackageError: PATH does not exist or cannot be listed, or (unless ``empty_ok``)
+        holds neither packages nor versioned models.
     """
     p = Path(path)
     if not p.exists():
@@ -174,15 +177,19 @@ def scan_local(path: str | os.PathLike[str]) -> list[Found]:
         return [Found(p, "1", None, str(p), _local_stamp(p))]
     if not p.is_dir():
         raise PackageError(f"{p} is not a Neuropod package: it is neither a directory nor a zip with a {_CONFIG}")
+    try:
+        children = sorted(p.iterdir())
+    except OSError as e:
+        raise PackageError(f"{p} cannot be listed: {e.strerror or e}") from None
     found: list[Found] = []
-    for child in sorted(p.iterdir()):
+    for child in children:
         if child.name.startswith("."):
             continue  # hidden: a copy being made, to be renamed into place
         if is_package(child):
             found.append(Found(child, "1", None, str(child), _local_stamp(child)))
         elif child.is_dir():
             found += _local_versions(child)
-    if not found:
+    if not found and not empty_ok:
         raise PackageError(
             f"{p} holds no Neuropod package: no {_CONFIG} in it, nor in any directory or zip directly inside it, "
             "nor in a numbered version folder of a model folder (MODEL/1/...)"
