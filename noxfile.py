@@ -147,7 +147,7 @@ def tests_storage(session: nox.Session) -> None:
             "core/tests/test_storage_azure.py", "core/tests/test_storage_downloads_identity.py",
             "core/tests/test_storage_secrets.py", env=env)  # fmt: skip
     # A model repository in a bucket, served and polled (neuropod serve s3://...).
-    _pytest(session, "serving/tests/test_versions_s3.py")
+    _pytest(session, "serving/tests/test_versions_s3.py", "serving/tests/test_serve_url_secrets.py")
 
 
 @nox.session(python=DEFAULT_PYTHON, tags=["ci"])
