@@ -65,6 +65,11 @@ def test_every_url_in_a_message_is_redacted() -> None:
     assert "url='https://host:8443/m/a.zip' (then URL('s3://b/k'))" in shown, shown
     assert shown.endswith("query ?sig=...&version=3"), shown
     assert storage.urls.redact("no URL here: a=1") == "no URL here: a=1"
+    # A URL taken for a path, its // collapsed: still without its query.
+    assert (
+        storage.urls.redact("https:/host/m/download?sig=SASSIGSECRET: no such file")
+        == "https:/host/m/download: no such file"
+    )
 
 
 # --- a web server ---------------------------------------------------------------------------------

@@ -263,7 +263,7 @@ def _fail(args: argparse.Namespace, message: str) -> int:
     err = safe_stream(sys.stderr)
     if args.debug:
         traceback.print_exc(file=err)
-    if "://" in message:  # no URL's user, password nor query (a presigned URL's signature), whoever worded it
+    if ":/" in message:  # no URL's user, password nor query (a presigned URL's signature), whoever worded it
         from neuropod.storage.urls import redact  # lazy: neuropod.storage imports numpy, kept out of `neuropod --help`
 
         message = redact(message)

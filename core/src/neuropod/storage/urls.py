@@ -53,6 +53,8 @@ _SIGNING_SETS = {
 }  # fmt: skip
 #: A URL in a message (an HTTP client's exception carries the one it requested, signature and all).
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+#: A URL whose ``//`` a path normalisation collapsed (``http:/host/m?sig=...`` named as a file).
+_COLLAPSED_URL_IN_TEXT = re.compile(r"\b(?:https?|s3a?|gs|gcs|az|abfss?):/(?!/)[^\s'\"<>`?#]*[?#][^\s'\"<>`]*")
 #: Signing parameters outside a URL (a query quoted on its own).
 _SIGNING_IN_TEXT = re.compile(
     r"(?i)(?<=[?&])(x-amz-[a-z-]*|x-goog-[a-z-]*|sig|signature|key-pair-id|policy|awsaccesskeyid|googleaccessid"
@@ -78,7 +80,7 @@ def redact(text: str) -> str:
     """``text`` with every URL in it as :func:`shown` shows it (no user, password, query, fragment),
     and any signing parameter quoted outside a URL without its value: for messages and log lines
     that carry another library's words (an HTTP client's exception names the URL it requested)."""
-    if "://" not in text and "=" not in text:
+    if ":/" not in text and "=" not in text:
         return text
 
     def one(match: re.Match[str]) -> str:
@@ -86,7 +88,13 @@ def redact(text: str) -> str:
         body = url.rstrip(".,;:!?)]}")
         return shown(body) + url[len(body) :]
 
-    return _SIGNING_IN_TEXT.sub(lambda m: m.group(0).split("=", 1)[0] + "=...", _URL_IN_TEXT.sub(one, text))
+    def collapsed(match: re.Match[str]) -> str:
+        url = match.group(0)
+        body = url.rstrip(".,;:!?)]}")
+        return re.split(r"[?#]", body, maxsplit=1)[0] + url[len(body) :]
+
+    text = _COLLAPSED_URL_IN_TEXT.sub(collapsed, _URL_IN_TEXT.sub(one, text))
+    return _SIGNING_IN_TEXT.sub(lambda m: m.group(0).split("=", 1)[0] + "=...", text)
 
 
 def download_url(url: str) -> str:
@@ -94,7 +102,10 @@ def download_url(url: str) -> str:
     sign it. Two URLs that differ in their query (``?version=3``, ``?version=4``) are two packages;
     a presigned URL signed again (AWS ``X-Amz-*``, GCS ``X-Goog-*``, Azure's SAS token ``sig``, ``se``,
     ``sp``..., ``Signature``/``Expires``/``Key-Pair-Id``) is the same one. Never shown: a key is its hash."""
-    query = urlsplit(url).query
+    try:
+        query = urlsplit(url).query
+    except ValueError:  # not a URL urllib can read: the store says so when it is opened
+        query = ""
     if not query:
         return shown(url)
     fields = [f for f in re.split(r"[&;]", query) if f]
