@@ -9,10 +9,16 @@ answers are computed with numpy (:mod:`versions_helpers`).
 
 from __future__ import annotations
 
+import functools
+import http.server
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,11 +29,13 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("neuropod_python")
 pytest.importorskip("httpx")
 
-from versions_helpers import answer, build_scalers, expected, index, infer, place, serving, wait_for
+from versions_helpers import answer, build_scalers, expected, index, infer, place, serving, wait_for, zip_of
 
-from conftest import private_caches, python_package
+from conftest import free_port, private_caches, python_package
 
 POLL_S = 0.1
+#: How soon a server stops after SIGINT or SIGTERM while a poll waits on a store that does not answer.
+STOP_WITHIN_S = 8.0
 
 #: A version whose code parses arguments at import, as a training script does: with the arguments
 #: it was packaged with it loads; where the server loads it (SCALER_ARGS empty) argparse exits
@@ -67,7 +75,9 @@ def test_a_version_that_exits_while_loading_is_a_failed_load_and_polling_goes_on
     with serving([repo], poll=POLL_S) as (engine, http):
         assert answer(http) == ("1", expected(1))
         place(scalers[0], repo / "scaler" / "2")  # its code raises SystemExit while it loads
-        wait_for("version 2's failure to be listed", lambda: "the last load failed" in index(http)[("scaler", "2")]["reason"])
+        wait_for(
+            "version 2's failure to be listed", lambda: "the last load failed" in index(http)[("scaler", "2")]["reason"]
+        )
         entry = index(http)[("scaler", "2")]
         assert entry["state"] == "UNAVAILABLE" and "SystemExit" in entry["reason"], entry
         assert answer(http) == ("1", expected(1))  # version 1 keeps serving
@@ -117,3 +127,93 @@ def test_an_unreadable_repository_folder_unloads_nothing(tmp_path: Path, scalers
         finally:
             repo.chmod(0o755)
         assert answer(http) == ("1", expected(1))
+
+
+class _Store(http.server.SimpleHTTPRequestHandler):
+    """A web server's files (a package URL's) that stops answering once ``hang`` is set: it
+    accepts each connection and never replies, until ``release`` is set."""
+
+    hang = threading.Event()
+    release = threading.Event()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _stalled(self) -> bool:
+        if self.hang.is_set():
+            self.release.wait(60)
+            return True
+        return False
+
+    def do_HEAD(self) -> None:
+        if not self._stalled():
+            super().do_HEAD()
+
+    def do_GET(self) -> None:
+        if not self._stalled():
+            super().do_GET()
+
+
+@pytest.fixture
+def hanging_store(tmp_path: Path, scalers: dict[int, Path]) -> Iterator[tuple[str, type[_Store]]]:
+    """(the URL of a ``scaler`` package zip on a local web server, its handler class: set ``hang``)."""
+    (tmp_path / "www").mkdir()
+    zip_of(scalers[1], tmp_path / "www" / "scaler.neuropod")
+    handler = type("Store", (_Store,), {"hang": threading.Event(), "release": threading.Event()})
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(handler, directory=str(tmp_path / "www"))
+    )
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/scaler.neuropod", handler
+    finally:
+        handler.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_the_server_stops_within_seconds_while_its_polled_store_hangs(
+    tmp_path: Path, hanging_store: tuple[str, type[_Store]], sig: signal.Signals
+) -> None:
+    import httpx
+
+    url, store = hanging_store
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "neuropod", "serve", url, "--poll-interval", str(POLL_S), "--http-port", str(port),
+             "--grpc-port", "0", "--metrics-port", "0", "--quiet"],
+            stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(),
+        )  # fmt: skip
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+
+            def ready() -> bool:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    return client.get("/v2/health/ready").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for("the server to start", ready, 60)
+            assert answer(client) == ("1", expected(1))
+        store.hang.set()  # the store now accepts connections and never answers: a poll waits on it
+        time.sleep(10 * POLL_S)
+        stopped = time.monotonic()
+        proc.send_signal(sig)
+        try:
+            proc.wait(STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"neuropod serve did not exit within {STOP_WITHIN_S} s of {sig.name}:\n{log.read_text()}")
+        assert time.monotonic() - stopped < STOP_WITHIN_S
+        if sig == signal.SIGINT:  # Ctrl-C closes the models: it waited for the poll a bounded time, and said so
+            assert "did not end within" in log.read_text(), log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
