@@ -176,13 +176,16 @@ def _extract_once(
 
 
 @contextlib.contextmanager
-def entry_lock(packages: Path, digest: str) -> Iterator[None]:
+def entry_lock(packages: Path, digest: str, *, wait: bool = True) -> Iterator[bool]:
     """Serialize the processes that extract or repair one entry (or download one object: see
     :mod:`neuropod.storage`), by a lock named ``digest`` beside ``packages``.
 
     Without it, N workers starting together would each unpack the same zip
     (N times the disk), and one repairing a bad entry could delete the good
     one another has just put in its place. Readers of a sound entry never wait.
+
+    :param wait: False: do not wait for a process that holds it; the context then yields False
+        (and holds nothing), else True.
     """
     locks = packages.parent / "locks"
     try:
@@ -191,8 +194,12 @@ def entry_lock(packages: Path, digest: str) -> Iterator[None]:
     except OSError as e:
         raise PackageError(f"Cannot create a lock in the package cache at {locks}: {e.strerror}") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
+        except BlockingIOError:  # held by another (wait=False only)
+            held = False
+        yield held
     finally:
         os.close(fd)  # closing releases the lock
 

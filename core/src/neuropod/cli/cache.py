@@ -41,8 +41,12 @@ def cmd_cache_prune(args: argparse.Namespace, out: TextIO) -> int:
     gone = storage.prune_downloads(args.days, dry_run=args.dry_run)
     verb = "Would remove" if args.dry_run else "Removed"
     for path, url, size in gone:
-        print(f"{verb} {url or path} ({size:,} bytes, {path})", file=out)
+        # A partial download (no URL recorded yet): what an interrupted download left.
+        print(f"{verb} {url} ({size:,} bytes, {path})" if url else f"{verb} {path} ({size:,} bytes, left by an "
+              "interrupted download)", file=out)  # fmt: skip
     total = sum(size for _, _, size in gone)
-    print(f"{verb} {len(gone)} download(s) unused for {args.days:g} day(s), {total:,} bytes, from "
-          f"{storage.downloads_dir()}", file=out)  # fmt: skip
+    partial = sum(1 for _, url, _ in gone if not url)
+    interrupted = f" and {partial} partial one(s) of interrupted downloads" if partial else ""
+    print(f"{verb} {len(gone) - partial} download(s) unused for {args.days:g} day(s){interrupted}, {total:,} bytes, "
+          f"from {storage.downloads_dir()}", file=out)  # fmt: skip
     return 0

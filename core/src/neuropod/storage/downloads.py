@@ -8,9 +8,10 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,10 @@ from neuropod.storage.transfer import (
     whole_read_ahead,
 )
 from neuropod.storage.urls import download_url, is_package_url, shown
+
+#: A download not finished: ``<key>.partial``, a zip object's file or a prefix's directory, written
+#: under the key's lock; what a killed download left is resumed by the next load of its URL.
+_PARTIAL = re.compile(r"([0-9a-f]{64})\.partial")
 
 
 def downloads_dir() -> Path:
@@ -140,8 +145,9 @@ def verify_downloads(repair: bool = False) -> list[str]:
     """Check every download against its record: each file there, a regular file of the size the store
     listed (the package's own hashes are checked by every load).
 
-    :param repair: remove each bad download (it is downloaded again when its URL is next loaded) and
-        each temporary directory an interrupted download left.
+    :param repair: remove each bad download (it is downloaded again when its URL is next loaded), and
+        each temporary directory and partial download an interrupted download left (no process
+        writing it, none of it written for :data:`cache.STALE_SECONDS`).
     :returns: one line per problem, naming the download, its URL and what is wrong (ending in
         "(removed)" when ``repair`` removed it); empty when every download is sound.
     """
@@ -169,8 +175,14 @@ def verify_downloads(repair: bool = False) -> list[str]:
             reason = "a temporary directory left by an interrupted download" if old else None
             if reason and repair:
                 cache.remove_path(path)
+        elif _PARTIAL.fullmatch(child.name):
+            with _stale_partial(root, child.name, cache.STALE_SECONDS) as stale:
+                reason = ("a partial download left by an interrupted download (nothing written in it for "
+                          f"{cache.STALE_SECONDS // 60} minutes)") if stale else None  # fmt: skip
+                if reason and repair:
+                    cache.remove_path(path)
         else:
-            continue  # urls/, locks/ and partial downloads (resumed by the next load of their URL)
+            continue  # urls/, locks/
         if reason:
             shown_url = f" ({url})" if url else ""
             problems.append(f"{path}{shown_url}: {reason}" + (" (removed)" if repair else ""))
@@ -212,11 +224,14 @@ def _check_download(entry: Path, key: str) -> tuple[str | None, str]:
 
 def prune_downloads(days: float = 30, *, dry_run: bool = False) -> list[tuple[Path, str, int]]:
     """Remove the downloads no load has used for ``days`` days (a download is used when a load of its
-    URL finds its objects unchanged): old versions of packages, objects since deleted.
+    URL finds its objects unchanged): old versions of packages, objects since deleted; and the partial
+    downloads interrupted ones left (no process writing them, none of it written for ``days`` days or
+    :data:`cache.STALE_SECONDS`, whichever is shorter).
 
     :param days: a number >= 0; 0 removes every download not being made right now.
     :param dry_run: only say which would go.
-    :returns: (path, URL, bytes) of each download removed (or that would be).
+    :returns: (path, URL, bytes) of each download removed (or that would be); a partial download's
+        URL is "" (it has no record yet).
     """
     if isinstance(days, bool) or not isinstance(days, (int, float)) or not (days >= 0):
         raise ValueError(f"days must be a number >= 0, not {days!r}")
@@ -228,9 +243,18 @@ def prune_downloads(days: float = 30, *, dry_run: bool = False) -> list[tuple[Pa
     gone = []
     now = time.time()
     for child in children:
+        path = Path(child.path)
+        if _PARTIAL.fullmatch(child.name):
+            with _stale_partial(root, child.name, min(days * 86400, cache.STALE_SECONDS)) as stale:
+                if not stale:
+                    continue
+                size = _size(path)
+                if not dry_run:
+                    cache.remove_path(path)
+            gone.append((path, "", size))
+            continue
         if not cache.HEX64.fullmatch(child.name):
             continue
-        path = Path(child.path)
         with cache.entry_lock(root, child.name):
             try:
                 used = os.stat(path / RECORD_FILE).st_mtime
@@ -239,8 +263,41 @@ def prune_downloads(days: float = 30, *, dry_run: bool = False) -> list[tuple[Pa
             if now - used < days * 86400:
                 continue
             _, url = _check_download(path, child.name)
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+            size = _size(path)
             if not dry_run:
                 cache.remove_path(path)
         gone.append((path, url, size))
     return gone
+
+
+def _size(path: Path) -> int:
+    """The bytes of the regular files at or under ``path``."""
+    if path.is_file() and not path.is_symlink():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+@contextlib.contextmanager
+def _stale_partial(root: Path, name: str, older_than: float) -> Iterator[bool]:
+    """Whether the partial download ``root/name`` is left over: no process holds its key's lock (a
+    download holds it while it writes there) and nothing in it was written for ``older_than`` seconds
+    (a recent one is kept for the next load of its URL to resume). True: the lock is held meanwhile,
+    so that no download takes it up while it is removed."""
+    key = name.removesuffix(".partial")
+    with cache.entry_lock(root, key, wait=False) as held:
+        try:
+            stale = held and time.time() - _last_written(root / name) >= older_than
+        except OSError:  # gone meanwhile
+            stale = False
+        yield stale
+
+
+def _last_written(path: Path) -> float:
+    """When ``path`` (a file, or a directory and everything under it) was last written."""
+    newest = os.lstat(path).st_mtime
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        for dirpath, dirs, files in os.walk(path):
+            for name in (*dirs, *files):
+                with contextlib.suppress(OSError):
+                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+    return newest
