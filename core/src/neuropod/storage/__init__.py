@@ -18,7 +18,9 @@ Downloads live in the cache (:func:`neuropod.cache.cache_dir`)::
         record.json    written last: the URL (no credentials, no query),
                        what identified the object, each file's size
 
-The key is the sha256 of the URL and what the store says identifies the
+The key is the sha256 of the URL (its query too, less the parameters that
+only sign it: a presigned URL signed again is the same package, see
+:func:`~neuropod.storage.urls.download_url`) and what the store says identifies the
 object's content: its ETag, version id, generation or MD5 and its size (a
 directory: those of every file under it). A load whose object still has the
 same identity takes the download already made, without reading it again; a
@@ -32,12 +34,15 @@ the store's identity once complete (an object rewritten meanwhile is fetched
 again), then renamed into place with its record last: an interrupted or
 concurrent download never leaves anything a later load would take. Processes
 fetching the same object wait for one another (a lock per key); a partial
-file left by a killed one is resumed by the next. The package's manifest is
+file left by a killed one is resumed by the next (``neuropod cache prune`` and
+``cache verify --repair`` remove one nothing wrote in for an hour). The package's manifest is
 checked by the load itself, as for a local package.
 
 Credentials come from each filesystem's own chain (environment variables,
 config files, instance metadata) or ``storage_options``; neither the URL's
-user, password and query nor any option is logged or written to the cache.
+user, password and query nor any option is logged or written to the cache
+(every URL in a message, the store's own words included, passes through
+:func:`~neuropod.storage.urls.redact`).
 """
 
 from neuropod.storage.downloads import downloads_dir, fetch, list_objects, prune_downloads, verify_downloads
