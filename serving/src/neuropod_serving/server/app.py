@@ -41,6 +41,7 @@ from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal
 from neuropod_serving.server.metrics import CONTENT_TYPE, ServerMetrics
 from neuropod_serving.server.model_config import model_config
+from neuropod_serving.server.model_exits import EXITS, model_exited
 from neuropod_serving.server.registry import ServedModel
 from neuropod_serving.server.rest_io import (
     INLINE_BODY_BYTES,
@@ -208,6 +209,9 @@ class _RawInfer:
             return
         except Exception as e:  # noqa: BLE001 - answered; answer_to logs what is no NeuropodError
             await send_error(send, *answer_to(e, name))
+            return
+        except EXITS as e:  # a model's sys.exit() that reached here another way (see model_exits)
+            await send_error(send, *answer_to(model_exited(name, e), name))
             return
         finally:
             if held is not None:

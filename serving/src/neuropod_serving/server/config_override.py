@@ -305,10 +305,11 @@ def _check_tensor(entry: dict[str, Any], spec: TensorSpec, symbol: str | None, w
     if dims is None:
         return
     full = [d if isinstance(d, int) else -1 for d in spec.shape]
-    try:
-        given = [int(d) for d in dims]  # protobuf's JSON writes int64 as strings
-    except (TypeError, ValueError):
-        raise ProtocolError(f"{where}: dims is a list of whole numbers, not {dims!r}") from None
+    if not isinstance(dims, list):
+        raise ProtocolError(f"{where}: dims is a list of whole numbers (-1: any size), not {dims!r}")
+    # Each a whole number, also as protobuf's JSON writes int64 (a string of digits); never a
+    # fraction, a bool or a number JSON cannot hold (1e999, -Infinity, NaN), named.
+    given = [_int(d, f"{where}: dims[{i}]", -1, 1 << 62) for i, d in enumerate(dims)]
     folded = full[1:] if symbol is not None else None
     if given != full and given != folded:
         also = f" (or {folded} without the batch dimension)" if folded is not None else ""

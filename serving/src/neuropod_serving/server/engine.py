@@ -38,8 +38,6 @@ are, and checking costs about 0.07 µs an input.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -54,7 +52,9 @@ from neuropod_serving.protocol.options import RequestOptions
 from neuropod_serving.server.admission import Deadline, NotStarted, request_deadline, until, wait
 from neuropod_serving.server.batching import writable
 from neuropod_serving.server.classification import Classifier
+from neuropod_serving.server.full_collections import FullCollections
 from neuropod_serving.server.lifecycle import ModelLifecycle, Runner
+from neuropod_serving.server.model_exits import EXITS, is_users_interrupt, model_exited
 from neuropod_serving.server.registry import ServedModel
 from neuropod_serving.server.streams import ServedStream
 
@@ -77,37 +77,6 @@ INLINE_BELOW_S = 0.001
 SLOW_RUN_S = 0.02
 # Weight of the newest run in the moving average of a model's run time.
 _EWMA = 0.2
-
-
-class _FullCollections:
-    """Seconds this process has spent in full garbage collections (generation 2), counted by a
-    ``gc`` callback. A full collection stops every thread for as long as the heap takes to scan
-    (about 10 to 20 ms in a server process): a run it fell into is not the model being slow."""
-
-    seconds = 0.0
-    _began = 0.0
-    # Held here, not looked up in the module: the interpreter's last collections, at exit, run
-    # after module globals are cleared.
-    _clock = staticmethod(time.perf_counter)
-
-    @classmethod
-    def callback(cls, phase: str, info: dict[str, Any]) -> None:
-        if info["generation"] == 2:
-            if phase == "start":
-                cls._began = cls._clock()
-            else:
-                cls.seconds += cls._clock() - cls._began
-
-
-gc.callbacks.append(_FullCollections.callback)
-
-
-@atexit.register
-def _unhook_full_collections() -> None:
-    """Unhooked at exit, before the interpreter tears modules down: a collection during that
-    teardown could call it half torn down and print "Exception ignored in: ..." with a traceback."""
-    if _FullCollections.callback in gc.callbacks:
-        gc.callbacks.remove(_FullCollections.callback)
 
 
 #: What :meth:`Engine.infer` raises when the request is at fault, not the model:
@@ -491,7 +460,7 @@ class Engine(ModelLifecycle):
             inputs = copied
             started = time.perf_counter()
         cpu = time.thread_time()
-        collected = _FullCollections.seconds
+        collected = FullCollections.seconds
         ok = False
         try:
             if step is not None:  # a step of a stateful model's sequence
@@ -505,6 +474,10 @@ class Engine(ModelLifecycle):
                 outputs = runner.served.model.infer(inputs, requested, parameters=parameters)
             ok = True
             return outputs
+        except EXITS as e:  # the model's sys.exit(): its request fails, the server lives (see model_exits)
+            if is_users_interrupt(e):
+                raise
+            raise model_exited(runner.served.name, e) from e
         finally:
             seconds = _learn(runner, inputs, started, cpu, collected, queued is not None)
             if ok:
@@ -522,11 +495,15 @@ class Engine(ModelLifecycle):
         on the event loop. The batcher records the metrics."""
         started = time.perf_counter()
         cpu = time.thread_time()
-        collected = _FullCollections.seconds
+        collected = FullCollections.seconds
         try:
             if parameters is None:
                 return runner.served.model.infer(inputs, requested)
             return runner.served.model.infer(inputs, requested, parameters=parameters)
+        except EXITS as e:  # as in _run: the batch's requests fail, the batcher's thread lives
+            if is_users_interrupt(e):
+                raise
+            raise model_exited(runner.served.name, e) from e
         finally:
             _learn(runner, inputs, started, cpu, collected, True)
 
@@ -535,7 +512,7 @@ def _learn(
     runner: Runner, inputs: Mapping[str, np.ndarray], started: float, cpu: float, collected: float, on_thread: bool
 ) -> float:
     """Learn from a run of ``runner``'s model begun at ``started`` (``cpu``: the thread's CPU
-    time then, ``collected``: :class:`_FullCollections` seconds then) whether it may run on the
+    time then, ``collected``: :class:`FullCollections` seconds then) whether it may run on the
     event loop (:attr:`~.lifecycle.Runner.inline_ok`, ``ewma_s``, ``inline_bytes``); the run's seconds.
 
     :param on_thread: the run was not on the event loop (only such runs raise ``inline_bytes``).
@@ -543,7 +520,7 @@ def _learn(
     seconds = time.perf_counter() - started
     # The model's own time: without the full collections the run fell into (whichever thread
     # ran them, every thread waited); the metrics keep what the request took.
-    ran = seconds - (_FullCollections.seconds - collected)
+    ran = seconds - (FullCollections.seconds - collected)
     # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
     if (
         ran >= SLOW_RUN_S

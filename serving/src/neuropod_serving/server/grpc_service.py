@@ -34,6 +34,8 @@ model                         doesn't support models with decoupled transaction
 the server is stopping        UNAVAILABLE (a stream's request in flight)
 a package that fails to load  INVALID_ARGUMENT, naming the model and why
 the model failed              INTERNAL, naming the model; logged
+                              (also one that raised SystemExit or
+                              KeyboardInterrupt: at once)
 statistics asked of an        UNIMPLEMENTED, saying why (no ServerMetrics:
 engine that keeps none        embedded, or a Ray Serve replica)
 ============================  ==========================================
@@ -72,6 +74,7 @@ from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal, escape_log
 from neuropod_serving.server.metrics import ServerMetrics
 from neuropod_serving.server.model_config import model_config, model_config_message
+from neuropod_serving.server.model_exits import EXITS, model_exited
 from neuropod_serving.server.statistics import NO_STATISTICS, served_statistics, statistics_response
 
 log = logging.getLogger("neuropod_serving.server")
@@ -300,6 +303,9 @@ def wrap(
             return handler(request, context)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status (status_of logs the unexpected)
             code, details = status_of(e, method, _model(model_of, request) or "?")
+        except EXITS as e:  # a model's sys.exit(): answered at once, the worker thread lives (see model_exits)
+            model = _model(model_of, request) or "?"
+            code, details = status_of(model_exited(model, e), method, model)
         finally:
             if access_log and access.isEnabledFor(logging.INFO):
                 access.info(

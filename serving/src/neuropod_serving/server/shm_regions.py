@@ -7,11 +7,16 @@ request's tensor parameters instead of sending the tensor: the server copies the
 input out of the region and writes the requested output into it.
 
 - **System regions** are POSIX shared memory objects (``/dev/shm/<key>``), opened
-  read/write with ``O_NOFOLLOW`` (a link is refused) and ``O_NONBLOCK``, checked to
-  be a regular file at least ``offset + byte_size`` long, and mapped once at
-  registration. The mapping (and the one descriptor Python's mmap keeps) is closed at
-  unregistration or when the server stops; the object itself is the client's and is
-  never unlinked.
+  read/write with ``O_NOFOLLOW`` (a link is refused) and ``O_NONBLOCK`` and checked to
+  be a regular file at least ``offset + byte_size`` long at registration. The server
+  keeps that one descriptor (closed at unregistration or when the server stops; the
+  object itself is the client's and is never unlinked) and copies through it with
+  ``pread``/``pwrite``, never through a mapping: a client that shrinks (truncates) the
+  object while a request copies through it cannot fault the server (a read through a
+  mapping past the object's new end would kill the whole process with SIGBUS). A read
+  that comes back short is a 400 naming the region; a write and a truncation exclude
+  each other in the kernel, so the output is written whole (the object is then as long
+  as the write needs) or the truncation comes first and the request is refused.
 - **CUDA regions** are CUDA IPC handles opened with the CUDA runtime library
   (``libcudart``, looked up when the first one is registered, never at import, by
   :mod:`~neuropod_serving.server.cuda_ipc`): only where NVML sees a GPU and the library loads.
@@ -25,8 +30,8 @@ input out of the region and writes the requested output into it.
 - **Every bound is checked before memory is touched**: an unknown region, an offset past
   the region's end, a tensor running past it, a byte size that disagrees with the shape,
   an output larger than its place, a segment the client shrank after registering it
-  (checked with ``fstat`` before each copy) are each a :class:`ProtocolError` (400,
-  INVALID_ARGUMENT) naming the region and the tensor.
+  (checked with ``fstat`` before each copy, and by the length each read gets) are each a
+  :class:`ProtocolError` (400, INVALID_ARGUMENT) naming the region and the tensor.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ from __future__ import annotations
 import base64
 import errno
 import logging
-import mmap
 import os
 import stat
 import sys
@@ -124,57 +128,70 @@ class _SystemRegion(_Region):
         super().__init__(name, byte_size)
         self.key = key
         self.offset = offset
+        self._end = offset + byte_size  # in the segment: it must stay at least this long
         fd = _open_segment(name, key)
         try:
             size = os.fstat(fd).st_size
-            if offset + byte_size > size:
-                raise _refused(
-                    f"cannot register system shared memory region {name!r}: {byte_size} bytes at offset {offset} "
-                    f"of {key!r} need it to be at least {offset + byte_size} bytes, but it is {size}"
-                )
-            # mmap's offset must be a multiple of the allocation granularity: map from the one below.
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            self._start = offset - start
-            self._end = offset + byte_size  # in the segment: it must stay at least this long
-            self._mm = mmap.mmap(fd, self._start + byte_size, offset=start)
         except OSError as e:
-            raise _refused(f"cannot map system shared memory region {name!r} ({key!r}): {e.strerror or e}") from None
-        finally:
             os.close(fd)
+            raise _refused(f"cannot register system shared memory region {name!r} ({key!r}): {e.strerror or e}") from None
+        if self._end > size:
+            os.close(fd)
+            raise _refused(
+                f"cannot register system shared memory region {name!r}: {byte_size} bytes at offset {offset} "
+                f"of {key!r} need it to be at least {self._end} bytes, but it is {size}"
+            )
+        self._fd = fd
+
+    @property
+    def closed(self) -> bool:
+        """Whether its descriptor was closed (it was unregistered and no request holds it)."""
+        return self._fd < 0
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
+    def _shrank(self, size: int) -> ProtocolError:
+        return _refused(
+            f"{self.describe()} needs {self.key!r} to be at least {self._end} bytes, but the client shrank it "
+            f"to {size} since it was registered; register the region again"
+        )
+
     def _check_segment(self) -> None:
-        # A client may shrink its object after registering it; touching a page past its end
-        # would kill the server with SIGBUS. (A shrink between this check and the copy cannot be seen.)
+        # A shrink before the copy is refused here, with the size it has now; one during a read
+        # shows as a short read, and a write re-extends the object rather than fault.
         try:
-            size = self._mm.size()
-        except (OSError, ValueError) as e:
-            raise _refused(f"{self.describe()} cannot be used: {e}") from None
+            size = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise _refused(f"{self.describe()} cannot be used: {e.strerror or e}") from None
         if size < self._end:
-            raise _refused(
-                f"{self.describe()} needs {self.key!r} to be at least {self._end} bytes, but the client shrank it "
-                f"to {size} since it was registered; register the region again"
-            )
+            raise self._shrank(size)
 
     def read(self, offset: int, size: int) -> np.ndarray[Any, Any]:
         self._check_segment()
         out = np.empty(size, np.uint8)
         if size:
-            out[:] = np.frombuffer(self._mm, np.uint8, size, self._start + offset)
+            try:
+                got = _read_into(self._fd, out, self.offset + offset)
+            except OSError as e:
+                raise _refused(f"{self.describe()} cannot be read: {e.strerror or e}") from None
+            if got < size:
+                self._check_segment()  # raises, naming the size it shrank to
+                raise self._shrank(self.offset + offset + got)  # shrunk and grown again meanwhile
         return out
 
     def write(self, offset: int, data: np.ndarray[Any, Any]) -> None:
         self._check_segment()
         if data.nbytes:
-            np.frombuffer(self._mm, np.uint8, data.nbytes, self._start + offset)[:] = data
+            try:
+                _write_from(self._fd, data, self.offset + offset)
+            except OSError as e:
+                raise _refused(f"{self.describe()} cannot be written: {e.strerror or e}") from None
 
     def close(self) -> None:
-        try:
-            self._mm.close()
-        except BufferError:  # a view still exists (a bug): the mapping goes when the object does
-            log.warning("%s is still in use; it is unmapped when released", self.describe())
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class _CudaRegion(_Region):
@@ -421,6 +438,38 @@ def _wire_bytes(name: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 # -- system shared memory objects ----------------------------------------------------
+
+
+def _read_into(fd: int, out: np.ndarray[Any, Any], position: int) -> int:
+    """Read ``out.nbytes`` bytes at ``position`` of ``fd`` into ``out`` (uint8, C-contiguous): the bytes
+    read, fewer at the object's end. Straight into the array where ``preadv`` exists (one copy)."""
+    view = out.data.cast("B")
+    done = 0
+    while done < len(view):
+        if _PREADV is not None:
+            n = _PREADV(fd, [view[done:]], position + done)
+        else:
+            chunk = os.pread(fd, len(view) - done, position + done)
+            n = len(chunk)
+            view[done : done + n] = chunk
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _write_from(fd: int, data: np.ndarray[Any, Any], position: int) -> None:
+    """Write all of ``data`` (uint8, C-contiguous) at ``position`` of ``fd``."""
+    view = data.data.cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], position + done)
+        if n == 0:  # not for a regular file; never loop on it
+            raise OSError(errno.EIO, "the write made no progress")
+        done += n
+
+
+_PREADV = getattr(os, "preadv", None)
 
 
 def _open_segment(name: str, key: str) -> int:
