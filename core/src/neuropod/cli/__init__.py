@@ -14,7 +14,8 @@ r"""The ``neuropod`` command.
                                       env prepare PACKAGE (build the environment its requirements need),
                                       env prune [--days N] (lock environments no package used for N days)
     neuropod cache verify [--repair]  re-hash every extracted zip package against its record; check downloads
-    neuropod cache prune [--days N]   remove packages downloaded by URL that no load used for N days
+    neuropod cache prune [--days N]   remove packages downloaded by URL that no load used for N days (and
+                                      partial downloads that interrupted downloads left)
     neuropod serve PKG...             an Open Inference Protocol server (from neuropod-serving)
 
 A URL command (inspect, explain, infer) takes ``--auth-token-file FILE`` for
@@ -174,7 +175,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     c.add_argument("--repair", action="store_true", help="remove bad entries (they are extracted or downloaded "
                    "again when needed)")  # fmt: skip
     c.set_defaults(func=cmd_cache_verify)
-    c = cache_sub.add_parser("prune", help="remove the packages downloaded by URL that no load has used for --days days")
+    c = cache_sub.add_parser("prune", help="remove the packages downloaded by URL that no load has used for --days days, "
+                             "and what interrupted downloads left (partial downloads untouched for an hour)")  # fmt: skip
     c.add_argument("--days", type=float, default=30, help="unused for at least this many days (default 30)")
     c.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     c.set_defaults(func=cmd_cache_prune)
