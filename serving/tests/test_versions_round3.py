@@ -22,7 +22,9 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("uvicorn")
@@ -217,3 +219,80 @@ def test_the_server_stops_within_seconds_while_its_polled_store_hangs(
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_version_swaps_under_load_fail_no_request(tmp_path: Path, scalers: dict[int, Path]) -> None:
+    """Five swaps of the latest version while client threads send requests naming no version,
+    over REST and gRPC: every request succeeds, answered by one of the versions (its K)."""
+    import httpx
+
+    import neuropod
+    from neuropod.errors import NeuropodError
+    from neuropod_serving.server.grpc_server import start_grpc_server
+    from neuropod_serving.server.launcher import GIL_SWITCH_S
+
+    repo = tmp_path / "models"
+    factor = {1: 1, 2: 2, 3: 3, 4: 1, 5: 2, 6: 3}  # version -> the K of its package
+    place(scalers[1], repo / "scaler" / "1")
+    x = np.array([[1.0, 0.0]], np.float32)  # a REST request's
+    rows = np.stack([np.arange(2048, dtype=np.float32) + 1, np.zeros(2048, np.float32)], axis=1)  # a gRPC one's
+    stop = threading.Event()
+    failures: list[str] = []
+    answered: list[str] = []  # the protocol of each request answered
+
+    def check(y: Any, sent: np.ndarray, protocol: str) -> None:
+        k = [k for k in (1, 2, 3) if np.array_equal(np.asarray(y, np.float32).reshape(sent.shape), sent * k)]
+        if not k:
+            failures.append(f"a wrong answer: {y}")
+        answered.append(protocol)
+
+    with serving([repo], poll=POLL_S) as (engine, http):
+        grpc_server, grpc_port = start_grpc_server(engine, "127.0.0.1:0", access_log=False)
+        base = str(http.base_url)
+
+        def rest_client() -> None:
+            with httpx.Client(base_url=base, timeout=30) as client:
+                while not stop.is_set():
+                    r = infer(client)
+                    if r.status_code != 200:
+                        failures.append(f"REST {r.status_code}: {r.text}")
+                    else:
+                        check(r.json()["outputs"][0]["data"], x, "REST")
+
+        def grpc_client() -> None:
+            with neuropod.load_neuropod(f"grpc://127.0.0.1:{grpc_port}/scaler") as model:
+                while not stop.is_set():
+                    try:
+                        check(model.infer({"x": rows})["y"], rows, "gRPC")
+                    except NeuropodError as e:  # every failure is counted, and the test fails on any
+                        failures.append(f"gRPC: {e}")
+
+        clients = [
+            threading.Thread(target=c, daemon=True) for c in (rest_client, rest_client, grpc_client, grpc_client)
+        ]
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_S)  # as neuropod serve runs: threads take turns often
+        try:
+            for c in clients:
+                c.start()
+            wait_for("requests to run", lambda: len(answered) > 20)
+            for version in range(2, 7):  # five swaps: each new version replaces the one before
+                place(scalers[factor[version]], repo / "scaler" / str(version))
+                wait_for(
+                    f"version {version} alone to serve",
+                    lambda v=version: engine.registry.versions("scaler") == [str(v)],
+                )
+                seen = len(answered)
+                wait_for("requests on the new version", lambda seen=seen: len(answered) > seen + 20)
+        finally:
+            stop.set()
+            for c in clients:
+                c.join(30)
+            grpc_server.stop(0)
+            sys.setswitchinterval(switch)
+        assert not failures, f"{len(failures)} of {len(answered) + len(failures)} requests failed: {failures[:5]}"
+        assert answered.count("REST") > 100 and answered.count("gRPC") > 100, (
+            answered.count("REST"),
+            answered.count("gRPC"),
+        )
+        assert answer(http) == ("6", expected(3))

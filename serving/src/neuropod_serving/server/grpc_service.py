@@ -230,6 +230,7 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
         decoded = request.decode(served.input_specs)
         if served.stateful:
             require_sequence(served.name, decoded.options)
+        served = self.engine.current(served, request.model_version or None)  # a version swapped meanwhile
         state.failure = "model"
         return served, decoded, list(decoded.outputs) if decoded.outputs is not None else None
 

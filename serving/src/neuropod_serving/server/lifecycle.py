@@ -10,6 +10,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -172,6 +173,26 @@ class ModelLifecycle(RepositoryPolling):
     def get(self, name: str, version: str | None = None) -> ServedModel:
         """:raises UnknownModelError: no such model or version is loaded (None: its latest)."""
         return self.registry.get(name, version)
+
+    def current(self, served: ServedModel, version: str | None) -> ServedModel:
+        """What a request that looked up ``served`` (naming ``version``; None: none) runs on now,
+        just before it is handed to :meth:`~.engine.Engine.infer`: ``served`` while it is loaded
+        (or what a reload of its version loaded in its place); once its version was unloaded (a
+        poll's swap to a newer one, while the request's body was read and decoded), the latest
+        version for a request that named none, so that a rollout fails no request. A request that
+        named a version gone since is answered that the version is not found.
+
+        Its inputs were decoded against ``served``'s spec: a new version whose spec they do not
+        fit refuses them (SpecError), as any request that does not fit.
+
+        :raises UnknownModelError: every version of the model was unloaded since.
+        """
+        runner = self._runners.get((served.name, served.version))
+        if runner is not None:
+            return runner.served
+        if version:
+            return served  # the engine answers that it was unloaded
+        return self.registry.get(served.name)
 
     def serving(self, name: str, version: str | None = None) -> ModelServing:
         """How model ``name`` (that version; None: its latest) is served (batching, instances).
@@ -388,9 +409,10 @@ class ModelLifecycle(RepositoryPolling):
                 failures.append(f"version {version}: {e}" if version != MODEL_VERSION else str(e))
                 continue
             served.settings = settings
-            old = registry.put(served)
             old_runner = self._runners.get((name, version))
+            # Its runner first: a request that finds it in the registry finds how to run it.
             self._start(served)
+            old = registry.put(served)
             if old is not None:
                 retired.append((old, old_runner))
             if not force:
@@ -434,13 +456,14 @@ class ModelLifecycle(RepositoryPolling):
         (for up to ``drain_s`` seconds each)."""
         for old, runner in retired:
             if runner is not None:
+                # Its batchers keep running what they hold while it drains.
+                if not _drain(runner.gate, drain_s):
+                    log.warning("model %r version %s stopped serving while requests still ran on it after %g s",
+                                old.name, old.version, drain_s)  # fmt: skip
                 if runner.batcher is not None:
                     runner.batcher.close()
                 if runner.sequencer is not None:
                     runner.sequencer.close()
-                if not runner.gate.drain(drain_s):
-                    log.warning("model %r version %s stopped serving while requests still ran on it after %g s",
-                                old.name, old.version, drain_s)  # fmt: skip
                 runner.executor.shutdown(wait=False)
             old.model.close()
 
@@ -493,6 +516,28 @@ class ModelLifecycle(RepositoryPolling):
             self.registry.close()
             if self.shared_memory is not None:
                 self.shared_memory.close()
+
+
+#: How long a model no longer served must have had no request admitted before it is closed: a request
+#: that found it just before it stopped serving (microseconds of work from lookup to admission) is
+#: admitted meanwhile and runs on it, instead of finding it closed.
+RETIRE_QUIET_S = 0.05
+
+
+def _drain(gate: Gate, timeout: float) -> bool:
+    """Wait until ``gate`` has had no request admitted for :data:`RETIRE_QUIET_S` (True), or
+    ``timeout`` seconds (False: requests still run)."""
+    deadline = time.monotonic() + timeout
+    quiet_since = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if gate.pending:
+            quiet_since = now
+            if now > deadline:
+                return False
+        elif now - quiet_since >= RETIRE_QUIET_S:
+            return True
+        time.sleep(0.005)
 
 
 def _run_steps(
