@@ -344,6 +344,10 @@ def test_every_number_of_a_load_config_refuses_non_finite_values(server: Server)
         ("adder", {"sequence_batching": {"state": [{**state, "dims": [INF]}]}}, "sequence_batching.state[0].dims"),
         ("adder", {"sequence_batching": {"oldest": {"max_candidate_sequences": INF}, "state": [state]}},
          "sequence_batching.oldest.max_candidate_sequences"),
+        ("adder", {"sequence_batching": {"direct": {"max_queue_delay_microseconds": INF}, "state": [state]}},
+         "sequence_batching.direct.max_queue_delay_microseconds"),
+        ("adder", {"max_batch_size": 4, "dynamic_batching": {"preserve_ordering": float("nan")}},
+         "dynamic_batching.preserve_ordering"),
         ("adder", {"sequence_batching": {"control_input": [
             {"name": "y", "control": [{"kind": "CONTROL_SEQUENCE_START", "fp32_false_true": [INF, 1]}]}]}},
          "fp32_false_true"),

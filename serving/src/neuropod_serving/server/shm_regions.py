@@ -25,7 +25,7 @@ input out of the region and writes the requested output into it.
   while the model runs cannot change them under it). Outputs are written after the
   run, each checked to fit the bytes the request gave it.
 - **A request holds the regions it names** from decoding to its answer: unregistering
-  one meanwhile removes its name at once, and the mapping is closed when the last such
+  one meanwhile removes its name at once, and its descriptor is closed when the last such
   request ends.
 - **Every bound is checked before memory is touched**: an unknown region, an offset past
   the region's end, a tensor running past it, a byte size that disagrees with the shape,
@@ -63,7 +63,7 @@ from neuropod_serving.server.cuda_ipc import cuda_runtime
 log = logging.getLogger("neuropod_serving.server")
 
 #: Regions (system and CUDA together) registered at once; one more is refused. Each system
-#: region holds a mapping and one file descriptor.
+#: region holds one file descriptor.
 MAX_REGIONS = 256
 #: A region's name is chosen by the client and kept while it is registered.
 MAX_NAME_CHARS = 1024
