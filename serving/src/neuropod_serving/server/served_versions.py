@@ -167,22 +167,24 @@ def scan_local(path: str | os.PathLike[str], *, empty_ok: bool = False) -> list[
 
     :param empty_ok: a folder that holds no package is an empty repository (a poll after its last
         model was deleted: every model is unloaded), not an error.
-    :raises PackageError: PATH does not exist or cannot be listed, or (unless ``empty_ok``)
+    :raises PackageError: PATH does not exist or cannot be read, or (unless ``empty_ok``)
         holds neither packages nor versioned models.
     """
-    p = Path(path)
+    try:
+        return _scan_local(Path(path), empty_ok)
+    except OSError as e:  # a folder not readable (its permissions), or a file gone as it was read
+        raise PackageError(f"{path} cannot be read: {e.strerror or e}") from None
+
+
+def _scan_local(p: Path, empty_ok: bool) -> list[Found]:
     if not p.exists():
         raise PackageError(f"{p}: no such file or directory")
     if is_package(p):
         return [Found(p, "1", None, str(p), _local_stamp(p))]
     if not p.is_dir():
         raise PackageError(f"{p} is not a Neuropod package: it is neither a directory nor a zip with a {_CONFIG}")
-    try:
-        children = sorted(p.iterdir())
-    except OSError as e:
-        raise PackageError(f"{p} cannot be listed: {e.strerror or e}") from None
     found: list[Found] = []
-    for child in children:
+    for child in sorted(p.iterdir()):
         if child.name.startswith("."):
             continue  # hidden: a copy being made, to be renamed into place
         if is_package(child):
