@@ -156,13 +156,15 @@ def server(models: Path) -> Iterator[Server]:
 def segments(server: Server) -> Iterator[list[str]]:
     """Shared memory objects a test creates (``/dev/shm/<key>``): unregistered and removed after it."""
     made: list[str] = []
-    yield made
-    server.http.post("/v2/systemsharedmemory/unregister")
-    for key in made:
-        try:
-            os.unlink(f"/dev/shm/{key}")
-        except FileNotFoundError:
-            pass
+    try:
+        yield made
+        server.http.post("/v2/systemsharedmemory/unregister")
+    finally:  # removed even when the server is gone
+        for key in made:
+            try:
+                os.unlink(f"/dev/shm/{key}")
+            except FileNotFoundError:
+                pass
 
 
 def _segment(server: Server, segments: list[str], size: int, fill: int | None = None) -> tuple[str, str]:
