@@ -86,6 +86,8 @@ def redact(text: str) -> str:
     def one(match: re.Match[str]) -> str:
         url = match.group(0)
         body = url.rstrip(".,;:!?)]}")
+        if not any(c in body for c in "@?#"):  # nothing to hide: left as written (shown() would normalise it)
+            return url
         return shown(body) + url[len(body) :]
 
     def collapsed(match: re.Match[str]) -> str:
