@@ -36,6 +36,7 @@ from neuropod_serving.protocol import (
     parse_infer_request,
 )
 from neuropod_serving.protocol.options import require_sequence
+from neuropod_serving.server.classification import answers_small
 from neuropod_serving.server.compression import COMPRESS_FROM, chosen, compressed, decoded_body
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
 from neuropod_serving.server.limits import bearer_refusal
@@ -186,6 +187,7 @@ class _RawInfer:
             except CLIENT_ERRORS:
                 failure = "client"
                 raise
+            small = small and answers_small(decoded.options, outputs)  # many classes: encoded off the loop
             if held is None:
                 content, json_length = (
                     _encode(s, decoded, outputs) if small else await run_in_threadpool(_encode, s, decoded, outputs)

@@ -356,7 +356,7 @@ class Engine(ModelLifecycle):
                 raise self._closed_under(runner) from e
             raise
         ordered = _ordered(runner, outputs, requested)
-        return classes.apply(ordered) if classes is not None else ordered
+        return (await classes.apply_async(ordered)) if classes is not None else ordered
 
     def _infer_blocking_with(
         self, runner: Runner, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None,
