@@ -9,7 +9,7 @@ dim is the model's batch dimension (the spec's batch symbol, see
 own and the answer is ``[rows, k]``; otherwise the whole tensor is one row and
 the answer is ``[k]``. A row with fewer than ``k`` entries answers all of them.
 
-Ranking a large output takes time (about 1 s for all 1.5 M entries of one, 50 ms for its top
+Ranking a large output takes time (about 1 s for all 1.5 M entries of one, 25 ms for its top
 5): a request on the event loop ranks its outputs there only when they are small
 (:data:`INLINE_ENTRIES`), and in a worker thread otherwise, so that health checks and other
 requests keep being answered; :func:`answers_small` tells the front end the same of encoding

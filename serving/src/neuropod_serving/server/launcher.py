@@ -122,7 +122,7 @@ def startup_table(registry: object, engine: object | None = None) -> str:
 
 #: Modules `neuropod serve` imports, from the [server] extra.
 SERVER_MODULES = (
-    "starlette", "uvicorn", "httptools", "grpc", "grpc_health", "google.protobuf", "prometheus_client", "orjson",
+    "starlette", "uvicorn", "httptools", "grpc", "google.protobuf", "prometheus_client", "orjson",
 )  # fmt: skip
 
 
