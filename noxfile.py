@@ -523,6 +523,7 @@ def docs(session: nox.Session) -> None:
         *DOCS_TOOLS, f"{CORE}[test,http]", *[f"{p}" for p in PLUGINS], f"{SERVING}[server,client]",
         f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx", f"torch=={TORCH_DEFAULT}", f"jax=={JAX_DEFAULT}",
         f"jaxlib=={JAX_DEFAULT}", f"tensorflow-cpu=={TENSORFLOW_DEFAULT}", "tritonclient[http,grpc]>=2.73",
+        "grpcio-health-checking",  # the health client stub of serving.md's probe example
         f"{EXAMPLE}",  # the outside backend, whose README runs too
     )  # fmt: skip
     linkcheck = "--linkcheck" in session.posargs

@@ -16,4 +16,8 @@ private pool of its own.
 :mod:`.triton_repository_pb2` holds the messages of Triton's repository RPCs
 and ModelStreamInfer's answer, from our own ``triton_repository.proto``
 (wire-compatible with Triton's), in a private pool of its own as well.
+
+:mod:`.grpc_health_pb2` holds gRPC's health checking messages (``grpc.health.v1``), from our
+own ``grpc_health.proto`` (wire-compatible with gRPC's ``health.proto``), in a private pool
+of its own: the server's health service needs no other package for them.
 """
