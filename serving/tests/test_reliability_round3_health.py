@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -258,3 +260,16 @@ def test_a_closed_watch_leaves_nothing_behind(root: Path) -> None:
         health.shut_down()
         server.stop(None).wait()
         engine.close()
+
+
+def test_the_server_needs_no_grpc_health_package() -> None:
+    """The server's gRPC side imports no grpcio-health-checking: that package's releases follow
+    grpcio's protobuf (1.85: protobuf >= 7.35), which tritonclient (protobuf < 7) refuses, and a
+    venv holding both could not start ``neuropod serve``. Its health messages are its own."""
+    code = (
+        "import sys, neuropod_serving.server.grpc_server, neuropod_serving.server.launcher as l; "
+        "bad = sorted(m for m in sys.modules if m.startswith('grpc_health.')); "  # grpc imports the bare package
+        "assert not bad and 'grpc_health' not in l.SERVER_MODULES, bad"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
