@@ -238,6 +238,11 @@ def test_signatures_show_nowhere_in_the_commands_output(
             assert "retrying" in err, err
         else:
             assert code == 2 and "error: " in err and f"{web}/{name}.zip" in err, err
+    # --debug's traceback carries the HTTP client's exception text, URL and all: redacted too.
+    code = main(["--debug", command[0], f"{web}/fail.zip?{SIGNED}", *command[1:]], out=io.StringIO())
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback (most recent call last)" in err, err
+    _no_secret(err)
 
 
 def test_the_download_record_holds_no_query(web: str) -> None:

@@ -263,12 +263,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
 
 def _fail(args: argparse.Namespace, message: str) -> int:
     err = safe_stream(sys.stderr)
-    if args.debug:
-        traceback.print_exc(file=err)
-    if ":/" in message:  # no URL's user, password nor query (a presigned URL's signature), whoever worded it
+    debug = traceback.format_exc() if args.debug else ""
+    if ":/" in message + debug:  # no URL's user, password nor query (a presigned URL's signature), whoever worded it
         from neuropod.storage.urls import redact  # lazy: neuropod.storage imports numpy, kept out of `neuropod --help`
 
-        message = redact(message)
+        message, debug = redact(message), redact(debug)
+    err.write(debug)
     # A NeuropodError may span lines (a table of candidates); everything else in it is escaped.
     print(f"neuropod {args.command}: error: {message}", file=err)
     return EXIT_ERROR
