@@ -125,7 +125,8 @@ def tests_storage(session: nox.Session) -> None:
     """Packages loaded by URL (neuropod.storage, the core's s3 and http extras): moto's S3 server
     on 127.0.0.1 driven through s3fs, and a local web server, with the ONNX demo model."""
     # gcp-storage-emulator: a GCS server in Python, for gs:// through gcsfs.
-    session.install(f"{CORE}[test,s3,http,gcs,azure]", str(ROOT / "plugins/neuropod-onnx"), f"onnxruntime=={ONNXRUNTIME_DEFAULT}",
+    # onnx: the query-key tests build two models of one size with onnx.helper.
+    session.install(f"{CORE}[test,s3,http,gcs,azure]", str(ROOT / "plugins/neuropod-onnx"), f"onnxruntime=={ONNXRUNTIME_DEFAULT}", "onnx",
                     f"{SERVING}[server]", str(ROOT / "plugins/neuropod-python"), "httpx>=0.27",
                     "gcp-storage-emulator==2026.7.19")  # fmt: skip
     # moto brings boto3, which must take the botocore that s3fs's aiobotocore pinned.
