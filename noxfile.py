@@ -351,7 +351,7 @@ def tests_serving(session: nox.Session) -> None:
     tritonclient over HTTP and gRPC; and remote models against MLServer 1.7 serving scikit-learn
     models with its own runtime (MLServer from its own venv in this session's folder)."""
     session.install(
-        f"{CORE}[test]", f"{SERVING}[server,test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]",
+        f"{CORE}[test,http]", f"{SERVING}[server,test]", f"{ROOT / 'plugins/neuropod-onnx'}[test]",
         f"onnxruntime=={ONNXRUNTIME_DEFAULT}", str(ROOT / "plugins/neuropod-python"),
         "pillow",  # the image decoding step of ensemble_image_client.py's model
     )  # fmt: skip

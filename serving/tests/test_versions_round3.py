@@ -159,6 +159,7 @@ class _Store(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture
 def hanging_store(tmp_path: Path, scalers: dict[int, Path]) -> Iterator[tuple[str, type[_Store]]]:
     """(the URL of a ``scaler`` package zip on a local web server, its handler class: set ``hang``)."""
+    pytest.importorskip("aiohttp", reason="needs neuropod[http] (nox -s tests_serving installs it)")
     (tmp_path / "www").mkdir()
     zip_of(scalers[1], tmp_path / "www" / "scaler.neuropod")
     handler = type("Store", (_Store,), {"hang": threading.Event(), "release": threading.Event()})
