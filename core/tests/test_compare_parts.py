@@ -283,6 +283,23 @@ def test_parse_dims_reads_and_checks_symbols() -> None:
         ins.parse_dims(["batch=2"], [ts("x", "float32", 2)])
 
 
+def test_dims_and_batch_sizes_name_the_option_and_the_bad_value_alike() -> None:
+    assert ins.parse_batch_sizes("1, 8,32") == [1, 8, 32]
+    assert ins.parse_batch_sizes("") == [] and ins.parse_batch_sizes(" , ") == []
+    for option, call, given, bad in [
+        ("--batch-sizes", ins.parse_batch_sizes, "1,x,8", "x"),
+        ("--batch-sizes", ins.parse_batch_sizes, "4,0", "0"),
+        ("--batch-sizes", ins.parse_batch_sizes, "-3", "-3"),
+        ("--batch-sizes", ins.parse_batch_sizes, "2.5", "2.5"),
+        ("--dims", lambda text: ins.parse_dims([text], SPEC), "batch=0", "0"),
+        ("--dims", lambda text: ins.parse_dims([text], SPEC), "batch=two", "two"),
+        ("--dims", lambda text: ins.parse_dims([text], SPEC), "batch=2.5", "2.5"),
+    ]:
+        with pytest.raises(NeuropodError) as e:
+            call(given)
+        assert str(e.value) == f"{option} {given!r}: {bad!r} is not a whole number of at least 1"
+
+
 def test_generate_follows_the_spec_and_the_seed() -> None:
     sets = ins.generate(SPEC, 3, {"batch": 5}, seed=7)
     assert len(sets) == 3

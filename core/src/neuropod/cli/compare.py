@@ -55,24 +55,10 @@ def add_compare(sub: Any) -> None:
     s.set_defaults(func=cmd_compare)
 
 
-def _batch_sizes(text: str) -> list[int]:
-    sizes = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        try:
-            n = int(part)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise NeuropodError(f"--batch-sizes {text!r}: each size must be a whole number of at least 1")
-        sizes.append(n)
-    return sizes
-
-
 def cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
     # lazy: numpy (and the comparison's modules), kept out of `neuropod --help`
-    from neuropod.comparison import compare, render_table, write_html
+    from neuropod.comparison import compare, render_table, write_html, write_json
+    from neuropod.comparison.inputs import parse_batch_sizes  # lazy: as above
     from neuropod.comparison.runner import command_line  # lazy: as above
 
     if args.generate is not None and args.generate < 1:
@@ -93,14 +79,14 @@ def cmd_compare(args: argparse.Namespace, out: TextIO) -> int:
     result = compare(
         args.candidates, inputs=args.inputs or None, generate_sets=args.generate, dims=args.dims, seed=args.seed,
         maps=args.map, rtol=args.rtol, atol=args.atol, speed=not args.no_speed, warmup=args.warmup,
-        duration=args.duration, batch_sizes=_batch_sizes(args.batch_sizes), rate=args.rate,
+        duration=args.duration, batch_sizes=parse_batch_sizes(args.batch_sizes), rate=args.rate,
         max_slowdown=args.max_slowdown, use_ope=args.use_ope, timeout=args.timeout,
         remote_options={"auth_token": read_token(args.auth_token_file)} if args.auth_token_file else None, trust_pickle=args.trust_pickle, progress=progress,
         command=command_line(getattr(args, "argv", None) or sys.argv[1:]),
     )  # fmt: skip
     print(safe(render_table(result), keep="\n"), file=out)
     if args.json:
-        print(f"wrote {safe(str(result.write_json(args.json)))}", file=out)
+        print(f"wrote {safe(str(write_json(result, args.json)))}", file=out)
     if args.html:
         print(f"wrote {safe(str(write_html(result, args.html)))}", file=out)
     return result.exit_code

@@ -35,14 +35,25 @@ def parse_dims(values: Iterable[str], spec: Sequence[TensorSpec]) -> dict[str, i
         if name not in symbols:
             known = ", ".join(sorted(symbols)) or "none: every dimension is fixed"
             raise NeuropodError(f"--dims {text!r}: the baseline's inputs have no symbol {name!r}; its symbols: {known}")
-        try:
-            n = int(size)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise NeuropodError(f"--dims {text!r}: the size must be a whole number of at least 1")
-        out[name] = n
+        out[name] = whole_number("--dims", text, size)
     return out
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``--batch-sizes 1,8,32``: the sizes in order (none for ``''``)."""
+    return [whole_number("--batch-sizes", text, part) for part in (p.strip() for p in text.split(",")) if part]
+
+
+def whole_number(option: str, given: str, part: str) -> int:
+    """``part`` of an option's value ``given`` as a whole number of at least 1; a
+    :class:`NeuropodError` naming the option, its value and the bad part otherwise."""
+    try:
+        n = int(part)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise NeuropodError(f"{option} {given!r}: {part!r} is not a whole number of at least 1")
+    return n
 
 
 def spec_symbols(spec: Sequence[TensorSpec]) -> set[str]:

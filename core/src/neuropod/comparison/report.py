@@ -19,7 +19,9 @@ def write_html(comparison: Comparison, path: str | os.PathLike[str]) -> Path:
 
 def write_json(comparison: Comparison, path: str | os.PathLike[str]) -> Path:
     """Write every figure, the machine, the versions, the command and the date as JSON to ``path``."""
-    return comparison.write_json(path)
+    target = Path(path)
+    target.write_text(comparison.to_json() + "\n", encoding="utf-8")
+    return target
 
 
 __all__ = ["render_html", "render_table", "write_html", "write_json"]

@@ -7,14 +7,13 @@ seconds, memory bytes, throughput items (rows of the batch axis) per second.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-#: Exit statuses of ``neuropod compare``: every candidate agrees (and is fast enough), some
-#: candidate disagrees, failed or is too slow, or the command itself could not run.
-EXIT_AGREE, EXIT_DISAGREE, EXIT_USAGE = 0, 1, 2
+#: Exit statuses of ``neuropod compare``: every candidate agrees (and is fast enough), or some
+#: candidate disagrees, failed or is too slow. (A command that cannot run exits with the CLI's
+#: ``EXIT_ERROR``, 2.)
+EXIT_AGREE, EXIT_DISAGREE = 0, 1
 
 #: Verdicts of a candidate against the baseline.
 BASELINE, AGREES, DISAGREES, FAILED, NOT_COMPARED = "baseline", "agrees", "disagrees", "failed", "not compared"
@@ -206,11 +205,6 @@ class Comparison:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=_plain, allow_nan=False)
-
-    def write_json(self, path: str | os.PathLike[str]) -> Path:
-        target = Path(path)
-        target.write_text(self.to_json() + "\n", encoding="utf-8")
-        return target
 
 
 def _plain(value: Any) -> Any:
