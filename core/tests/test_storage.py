@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import http.server
 import io
 import logging
 import os
@@ -36,6 +35,7 @@ pytest.importorskip("neuropod_onnx", reason="needs neuropod-onnx and onnxruntime
 pytest.importorskip("onnxruntime", reason="needs onnxruntime")
 
 import neuropod  # noqa: E402
+from _web_server import Site, web_server  # noqa: E402
 from neuropod import storage  # noqa: E402
 from neuropod.errors import PackageError  # noqa: E402
 
@@ -546,99 +546,37 @@ def test_the_command_takes_package_urls(bucket: _Bucket, packages: dict[str, Any
 # --- https:// (a local web server) ----------------------------------------------------------------
 
 
-class _Files(http.server.BaseHTTPRequestHandler):
-    """Files of ``root`` with ETags and byte ranges; ``/old/...`` redirects to ``/...``; the first
-    GET of a name in ``drop`` stops halfway (the connection closed)."""
-
-    root: Path
-    drop: set[str]
-    protocol_version = "HTTP/1.1"
-
-    def do_HEAD(self) -> None:
-        self._serve(head=True)
-
-    def do_GET(self) -> None:
-        self._serve(head=False)
-
-    def _serve(self, head: bool) -> None:
-        if self.path.startswith("/old/"):
-            self.send_response(302)
-            self.send_header("Location", self.path[len("/old"):])
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        path = self.root / self.path.lstrip("/")
-        if not path.is_file():
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        data = path.read_bytes()
-        start, end = 0, len(data) - 1
-        ranged = self.headers.get("Range")
-        if ranged and ranged.startswith("bytes="):
-            a, _, b = ranged[6:].partition("-")
-            start = int(a) if a else 0
-            end = min(int(b), len(data) - 1) if b else len(data) - 1
-        body = data[start : end + 1]
-        self.send_response(206 if ranged else 200)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest()[:16] + '"')
-        if ranged:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-        self.end_headers()
-        if head:
-            return
-        if path.name in self.drop and len(body) > 1024:
-            self.drop.discard(path.name)
-            self.wfile.write(body[: len(body) // 2])
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_RDWR)
-            self.close_connection = True
-            return
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def web(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, type[_Files]]]:
+def web(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Site]]:
+    """Files with ETags and byte ranges; ``/old/...`` redirects to ``/...``; the first GET of a name
+    in ``drop`` stops halfway (the connection closed)."""
     monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(storage.transfer, "FIRST_WAIT_S", 0.05)
-    handler = type("Files", (_Files,), {"root": tmp_path / "www", "drop": set()})
-    handler.root.mkdir()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
+    site = Site(redirects={"/old/": "/"}, drop_over=1024)
+    with web_server(site) as base:
+        yield base, site
 
 
 def test_https_urls_of_zips_load_through_redirects_and_retries(
-    web: tuple[str, type[_Files]], packages: dict[str, Any], caplog: pytest.LogCaptureFixture
+    web: tuple[str, Site], packages: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "neuropod.storage")
-    base, handler = web
-    (handler.root / "adder.neuropod").write_bytes(packages["zip"])
+    base, site = web
+    site.files["adder.neuropod"] = packages["zip"]
     with neuropod.load_neuropod(f"{base}/adder.neuropod") as model:
         _check_demo(model)
     with neuropod.load_neuropod(f"{base}/old/adder.neuropod") as model:  # a redirect, then the same object
         _check_demo(model)
     # A connection that drops halfway is retried from where it stopped.
-    (handler.root / "again.zip").write_bytes(packages["zip"])
-    handler.drop.add("again.zip")
+    site.files["again.zip"] = packages["zip"]
+    site.drop.add("again.zip")
     with neuropod.load_neuropod(f"{base}/again.zip") as model:
         _check_demo(model)
-    assert not handler.drop  # it did drop
+    assert not site.drop  # it did drop
     assert any("retrying" in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_https_404_says_no_package(web: tuple[str, type[_Files]]) -> None:
+def test_https_404_says_no_package(web: tuple[str, Site]) -> None:
     base, _ = web
     with pytest.raises(PackageError, match=r"No Neuropod package at http://127\.0\.0\.1:\d+/missing\.zip"):
         neuropod.load_neuropod(f"{base}/missing.zip")

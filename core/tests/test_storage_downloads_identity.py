@@ -5,11 +5,9 @@ and an access refused. (Downloads from well-behaved stores: test_storage.py.)"""
 from __future__ import annotations
 
 import functools
-import hashlib
 import http.server
 import shutil
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,120 +18,26 @@ import pytest
 pytest.importorskip("aiohttp", reason="needs neuropod[http] (nox -s tests_storage installs it)")
 
 import neuropod
+from _web_server import Site, serving, web_server
 from neuropod import storage
 from neuropod.errors import PackageError
 
 
-def _etag(data: bytes) -> str:
-    return '"' + hashlib.sha256(data).hexdigest()[:16] + '"'
-
-
-class _Versions(http.server.BaseHTTPRequestHandler):
-    """``/<name>`` of ``files`` with ETags and ranges, a load balancer whose nodes disagree: a HEAD
-    answers ``files[name]``, a GET answers ``gets[name]`` when set (another version: its own ETag);
-    ``drop`` names whose first GET stops halfway; ``chunked`` names answered in chunks of 64 KiB
-    without a length, ``sent`` counting what went; ``status`` names answered with that status."""
-
-    files: dict[str, bytes]
-    gets: dict[str, bytes]
-    drop: set[str]
-    chunked: dict[str, int]
-    sent: dict[str, int]
-    status: dict[str, int]
-    protocol_version = "HTTP/1.1"
-
-    def do_HEAD(self) -> None:
-        self._serve(head=True)
-
-    def do_GET(self) -> None:
-        self._serve(head=False)
-
-    def _serve(self, head: bool) -> None:
-        name = self.path.lstrip("/").partition("?")[0]
-        if name in self.status:
-            self.send_response(self.status[name])
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        if name in self.chunked:
-            self._chunks(name, head)
-            return
-        if name not in self.files:
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        data = self.files[name] if head else self.gets.get(name, self.files[name])
-        start, end = 0, len(data) - 1
-        ranged = self.headers.get("Range")
-        if ranged and ranged.startswith("bytes="):
-            a, _, b = ranged[6:].partition("-")
-            start = int(a) if a else 0
-            end = min(int(b), len(data) - 1) if b else len(data) - 1
-        body = data[start : end + 1]
-        self.send_response(206 if ranged else 200)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", _etag(data))
-        if ranged:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-        self.end_headers()
-        if head:
-            return
-        if name in self.drop:
-            self.drop.discard(name)
-            self.wfile.write(body[: len(body) // 2])
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_RDWR)
-            self.close_connection = True
-            return
-        self.wfile.write(body)
-
-    def _chunks(self, name: str, head: bool) -> None:
-        self.send_response(200)
-        self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("ETag", '"endless"')
-        self.end_headers()
-        if head:
-            return
-        piece = b"\0" * (64 * 1024)
-        try:
-            for _ in range(self.chunked[name] // len(piece)):
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                self.sent[name] = self.sent.get(name, 0) + len(piece)
-            self.wfile.write(b"0\r\n\r\n")
-        except OSError:  # the client stopped reading
-            self.close_connection = True
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, type[_Versions]]]:
-    handler = type("Versions", (_Versions,), {"files": {}, "gets": {}, "drop": set(), "chunked": {}, "sent": {},
-                                              "status": {}})  # fmt: skip
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(10)
+def server() -> Iterator[tuple[str, Site]]:
+    """A load balancer whose nodes disagree (a GET answering another version than the HEAD: ``gets``,
+    ``switch_on_range``), connections dropped halfway, bodies of unknown size, statuses."""
+    site = Site()
+    with web_server(site) as base:
+        yield base, site
 
 
 @pytest.fixture
-def web(server: tuple[str, type[_Versions]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def web(server: tuple[str, Site], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Site]]:
     monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(storage.transfer, "FIRST_WAIT_S", 0.01)
-    _, handler = server
     yield server
-    for table in (handler.files, handler.gets, handler.chunked, handler.sent, handler.status):
-        table.clear()
-    handler.drop.clear()
+    server[1].reset()
 
 
 def _leftovers() -> list[str]:
@@ -149,53 +53,43 @@ def _finished() -> list[Path]:
     return [p for p in root.iterdir() if len(p.name) == 64] if root.is_dir() else []
 
 
-def test_a_get_answered_with_another_version_is_never_stored(web: Any) -> None:
-    base, handler = web
+def test_a_get_answered_with_another_version_is_never_stored(web: tuple[str, Site]) -> None:
+    base, site = web
     rng = np.random.default_rng(7)
     a, b = rng.bytes(200_000), rng.bytes(200_000)  # two versions of one size
     # The node that answers the HEAD has version A; the one that answers the GET has B.
-    handler.files["v.zip"], handler.gets["v.zip"] = a, b
+    site.files["v.zip"], site.gets["v.zip"] = a, b
     with pytest.raises(PackageError, match=r"http://127\.0\.0\.1:\d+/v\.zip changed while it was being downloaded"):
         storage.fetch(f"{base}/v.zip")
     assert _finished() == [] and _leftovers() == []
     # Every node has A again: A is what loads (nothing of B was kept under A's identity).
-    del handler.gets["v.zip"]
+    del site.gets["v.zip"]
     assert storage.fetch(f"{base}/v.zip").read_bytes() == a
     # A download resumed after a dropped connection, whose range read reaches a node with B.
-    handler.files["w.zip"] = a
-    handler.drop.add("w.zip")
-    original = handler._serve
-
-    def serve(self: Any, head: bool) -> None:
-        if not head and self.headers.get("Range"):
-            handler.gets["w.zip"] = b
-        original(self, head)
-
-    handler._serve = serve  # type: ignore[method-assign]
-    try:
-        with pytest.raises(PackageError, match=r"w\.zip changed while it was being downloaded"):
-            storage.fetch(f"{base}/w.zip")
-    finally:
-        del handler._serve
-    assert "w.zip" not in handler.drop  # it did drop, and was resumed with a range
+    site.files["w.zip"] = a
+    site.drop.add("w.zip")
+    site.switch_on_range["w.zip"] = b
+    with pytest.raises(PackageError, match=r"w\.zip changed while it was being downloaded"):
+        storage.fetch(f"{base}/w.zip")
+    assert "w.zip" not in site.drop  # it did drop, and was resumed with a range
     assert [p for p in _finished() if (p / "package.zip").read_bytes() != a] == [] and _leftovers() == []
 
 
-def test_a_body_of_unknown_size_stops_at_the_package_limit(web: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    base, handler = web
+def test_a_body_of_unknown_size_stops_at_the_package_limit(web: tuple[str, Site], monkeypatch: pytest.MonkeyPatch) -> None:
+    base, site = web
     monkeypatch.setenv("NEUROPOD_MAX_PACKAGE_BYTES", str(1024 * 1024))
-    handler.chunked["endless.zip"] = 64 * 1024 * 1024
+    site.chunked["endless.zip"] = 64 * 1024 * 1024
     with pytest.raises(PackageError, match=r"endless\.zip holds more than the 1,048,576 bytes a package may hold "
                        r"\(NEUROPOD_MAX_PACKAGE_BYTES\)"):  # fmt: skip
         storage.fetch(f"{base}/endless.zip")
     assert _finished() == [] and _leftovers() == []
     # The download stopped at the limit: the server could not send the rest (socket buffers aside).
-    assert handler.sent.get("endless.zip", 0) < 32 * 1024 * 1024, handler.sent
+    assert site.sent.get("endless.zip", 0) < 32 * 1024 * 1024, site.sent
 
 
-def test_a_403_says_access_denied(web: Any) -> None:
-    base, handler = web
-    handler.status["secret.zip"] = 403
+def test_a_403_says_access_denied(web: tuple[str, Site]) -> None:
+    base, site = web
+    site.status["secret.zip"] = 403
     with pytest.raises(PackageError, match=r"Access denied to http://127\.0\.0\.1:\d+/secret\.zip \(HTTP 403\)") as e:
         neuropod.load_neuropod(f"{base}/secret.zip?sig=abc")
     assert "No Neuropod package" not in str(e.value) and "sig=" not in str(e.value)
@@ -267,12 +161,8 @@ def test_a_package_over_16_mib_loads_from_python_http_server(
     monkeypatch.setattr(storage.transfer, "FIRST_WAIT_S", 0.01)
     caplog.set_level("INFO", "neuropod.storage")
     handler = functools.partial(type("Drops", (_DropsOnce,), {"dropped": []}), directory=str(large_package.parent))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}/big.zip"
+    with serving(handler) as base:
+        url = f"{base}/big.zip"
         with neuropod.load_neuropod(url) as model:
             x = np.array([[1, 2], [3, 4]], np.float32)
             y = np.array([[7, 8], [9, 10]], np.float32)
@@ -281,7 +171,3 @@ def test_a_package_over_16_mib_loads_from_python_http_server(
         assert not any("resuming" in r.getMessage() for r in caplog.records), caplog.text  # no ranges asked
         assert [p.name for p in _finished()] and _leftovers() == []
         assert (_finished()[0] / "package.zip").read_bytes() == large_package.read_bytes()
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(10)

@@ -8,21 +8,18 @@ from numpy) from a local web server; ``nox -s tests_storage`` installs what they
 
 from __future__ import annotations
 
-import http.server
 import io
 import logging
 import tempfile
-import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import pytest
 
 import neuropod
+from _web_server import Site, web_server
 from neuropod import storage
 from neuropod.cli import main
 from neuropod.errors import PackageError
@@ -104,55 +101,6 @@ def _adder_zip(op: str) -> bytes:
         return buf.getvalue()
 
 
-class _Versions(http.server.BaseHTTPRequestHandler):
-    """``/download.zip?version=N``: version N's zip, every version with the same ETag and
-    Last-Modified (a server whose validators do not tell versions apart); ``/fail.zip`` answers
-    its HEAD and then 500 to every GET, ``/denied.zip`` 403, ``/flaky.zip`` 500 to its first GET then version 3."""
-
-    versions: dict[str, bytes]
-    flaky: list[int]
-    protocol_version = "HTTP/1.1"
-
-    def do_HEAD(self) -> None:
-        self._serve(head=True)
-
-    def do_GET(self) -> None:
-        self._serve(head=False)
-
-    def _serve(self, head: bool) -> None:
-        parts = urlsplit(self.path)
-        status = {"/fail.zip": 200 if head else 500, "/denied.zip": 403}.get(parts.path, 200)
-        if parts.path == "/flaky.zip" and not head and self.flaky:
-            self.flaky.pop()
-            status = 500
-        data = self.versions.get(parse_qs(parts.query).get("version", ["3"])[0], b"")
-        if status != 200 or not data:
-            self.send_response(status if status != 200 else 404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        start, end = 0, len(data) - 1
-        ranged = self.headers.get("Range")
-        if ranged and ranged.startswith("bytes="):
-            a, _, b = ranged[6:].partition("-")
-            start = int(a) if a else 0
-            end = min(int(b), len(data) - 1) if b else len(data) - 1
-        body = data[start : end + 1]
-        self.send_response(206 if ranged else 200)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", '"same-for-every-version"')
-        self.send_header("Last-Modified", "Thu, 01 Jan 2026 00:00:00 GMT")
-        if ranged:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def versions() -> dict[str, bytes]:
     pytest.importorskip("aiohttp", reason="needs neuropod[http] (nox -s tests_storage installs it)")
@@ -163,18 +111,20 @@ def versions() -> dict[str, bytes]:
 
 @pytest.fixture
 def web(versions: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """``/download.zip?version=N``: version N's zip, every version with the same ETag and
+    Last-Modified (a server whose validators do not tell versions apart); ``/fail.zip`` answers
+    its HEAD and then 500 to every GET, ``/denied.zip`` 403, ``/flaky.zip`` 500 to its first GET then version 3."""
     monkeypatch.setenv("NEUROPOD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(storage.transfer, "FIRST_WAIT_S", 0.01)
-    handler = type("Versions", (_Versions,), {"versions": versions, "flaky": [1]})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    site = Site(
+        files={"download.zip": versions["3"], "flaky.zip": versions["3"], "fail.zip": versions["3"]},
+        versions={"download.zip": versions}, status={"denied.zip": 403}, fail_gets={"fail.zip"}, flaky={"flaky.zip": 1},
+        etag='"same-for-every-version"', last_modified="Thu, 01 Jan 2026 00:00:00 GMT",
+    )  # fmt: skip
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        with web_server(site) as base:
+            yield base
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
         logger = logging.getLogger("neuropod.storage")
         for h in [h for h in logger.handlers if getattr(h, "_neuropod_cli", False)]:  # the command's, on stderr
             logger.removeHandler(h)

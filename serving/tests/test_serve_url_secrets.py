@@ -6,19 +6,14 @@ expected values from numpy). ``nox -s tests_storage`` installs what these need.
 
 from __future__ import annotations
 
-import http.server
+import importlib.util
 import io
 import logging
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -30,9 +25,16 @@ pytest.importorskip("httpx")
 
 from neuropod import storage
 from neuropod.cli import main
-from versions_helpers import answer, build_scalers, expected, zip_of
+from versions_helpers import answer, build_scalers, expected, serve_command, zip_of
 
 from conftest import free_port, private_caches
+
+# The core tests' web server (core/tests/_web_server.py), loaded by its path: core/tests is not on sys.path here.
+_spec = importlib.util.spec_from_file_location("_web_server", Path(__file__).parents[2] / "core/tests/_web_server.py")
+assert _spec is not None and _spec.loader is not None
+web_server = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = web_server  # where its dataclass looks itself up
+_spec.loader.exec_module(web_server)
 
 SECRETS = ("AWSSIGSECRET", "AWSCREDSECRET", "SASSIGSECRET")
 SIGNED = ("X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AWSCREDSECRET%2F20260101%2Fus-east-1%2Fs3&"
@@ -40,52 +42,19 @@ SIGNED = ("X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AWSCREDSECRET%2F202
           "sv=2022-11-02&sr=b&sp=r&se=2030-01-01T00%3A00%3A00Z&sig=SASSIGSECRET")  # fmt: skip
 
 
-class _Zip(http.server.BaseHTTPRequestHandler):
-    """``/flaky.zip``: 500 to its first GET, then the package; ``/fail.zip``: the package's HEAD,
-    500 to every GET; ``/denied.zip``: 403."""
-
-    data: bytes
-    flaky: list[int]
-    protocol_version = "HTTP/1.1"
-
-    def do_HEAD(self) -> None:
-        self._serve(head=True)
-
-    def do_GET(self) -> None:
-        self._serve(head=False)
-
-    def _serve(self, head: bool) -> None:
-        path = urlsplit(self.path).path
-        status = {"/fail.zip": 200 if head else 500, "/denied.zip": 403}.get(path, 200)
-        if path == "/flaky.zip" and not head and self.flaky:
-            self.flaky.pop()
-            status = 500
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(self.data)) if status == 200 else "0")
-        self.send_header("ETag", '"v1"')
-        self.end_headers()
-        if status == 200 and not head:
-            self.wfile.write(self.data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def web() -> Iterator[str]:
+    """``/flaky.zip``: 500 to its first GET, then the package; ``/fail.zip``: the package's HEAD,
+    500 to every GET; ``/denied.zip``: 403. No byte ranges."""
     root = Path(tempfile.mkdtemp(prefix="neuropod-serve-secrets-test-"))
-    with private_caches(root):
-        data = zip_of(build_scalers(root / "stage", (1,))[1], root / "scaler.zip").read_bytes()
-    handler = type("Zip", (_Zip,), {"data": data, "flaky": [1]})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        with private_caches(root):
+            data = zip_of(build_scalers(root / "stage", (1,))[1], root / "scaler.zip").read_bytes()
+        site = web_server.Site(files={"flaky.zip": data, "fail.zip": data}, status={"denied.zip": 403},
+                               fail_gets={"fail.zip"}, flaky={"flaky.zip": 1}, etag='"v1"', ranges=False)  # fmt: skip
+        with web_server.web_server(site) as base:
+            yield base
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -117,28 +86,11 @@ def test_a_served_presigned_url_logs_no_signature(web: str, tmp_path: Path) -> N
     and is retried (a warning), then the model serves."""
     import httpx
 
-    port = free_port()
-    with private_caches(tmp_path):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "neuropod", "serve", f"{web}/flaky.zip?{SIGNED}", "--http-port", str(port),
-             "--grpc-port", "0", "--metrics-port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.1)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            assert answer(client) == ("1", expected(1))
-    finally:
-        proc.terminate()
-        output = proc.communicate(timeout=30)[0]
-    assert "retrying" in output and f"{web}/flaky.zip" in output, output
-    _no_secret(output)
+    with (
+        private_caches(tmp_path),
+        serve_command([f"{web}/flaky.zip?{SIGNED}"], free_port()) as served,
+        httpx.Client(base_url=served.http, timeout=30) as client,
+    ):
+        assert answer(client) == ("1", expected(1))
+    assert "retrying" in served.output and f"{web}/flaky.zip" in served.output, served.output
+    _no_secret(served.output)

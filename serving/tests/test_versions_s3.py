@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import io
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -26,11 +24,21 @@ pytest.importorskip("s3fs", reason="needs neuropod[s3] (nox -s tests_storage ins
 moto_server = pytest.importorskip("moto.server", reason="needs moto[server] (nox -s tests_storage installs it)")
 pytest.importorskip("uvicorn")
 pytest.importorskip("neuropod_python")
-pytest.importorskip("httpx")
+httpx = pytest.importorskip("httpx")
 
 from neuropod.errors import PackageError  # noqa: E402
 from neuropod_serving.server import ModelRegistry  # noqa: E402
-from versions_helpers import answer, build_scalers, expected, in_background, index, infer, serving, wait_for  # noqa: E402
+from versions_helpers import (  # noqa: E402
+    answer,
+    build_scalers,
+    expected,
+    in_background,
+    index,
+    infer,
+    serve_command,
+    serving,
+    wait_for,
+)  # fmt: skip
 
 from conftest import free_port, private_caches  # noqa: E402
 
@@ -155,30 +163,8 @@ def test_neuropod_serve_takes_a_bucket_url(bucket: Bucket, scalers: dict[int, Pa
     """The command itself, in its own process: the start-up table lists the bucket's versions."""
     bucket.put_tree("models/scaler/1", scalers[1])
     bucket.put_zip("models/scaler/2/scaler.neuropod", scalers[2])
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "neuropod", "serve", f"s3://{bucket.name}/models/", "--version-policy", "all",
-         "--http-port", str(port), "--grpc-port", "0", "--metrics-port", "0", "--poll-interval", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        import httpx
-
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            assert answer(http, version="1") == ("1", expected(1))
-            assert answer(http) == ("2", expected(2))
-    finally:
-        proc.terminate()
-        output = proc.communicate(timeout=30)[0]
-    assert "scaler (version 1)" in output and "scaler (version 2)" in output, output
-
+    with serve_command([f"s3://{bucket.name}/models/", "--version-policy", "all", "--poll-interval", "5"], free_port(),
+                       poll=0.2) as served, httpx.Client(base_url=served.http, timeout=30) as http:  # fmt: skip
+        assert answer(http, version="1") == ("1", expected(1))
+        assert answer(http) == ("2", expected(2))
+    assert "scaler (version 1)" in served.output and "scaler (version 2)" in served.output, served.output

@@ -1,5 +1,6 @@
 """What the model-version tests share: a Python model per version (``y = x * K``, sleeping
-``x[0, 1]`` seconds first), a server of a repository in a thread, and polling waits.
+``x[0, 1]`` seconds first), a server of a repository in a thread or the command in its own
+process, and polling waits.
 
 Expected answers are ``x * K`` computed with numpy; the version that answered is the
 response's ``model_version``.
@@ -8,7 +9,10 @@ response's ``model_version``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -81,6 +85,41 @@ def serving(paths: list[Any], *, policy: str | None = None, poll: float | None =
             yield engine, http
     finally:
         engine.close()
+
+
+@dataclasses.dataclass
+class Command:
+    http: str  #: ``http://127.0.0.1:<port>``
+    output: str = ""  #: its stdout and stderr, once it ended
+
+
+@contextlib.contextmanager
+def serve_command(args: list[str], port: int, poll: float = 0.1) -> Iterator[Command]:
+    """``neuropod serve <args>`` (REST on ``port``, no gRPC nor metrics) in its own process, once its
+    REST health says ready; terminated when the ``with`` ends, its output then in ``output``."""
+    import httpx
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "neuropod", "serve", *args, "--http-port", str(port), "--grpc-port", "0",
+         "--metrics-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    command = Command(f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                if httpx.get(f"{command.http}/v2/health/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(poll)
+        yield command
+    finally:
+        proc.terminate()
+        command.output = proc.communicate(timeout=30)[0]
 
 
 def infer(http: Any, model: str = "scaler", version: str | None = None, seconds: float = 0.0) -> Any:
