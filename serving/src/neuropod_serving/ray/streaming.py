@@ -97,7 +97,7 @@ async def _streamed(engine: Engine, served: Any, call: InferCall) -> AsyncIterat
     started = time.perf_counter()
     failure: str | None = "client"  # until the stream opens; then the model's
     try:
-        request, stream = open_stream_request(engine, served, call)
+        served, request, stream = open_stream_request(engine, served, call)
         failure = "model"
         async for outputs in _responses(stream):
             yield stream_answer(served, outputs, request.id)

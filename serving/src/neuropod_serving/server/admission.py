@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from neuropod_serving.defaults import DEFAULT_MAX_QUEUED
-from neuropod_serving.errors import ModelBusyError, RequestTimeoutError
+from neuropod_serving.errors import ModelBusyError, RequestTimeoutError, UnknownModelError
 from neuropod_serving.protocol.options import RequestOptions
 
 
@@ -42,6 +42,12 @@ class ModelLimits:
             raise ValueError(f"max_queued must be 0 or more, not {self.max_queued}")
 
 
+class Retired(UnknownModelError):
+    """The model version a request was about to run on stopped serving first (a reload, a newer
+    version, an unload): nothing of the request ran. A request that named no version is run on
+    the model's latest version instead (see :meth:`~.engine.Engine.infer_latest`)."""
+
+
 class Gate:
     """Admission and concurrency of one model's requests: at most ``concurrent`` run
     at once and ``capacity`` (running and waiting) are admitted; the next is refused.
@@ -50,9 +56,14 @@ class Gate:
     slots, whose operations are atomic C calls. Threads admitted at the same instant
     may pass ``capacity`` by their number: the bound is a back-pressure limit, not an
     exact one. ``concurrent`` is exact.
+
+    A model version that stops serving is retired (:meth:`retire`), then drained (:meth:`drain`):
+    a request counts itself admitted before it looks at :attr:`retired`, and retirement sets
+    :attr:`retired` before it counts the requests left, so every request is either refused
+    (:class:`Retired`, before it ran) or waited for: none runs on a closed model.
     """
 
-    __slots__ = ("_pending", "_slots", "capacity", "concurrent", "limits", "name")
+    __slots__ = ("_held", "_pending", "_slots", "capacity", "concurrent", "limits", "name", "retired")
 
     def __init__(self, name: str, concurrent: int, capacity: int, limits: str) -> None:
         self.name = name
@@ -61,6 +72,9 @@ class Gate:
         self.concurrent = concurrent
         self.capacity = capacity
         self._pending: collections.deque[None] = collections.deque()  # one entry per admitted request
+        self._held: collections.deque[None] = collections.deque()  # one entry per open stream (see hold)
+        #: Set once the version stopped serving: no request is admitted any more.
+        self.retired = False
         self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()  # one entry per free run slot
         for _ in range(concurrent):
             self._slots.put(None)
@@ -89,6 +103,9 @@ class Gate:
                 f"the most it takes ({self.limits}); retry later"
             )
         self._pending.append(None)
+        if self.retired:  # after counting itself: see the class's docstring
+            self._pending.pop()
+            raise self._retired()
         if run_now:
             try:
                 self._slots.get_nowait()
@@ -96,6 +113,25 @@ class Gate:
                 return False
             return True
         return False
+
+    def hold(self) -> None:
+        """Keep the version serving while a stream runs on it (outside the run slots and the
+        queue's bound; :meth:`release` when it ends). :raises Retired: it stopped serving."""
+        self._held.append(None)
+        if self.retired:
+            self._held.pop()
+            raise self._retired()
+
+    def release(self) -> None:
+        """A stream :meth:`hold` kept ended."""
+        self._held.pop()
+
+    def retire(self) -> None:
+        """Admit nothing more: the version stopped serving (then :meth:`drain` it)."""
+        self.retired = True
+
+    def _retired(self) -> Retired:
+        return Retired(f"model {self.name!r} was unloaded while the request waited")
 
     def wait_slot(self) -> None:
         """Wait for a run slot (the request was admitted)."""
@@ -119,12 +155,12 @@ class Gate:
             self._slots.put(None)
 
     def drain(self, timeout: float) -> bool:
-        """Wait until no admitted request is left (True), or ``timeout`` seconds (False)."""
+        """Wait until no admitted request or held stream is left (True), or ``timeout`` seconds (False)."""
         deadline = time.monotonic() + timeout
-        while self._pending:
+        while self._pending or self._held:
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.01)
+            time.sleep(0.005)
         return True
 
 

@@ -180,10 +180,10 @@ class _RawInfer:
                 else:
                     await run_in_threadpool(shared_memory_api.read_inputs, held, s, decoded)
                 small = small and held.output_bytes <= shared_memory_api.INLINE_BYTES
-            s = engine.current(s, version)  # a version swapped while the body came: the latest, if none was named
             failure = "model"
             try:
-                outputs = await engine.infer(s, decoded.inputs, requested, decoded.options)
+                # A version swapped while the body came or the request waited: the latest, if none was named.
+                s, outputs = await engine.infer_latest(s, version, decoded.inputs, requested, decoded.options)
             except CLIENT_ERRORS:
                 failure = "client"
                 raise

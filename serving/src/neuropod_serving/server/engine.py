@@ -49,10 +49,11 @@ from neuropod.errors import NeuropodError, SequenceError, SpecError
 from neuropod.sequences import SequenceStep
 from neuropod_serving.errors import ModelBusyError, RequestTimeoutError, UnknownModelError
 from neuropod_serving.protocol.options import RequestOptions
-from neuropod_serving.server.admission import Deadline, NotStarted, request_deadline, until, wait
+from neuropod_serving.server.admission import Deadline, NotStarted, Retired, request_deadline, until, wait
 from neuropod_serving.server.batching import writable
 from neuropod_serving.server.classification import Classifier
 from neuropod_serving.server.full_collections import FullCollections
+from neuropod_serving.server.inline_runs import INLINE_BELOW_S, SLOW_RUN_S, learn, nbytes
 from neuropod_serving.server.lifecycle import ModelLifecycle, Runner
 from neuropod_serving.server.model_exits import EXITS, is_users_interrupt, model_exited
 from neuropod_serving.server.registry import ServedModel
@@ -60,23 +61,10 @@ from neuropod_serving.server.streams import ServedStream
 
 log = logging.getLogger("neuropod_serving.server")
 
-#: A model whose recent runs took less than this can run on the event loop's
-#: thread. Handing a request to a thread and back costs 50 to 250 µs on a busy
-#: core (the result wakes the loop through its self-pipe; measured on the
-#: 100-input model of bench_serve.py, 0.26 ms a run: 0.96 -> 0.73 ms a request
-#: inline), while holding the loop for under a millisecond delays nothing a
-#: network client would notice. Slower models run in threads.
-INLINE_BELOW_S = 0.001
-#: A run that took this long after its model proved fast (a framework's first
-#: runs are slow, and do not count) moves the model off the event loop for
-#: good: a model that was once this slow may be again, and while it runs on the
-#: loop nothing else (health probes included) is answered. A run counts when
-#: at least half of it was CPU time of the thread that ran it, so a fast run
-#: that a busy core kept waiting does not count, and full garbage collections
-#: that fell into a run are not counted as its time.
-SLOW_RUN_S = 0.02
-# Weight of the newest run in the moving average of a model's run time.
-_EWMA = 0.2
+#: Versions a request that named none tries before it is answered that the model was unloaded:
+#: each try after the first follows a rollout that swapped the version in the microseconds
+#: between its lookup and its admission.
+_LATEST_TRIES = 5
 
 
 #: What :meth:`Engine.infer` raises when the request is at fault, not the model:
@@ -176,7 +164,7 @@ class Engine(ModelLifecycle):
                         if batcher.runs_alone_at_once
                         and runner.inline_ok
                         and runner.ewma_s < INLINE_BELOW_S
-                        and _nbytes(inputs) <= runner.inline_bytes
+                        and nbytes(inputs) <= runner.inline_bytes
                         else None
                     )
                     if how:
@@ -202,7 +190,7 @@ class Engine(ModelLifecycle):
                 runner.inline_ok
                 and runner.ewma_s < INLINE_BELOW_S
                 and gate.waiting <= 0
-                and _nbytes(inputs) <= runner.inline_bytes
+                and nbytes(inputs) <= runner.inline_bytes
             )
             if gate.admit(inline):
                 # The common small-model case, without a coroutine or thread in between.
@@ -217,10 +205,10 @@ class Engine(ModelLifecycle):
                     future = loop.run_in_executor(runner.executor, self._run_queued, runner, inputs, requested, queued)
                 except RuntimeError:  # the model's threads stopped: it is being unloaded
                     gate.leave(False)
-                    raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited") from None
+                    raise Retired(f"model {served.name!r} was unloaded while the request waited") from None
                 outputs = await future
             return _ordered(runner, outputs, requested)
-        except (SpecError, ModelBusyError):
+        except (SpecError, ModelBusyError, Retired):
             raise
         except NeuropodError as e:
             if self._runners.get((served.name, served.version)) is not runner:
@@ -246,7 +234,10 @@ class Engine(ModelLifecycle):
             requested = None
         self._check_missing(runner, inputs)
         parameters = options.parameters if options is not None else None
-        return self.streams.open(served.name, served.model, writable(inputs), requested, parameters)
+        runner.gate.hold()  # a version that stops serving waits for its streams (as for its requests)
+        return self.streams.open(
+            served.name, runner.served.model, writable(inputs), requested, parameters, on_end=runner.gate.release
+        )
 
     def infer_blocking(
         self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None,
@@ -296,12 +287,62 @@ class Engine(ModelLifecycle):
                     deadline = request_deadline(queued, None, time_left)
                     outputs = self._run_queued(runner, inputs, requested, queued, deadline)
             return _ordered(runner, outputs, requested)
-        except (SpecError, ModelBusyError, RequestTimeoutError):
+        except (SpecError, ModelBusyError, RequestTimeoutError, Retired):
             raise
         except NeuropodError as e:
             if self._runners.get((served.name, served.version)) is not runner:
                 raise self._closed_under(runner) from e
             raise
+
+    # -- requests that named no version: the latest when admitted ---------------------------
+
+    async def infer_latest(
+        self, served: ServedModel, version: str | None, inputs: dict[str, np.ndarray],
+        requested: list[str] | None = None, options: RequestOptions | None = None,
+    ) -> tuple[ServedModel, dict[str, np.ndarray]]:  # fmt: skip
+        """:meth:`infer` of a request for ``served``, looked up for ``version`` (None: the
+        request named none), and the model that ran it. A request that named no version runs on
+        the model's latest version when it is admitted: when the version it looked up stopped
+        serving first (a rollout swapped it while its body was read, decoded or waited), it is
+        run on the version that serves now; a request that named a version gone since is
+        answered that it was unloaded."""
+        for attempt in range(_LATEST_TRIES):
+            served = self.current(served, version)
+            try:
+                return served, await self.infer(served, inputs, requested, options)
+            except Retired:
+                if version or attempt == _LATEST_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def infer_blocking_latest(
+        self, served: ServedModel, version: str | None, inputs: dict[str, np.ndarray],
+        requested: list[str] | None = None, options: RequestOptions | None = None,
+        time_left: Callable[[], float | None] | None = None,
+    ) -> tuple[ServedModel, dict[str, np.ndarray]]:  # fmt: skip
+        """:meth:`infer_blocking` as :meth:`infer_latest` runs :meth:`infer`."""
+        for attempt in range(_LATEST_TRIES):
+            served = self.current(served, version)
+            try:
+                return served, self.infer_blocking(served, inputs, requested, options, time_left)
+            except Retired:
+                if version or attempt == _LATEST_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def open_stream_latest(
+        self, served: ServedModel, version: str | None, inputs: dict[str, np.ndarray],
+        requested: list[str] | None = None, options: RequestOptions | None = None,
+    ) -> tuple[ServedModel, ServedStream]:  # fmt: skip
+        """:meth:`open_stream` as :meth:`infer_latest` runs :meth:`infer`: the stream, and the model it runs on."""
+        for attempt in range(_LATEST_TRIES):
+            served = self.current(served, version)
+            try:
+                return served, self.open_stream(served, inputs, requested, options)
+            except Retired:
+                if version or attempt == _LATEST_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     # -- requests with options (a timeout, classification, parameters) ---------------------
     # Apart from the plain path above, so that a plain request pays nothing for them.
@@ -343,13 +384,13 @@ class Engine(ModelLifecycle):
                     )
                 except RuntimeError:  # the model's threads stopped: it is being unloaded
                     gate.leave(False)
-                    raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited") from None
+                    raise Retired(f"model {served.name!r} was unloaded while the request waited") from None
                 try:
                     outputs = await until(future, deadline, served.name, queued, "a thread")
                 except NotStarted as e:
                     gate.leave(False)  # it never reached _run_queued, which would have
                     raise e.error from None
-        except (SpecError, ModelBusyError, RequestTimeoutError, SequenceError):
+        except (SpecError, ModelBusyError, RequestTimeoutError, SequenceError, Retired):
             raise
         except NeuropodError as e:
             if self._runners.get((served.name, served.version)) is not runner:
@@ -393,7 +434,7 @@ class Engine(ModelLifecycle):
                 else:
                     deadline = request_deadline(queued, options, time_left)
                     outputs = self._run_queued(runner, inputs, requested, queued, deadline, options.parameters, step)
-        except (SpecError, ModelBusyError, RequestTimeoutError, SequenceError):
+        except (SpecError, ModelBusyError, RequestTimeoutError, SequenceError, Retired):
             raise
         except NeuropodError as e:
             if self._runners.get((served.name, served.version)) is not runner:
@@ -407,7 +448,7 @@ class Engine(ModelLifecycle):
         request looked it up (its spec checks apply then)."""
         runner = self._runners.get((served.name, served.version))
         if runner is None:
-            raise UnknownModelError(f"model {served.name!r} was unloaded while the request waited")
+            raise Retired(f"model {served.name!r} was unloaded while the request waited")
         return runner
 
     @staticmethod
@@ -479,7 +520,7 @@ class Engine(ModelLifecycle):
                 raise
             raise model_exited(runner.served.name, e) from e
         finally:
-            seconds = _learn(runner, inputs, started, cpu, collected, queued is not None)
+            seconds = learn(runner, inputs, started, cpu, collected, queued is not None)
             if ok:
                 self.metrics.ran(
                     runner.served.name, 0.0 if queued is None else begun - queued, seconds, started - begun
@@ -505,36 +546,7 @@ class Engine(ModelLifecycle):
                 raise
             raise model_exited(runner.served.name, e) from e
         finally:
-            _learn(runner, inputs, started, cpu, collected, True)
-
-
-def _learn(
-    runner: Runner, inputs: Mapping[str, np.ndarray], started: float, cpu: float, collected: float, on_thread: bool
-) -> float:
-    """Learn from a run of ``runner``'s model begun at ``started`` (``cpu``: the thread's CPU
-    time then, ``collected``: :class:`FullCollections` seconds then) whether it may run on the
-    event loop (:attr:`~.lifecycle.Runner.inline_ok`, ``ewma_s``, ``inline_bytes``); the run's seconds.
-
-    :param on_thread: the run was not on the event loop (only such runs raise ``inline_bytes``).
-    """
-    seconds = time.perf_counter() - started
-    # The model's own time: without the full collections the run fell into (whichever thread
-    # ran them, every thread waited); the metrics keep what the request took.
-    ran = seconds - (FullCollections.seconds - collected)
-    # Slow on this thread's CPU too: the model's own work, not a busy core's scheduling.
-    if (
-        ran >= SLOW_RUN_S
-        and runner.ewma_s < INLINE_BELOW_S
-        and time.thread_time() - cpu - (seconds - ran) >= SLOW_RUN_S / 2
-    ):
-        runner.inline_ok = False
-    elif on_thread and ran < INLINE_BELOW_S and runner.inline_ok:
-        # Learnt on threads; a run on the loop had no larger input than this already.
-        size = _nbytes(inputs)
-        if size > runner.inline_bytes:
-            runner.inline_bytes = size
-    runner.ewma_s += _EWMA * (ran - runner.ewma_s)
-    return seconds
+            learn(runner, inputs, started, cpu, collected, True)
 
 
 def _step(runner: Runner, options: RequestOptions) -> SequenceStep | None:
@@ -555,13 +567,6 @@ def _classification(
     if options.classification is None:
         return None
     return Classifier.of(served, options.classification, requested)
-
-
-def _nbytes(inputs: Mapping[str, np.ndarray]) -> int:
-    """The size of the first input (0 for none): what :attr:`~.lifecycle.Runner.inline_bytes` compares."""
-    for a in inputs.values():
-        return int(a.nbytes)
-    return 0
 
 
 def _ordered(runner: Runner, outputs: dict[str, np.ndarray], requested: list[str] | None) -> dict[str, np.ndarray]:

@@ -283,14 +283,18 @@ def stream_request(served: Any, call: InferCall) -> StreamRequest:
     return StreamRequest(decoded.inputs, requested, options, decoded.id, empty_final)
 
 
-def open_stream_request(engine: Engine, served: Any, call: InferCall) -> tuple[StreamRequest, ServedStream]:
+def open_stream_request(engine: Engine, served: Any, call: InferCall) -> tuple[Any, StreamRequest, ServedStream]:
     """``call`` decoded for ``served`` (:func:`stream_request`) and its stream opened
-    (:meth:`Engine.open_stream`): a failure here is the client's, every later one the model's.
+    (:meth:`Engine.open_stream_latest`): the model it runs on (the latest version, when the call
+    named none), the request and the stream. A failure here is the client's, every later one the model's.
 
     :raises ProtocolError: as :func:`stream_request`; as :meth:`Engine.open_stream` (spec, busy model).
     """
     request = stream_request(served, call)
-    return request, engine.open_stream(served, request.inputs, request.requested, request.options)
+    assert call.request is not None  # stream_request raised the call's error otherwise
+    version = call.request.model_version or None
+    served, stream = engine.open_stream_latest(served, version, request.inputs, request.requested, request.options)
+    return served, request, stream
 
 
 def stream_answer(served: Any, outputs: dict[str, Any], request_id: str | None) -> bytes:
@@ -396,7 +400,7 @@ def _streamed(engine: Engine, served: Any, call: InferCall, reading: _Reading) -
     started = time.perf_counter()
     failure: str | None = "client"  # until the stream opens; then the model's
     try:
-        request, stream = open_stream_request(engine, served, call)
+        served, request, stream = open_stream_request(engine, served, call)
         failure = "model"
         reading.hold(stream)
         try:

@@ -165,23 +165,24 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
         with self._counted(call) as state:
             served, decoded, requested = self._begin(call, state)
             if decoded.shared_memory is not None:
-                return self._infer_shared(state, served, decoded, requested, context)
-            outputs = self.engine.infer_blocking(
-                served, decoded.inputs, requested, decoded.options, context.time_remaining
+                return self._infer_shared(state, served, decoded, requested, context, _version(call))
+            served, outputs = self.engine.infer_blocking_latest(
+                served, _version(call), decoded.inputs, requested, decoded.options, context.time_remaining
             )
             return self._finish(state, served, decoded, outputs)
 
     def _infer_shared(
-        self, state: _InferState, served: Any, decoded: Any, requested: list[str] | None, context: Any
-    ) -> bytes:
+        self, state: _InferState, served: Any, decoded: Any, requested: list[str] | None, context: Any,
+        version: str | None,
+    ) -> bytes:  # fmt: skip
         """:meth:`model_infer` of a request with tensors in shared memory (see :mod:`.shm_regions`)."""
         state.failure = "client"
         held = shared_memory_api.lease(self.engine, decoded)
         try:
             shared_memory_api.read_inputs(held, served, decoded)
             state.failure = "model"
-            outputs = self.engine.infer_blocking(
-                served, decoded.inputs, requested, decoded.options, context.time_remaining
+            served, outputs = self.engine.infer_blocking_latest(
+                served, version, decoded.inputs, requested, decoded.options, context.time_remaining
             )
             state.failure = "client"  # an output that does not fit where the request put it
             response = shared_memory_api.grpc_message(held, served, decoded, outputs)
@@ -198,7 +199,9 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
             if decoded.shared_memory is not None:
                 state.failure = "client"
                 shared_memory_api.registry_of(self.engine)  # Ray's replicas take no shared memory: refused
-            outputs = await self.engine.infer(served, decoded.inputs, requested, decoded.options)
+            served, outputs = await self.engine.infer_latest(
+                served, _version(call), decoded.inputs, requested, decoded.options
+            )
             return self._finish(state, served, decoded, outputs)
 
     @contextlib.contextmanager
@@ -230,7 +233,6 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
         decoded = request.decode(served.input_specs)
         if served.stateful:
             require_sequence(served.name, decoded.options)
-        served = self.engine.current(served, request.model_version or None)  # a version swapped meanwhile
         state.failure = "model"
         return served, decoded, list(decoded.outputs) if decoded.outputs is not None else None
 
@@ -244,6 +246,11 @@ class Servicer(shared_memory_api.SharedMemoryRpcs):
             raise NeuropodError(f"its outputs cannot be sent: {e}") from e
         state.failure = None
         return response
+
+
+def _version(call: InferCall) -> str | None:
+    """The version ``call`` names (None: none, its model's latest)."""
+    return call.request.model_version or None if call.request is not None else None
 
 
 class _InferState:

@@ -10,7 +10,6 @@ import concurrent.futures
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -456,8 +455,9 @@ class ModelLifecycle(RepositoryPolling):
         (for up to ``drain_s`` seconds each)."""
         for old, runner in retired:
             if runner is not None:
-                # Its batchers keep running what they hold while it drains.
-                if not _drain(runner.gate, drain_s):
+                # Nothing more is admitted; its batchers keep running what they hold while it drains.
+                runner.gate.retire()
+                if not runner.gate.drain(drain_s):
                     log.warning("model %r version %s stopped serving while requests still ran on it after %g s",
                                 old.name, old.version, drain_s)  # fmt: skip
                 if runner.batcher is not None:
@@ -516,28 +516,6 @@ class ModelLifecycle(RepositoryPolling):
             self.registry.close()
             if self.shared_memory is not None:
                 self.shared_memory.close()
-
-
-#: How long a model no longer served must have had no request admitted before it is closed: a request
-#: that found it just before it stopped serving (microseconds of work from lookup to admission) is
-#: admitted meanwhile and runs on it, instead of finding it closed.
-RETIRE_QUIET_S = 0.05
-
-
-def _drain(gate: Gate, timeout: float) -> bool:
-    """Wait until ``gate`` has had no request admitted for :data:`RETIRE_QUIET_S` (True), or
-    ``timeout`` seconds (False: requests still run)."""
-    deadline = time.monotonic() + timeout
-    quiet_since = time.monotonic()
-    while True:
-        now = time.monotonic()
-        if gate.pending:
-            quiet_since = now
-            if now > deadline:
-                return False
-        elif now - quiet_since >= RETIRE_QUIET_S:
-            return True
-        time.sleep(0.005)
 
 
 def _run_steps(

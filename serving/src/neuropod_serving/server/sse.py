@@ -97,7 +97,9 @@ class StreamRoutes:
                     # One answer from an ordinary model: through its batcher and run slots, as /infer.
                     failure = "model"
                     try:
-                        outputs = await engine.infer(served, request.inputs, None, request.options)
+                        served, outputs = await engine.infer_latest(
+                            served, version, request.inputs, None, request.options
+                        )
                     except CLIENT_ERRORS:
                         failure = "client"
                         raise
@@ -106,7 +108,9 @@ class StreamRoutes:
                         send, 200, generate_response(served.name, served.version, outputs, request.id), None
                     )
                     return
-                stream = engine.open_stream(served, request.inputs, _requested(request), request.options)
+                served, stream = engine.open_stream_latest(
+                    served, version, request.inputs, _requested(request), request.options
+                )
             except Disconnected:
                 return
             except Exception as e:  # noqa: BLE001 - answered; answer_to logs what is no NeuropodError
