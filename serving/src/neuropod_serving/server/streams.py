@@ -89,9 +89,11 @@ class OpenStreams:
 
     def open(
         self, name: str, model: Any, inputs: Mapping[str, np.ndarray], requested: list[str] | None,
-        parameters: Mapping[str, Any] | None = None,
+        parameters: Mapping[str, Any] | None = None, on_end: Callable[[], None] | None = None,
     ) -> ServedStream:  # fmt: skip
         """Open a stream of ``model``'s responses to ``inputs`` (checked now: a SpecError is raised here).
+
+        :param on_end: called once when the stream closes (or fails to open).
 
         :raises ModelBusyError: ``name`` has :attr:`StreamLimits.max_open` streams open.
         :raises NeuropodError: the server is stopping, or the model refused the request.
@@ -111,8 +113,11 @@ class OpenStreams:
             responses = model.infer_stream(inputs, requested, parameters=parameters or None)
         except BaseException:
             self._release(name)
+            if on_end is not None:
+                on_end()
             raise
         stream = ServedStream(self, name, responses)
+        stream.on_end = on_end
         with self._lock:
             self._open.add(stream)
         return stream
@@ -144,6 +149,8 @@ class OpenStreams:
                 return
             self._open.discard(stream)
         self._release(stream.model)
+        if stream.on_end is not None:
+            stream.on_end()
 
 
 class ServedStream:
@@ -158,6 +165,8 @@ class ServedStream:
         #: The model's name.
         self.model = model
         self._responses = responses
+        #: Called once when the stream closes (:meth:`OpenStreams.open`'s ``on_end``).
+        self.on_end: Callable[[], None] | None = None
         self._on_response = owner.on_response
         self._buffered = owner.limits.buffered
         #: When the stream opened (``time.perf_counter()``), and when its last response was produced.
