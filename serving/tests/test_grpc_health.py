@@ -23,18 +23,15 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("uvicorn")
-grpc = pytest.importorskip("grpc")
 httpx = pytest.importorskip("httpx")
-health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
-health_pb2_grpc = pytest.importorskip("grpc_health.v1.health_pb2_grpc")
 
+from grpc_health_helpers import Status, check, grpc, health_stub, request, served_with_token, watch  # noqa: E402
 from neuropod.testing import Served, served  # noqa: E402
 
 from conftest import adder_and_echo, private_caches  # noqa: E402
 
 TOKEN = "he4lth-t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-Status = health_pb2.HealthCheckResponse
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +40,7 @@ def server() -> Iterator[Served]:
     try:
         with private_caches(root):
             adder_and_echo(root / "models", echo_as_zip=False)
-            (root / "token").write_text(TOKEN)
-            with served(root / "models", options=["--auth-token-file", str(root / "token")]) as s:
+            with served_with_token(root / "models", TOKEN) as s:
                 yield s
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -52,20 +48,16 @@ def server() -> Iterator[Served]:
 
 @pytest.fixture
 def stub(server: Served) -> Iterator[Any]:
-    with grpc.insecure_channel(server.grpc) as channel:
-        yield health_pb2_grpc.HealthStub(channel)
-
-
-def _check(stub: Any, service: str) -> int:
-    return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status)
+    with health_stub(server.grpc) as stub:
+        yield stub
 
 
 def test_check_without_a_token(server: Served, stub: Any) -> None:
-    assert _check(stub, "") == Status.SERVING  # what a Kubernetes grpc probe without `service` asks
-    assert _check(stub, "adder") == Status.SERVING
-    assert _check(stub, "echo") == Status.SERVING
+    assert check(stub, "") == Status.SERVING  # what a Kubernetes grpc probe without `service` asks
+    assert check(stub, "adder") == Status.SERVING
+    assert check(stub, "echo") == Status.SERVING
     with pytest.raises(grpc.RpcError) as info:
-        _check(stub, "no_such_model")
+        check(stub, "no_such_model")
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     # The inference service itself still needs the token.
     with grpc.insecure_channel(server.grpc) as channel:
@@ -77,11 +69,11 @@ def test_check_without_a_token(server: Served, stub: Any) -> None:
 
 def test_watch_sees_a_model_unloaded_and_loaded_again(server: Served, stub: Any) -> None:
     seen: queue.Queue[int] = queue.Queue()
-    watch = stub.Watch(health_pb2.HealthCheckRequest(service="echo"))
+    stream = stub.Watch(request("echo"))
 
     def read() -> None:
         try:
-            for response in watch:
+            for response in stream:
                 seen.put(int(response.status))
         except grpc.RpcError:
             pass  # cancelled at the end of the test
@@ -93,20 +85,19 @@ def test_watch_sees_a_model_unloaded_and_loaded_again(server: Served, stub: Any)
         with httpx.Client(base_url=server.http, headers=AUTH, timeout=60) as http:
             assert http.post("/v2/repository/models/echo/unload").status_code == 200
             assert seen.get(timeout=10) == Status.NOT_SERVING
-            assert _check(stub, "echo") == Status.NOT_SERVING  # known, not loaded
-            assert _check(stub, "") == Status.SERVING
+            assert check(stub, "echo") == Status.NOT_SERVING  # known, not loaded
+            assert check(stub, "") == Status.SERVING
             assert http.post("/v2/repository/models/echo/load").status_code == 200
             assert seen.get(timeout=10) == Status.SERVING
-        assert _check(stub, "echo") == Status.SERVING
+        assert check(stub, "echo") == Status.SERVING
     finally:
-        watch.cancel()
+        stream.cancel()
         reader.join(10)
 
 
 def test_watch_of_an_unknown_service(stub: Any) -> None:
     # One answer, and the stream ends: the server keeps nothing for a name it does not know.
-    answers = [int(r.status) for r in stub.Watch(health_pb2.HealthCheckRequest(service="never_loaded"), timeout=10)]
-    assert answers == [Status.SERVICE_UNKNOWN]
+    assert watch(stub, "never_loaded") == [Status.SERVICE_UNKNOWN]
 
 
 def test_unparsable_http_gets_a_json_error(server: Served) -> None:
@@ -128,14 +119,13 @@ def test_max_grpc_streams_option(tmp_path: Path) -> None:
         adder_and_echo(tmp_path / "models", echo_as_zip=False)
         with (
             served(tmp_path / "models", options=["--max-grpc-streams", "1"]) as s,
-            grpc.insecure_channel(s.grpc) as channel,
+            health_stub(s.grpc) as stub,
         ):
-            stub = health_pb2_grpc.HealthStub(channel)
-            first = stub.Watch(health_pb2.HealthCheckRequest(service="adder"))
+            first = stub.Watch(request("adder"))
             assert int(next(first).status) == Status.SERVING
             with pytest.raises(grpc.RpcError) as info:
-                next(stub.Watch(health_pb2.HealthCheckRequest(service="echo")))
+                next(stub.Watch(request("echo")))
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--max-grpc-streams" in info.value.details()
-            assert _check(stub, "echo") == Status.SERVING  # unary calls are not streams
+            assert check(stub, "echo") == Status.SERVING  # unary calls are not streams
             first.cancel()

@@ -27,12 +27,10 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("uvicorn")
-grpc = pytest.importorskip("grpc")
 httpx = pytest.importorskip("httpx")
-health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
-health_pb2_grpc = pytest.importorskip("grpc_health.v1.health_pb2_grpc")
 
-from neuropod.testing import Served, served  # noqa: E402
+from grpc_health_helpers import Status, check, grpc, health_stub, request, served_with_token, watch  # noqa: E402
+from neuropod.testing import Served  # noqa: E402
 from neuropod_serving.protocol.options import classify  # noqa: E402
 from neuropod_serving.server import Engine, ModelRegistry  # noqa: E402
 from neuropod_serving.server.grpc_repository import StreamSlots  # noqa: E402
@@ -44,7 +42,6 @@ from conftest import adder_and_echo, descendants, onnx_package, private_caches  
 TOKEN = "r0und3-t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ENTRIES = 1_500_000
-Status = health_pb2.HealthCheckResponse
 
 
 def _scores_model(models: Path) -> None:
@@ -77,8 +74,7 @@ def root() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[Served]:
-    (root / "token").write_text(TOKEN)
-    with private_caches(root), served(root / "models", options=["--auth-token-file", str(root / "token")]) as s:
+    with private_caches(root), served_with_token(root / "models", TOKEN) as s:
         yield s
 
 
@@ -195,22 +191,17 @@ def _server_pid() -> int:
 def test_watch_of_unknown_names_keeps_nothing(server: Served) -> None:
     """Watch of 200 unique names of 1 MiB each (no token: health needs none) leaves the server's memory as it was."""
     pid = _server_pid()
-    with grpc.insecure_channel(server.grpc, options=[("grpc.max_send_message_length", -1)]) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with health_stub(server.grpc, options=[("grpc.max_send_message_length", -1)]) as stub:
 
         def first(service: str) -> Any:
             """The first answer of a Watch of ``service`` (a status or an error code); then the call is cancelled."""
-            call = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            call = stub.Watch(request(service), timeout=10)
             try:
                 return int(next(call).status)
             except grpc.RpcError as e:
                 return e.code()
             finally:
                 call.cancel()
-
-        def watch(service: str) -> list[int]:
-            """Every answer of a Watch of ``service``, until the server ends the stream."""
-            return [int(r.status) for r in stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=10)]
 
         for i in range(20):  # warm the server's allocator up with the same calls
             first(f"{i:08d}" + "w" * (1 << 20))
@@ -221,12 +212,12 @@ def test_watch_of_unknown_names_keeps_nothing(server: Served) -> None:
         # A name that long is no service here: refused, and nothing of it is kept.
         assert all(a == grpc.StatusCode.INVALID_ARGUMENT for a in answers), answers[:3]
         # A name of an ordinary length that is no model: SERVICE_UNKNOWN, and the stream ends.
-        assert watch("no_such_model") == [Status.SERVICE_UNKNOWN]
-        assert watch("adder" * 200) == [Status.SERVICE_UNKNOWN]
+        assert watch(stub, "no_such_model") == [Status.SERVICE_UNKNOWN]
+        assert watch(stub, "adder" * 200) == [Status.SERVICE_UNKNOWN]
         # The server and its models still answer as before.
-        assert int(stub.Check(health_pb2.HealthCheckRequest(service="adder"), timeout=10).status) == Status.SERVING
+        assert check(stub, "adder") == Status.SERVING
         with pytest.raises(grpc.RpcError) as info:
-            stub.Check(health_pb2.HealthCheckRequest(service="x" * (1 << 20)), timeout=10)
+            check(stub, "x" * (1 << 20))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert len(info.value.details()) < 400 and "at most 1024 characters" in info.value.details()
 
@@ -240,14 +231,12 @@ def test_a_closed_watch_leaves_nothing_behind(root: Path) -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            watches = [stub.Watch(health_pb2.HealthCheckRequest(service=s), timeout=30) for s in ("adder", "", "adder")]
+        with health_stub(f"127.0.0.1:{port}") as stub:
+            watches = [stub.Watch(request(s), timeout=30) for s in ("adder", "", "adder")]
             try:
                 assert [int(next(w).status) for w in watches] == [Status.SERVING] * 3
                 for i in range(50):
-                    answers = list(stub.Watch(health_pb2.HealthCheckRequest(service=f"unknown-{i}"), timeout=5))
-                    assert [int(a.status) for a in answers] == [Status.SERVICE_UNKNOWN]
+                    assert watch(stub, f"unknown-{i}", timeout=5) == [Status.SERVICE_UNKNOWN]
                 assert health.open_watches() == 3 and slots.open == 3  # unknown names hold no stream slot
             finally:
                 for w in watches:
