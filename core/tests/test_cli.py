@@ -39,8 +39,13 @@ FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()) if FIXT
 def test_explain_original_packages(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each 0.3 package: its spec is printed and the missing backend is named with its wheel."""
     monkeypatch.setenv("NEUROPOD_PLUGINS", "onnx")  # whatever else this venv has, only ONNX may load
+    plugins.reset()  # plugins an earlier test loaded in this process are forgotten: only ONNX loads
     config = json.loads((FIXTURES / name / "config.json").read_text())
-    code, out = run("explain", str(FIXTURES / name))
+    try:
+        code, out = run("explain", str(FIXTURES / name))
+    finally:
+        monkeypatch.undo()
+        plugins.reset()  # the next test loads what this venv has again
     assert code == 1, "nothing can run it here"
     assert f"Platform:  {config['platform']}" in out
     for entry in config["input_spec"] + config["output_spec"]:
