@@ -146,7 +146,8 @@ def tests_storage(session: nox.Session) -> None:
         env["NEUROPOD_TEST_AZURITE"] = str(blob)
     _pytest(session, "core/tests/test_storage.py", "core/tests/test_storage_urls.py", "core/tests/test_storage_gcs.py",
             "core/tests/test_storage_azure.py", "core/tests/test_storage_downloads_identity.py",
-            "core/tests/test_storage_secrets.py", "core/tests/test_download_partials.py", env=env)  # fmt: skip
+            "core/tests/test_storage_secrets.py", "core/tests/test_download_partials.py",
+            "core/tests/test_storage_stores_identity.py", env=env)  # fmt: skip
     # A model repository in a bucket, served and polled (neuropod serve s3://...).
     _pytest(session, "serving/tests/test_versions_s3.py", "serving/tests/test_serve_url_secrets.py")
 

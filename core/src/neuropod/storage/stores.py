@@ -70,7 +70,7 @@ def object_info(fs: Any, path: str, where: str) -> dict[str, Any]:
         info = fs.info(path)
     except FileNotFoundError as e:
         # fsspec's web filesystem says "not found" for every failed HEAD and GET: its cause has the status.
-        status = _status(e.__cause__) if e.__cause__ is not None else None
+        status = status_of(e.__cause__) if e.__cause__ is not None else None
         if status in (401, 403):
             raise denied(where, status) from None
         raise PackageError(f"No Neuropod package at {where}: {_what_is_missing(fs, path)}") from None
@@ -158,7 +158,7 @@ def store_error(e: BaseException, where: str, doing: str) -> PackageError:
     """A filesystem's exception as a PackageError naming the URL and, for access, what to do."""
     name = type(e).__name__
     text = redact(str(e) or name)  # an HTTP client's words name the URL it requested, signature and all
-    if isinstance(e, PermissionError) or _status(e) in (401, 403) \
+    if isinstance(e, PermissionError) or status_of(e) in (401, 403) \
             or any(s in name for s in ("Credential", "Auth", "Forbidden", "AccessDenied")) \
             or any(s in text for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403 Forbidden")):  # fmt: skip
         return PackageError(
@@ -172,8 +172,9 @@ def store_error(e: BaseException, where: str, doing: str) -> PackageError:
     return PackageError(f"Cannot read {where} while {doing} there: {name}: {text}")
 
 
-def _status(e: BaseException) -> int | None:
-    """The HTTP status an exception carries: aiohttp's ``status``, botocore's response metadata."""
+def status_of(e: BaseException) -> int | None:
+    """The HTTP status an exception carries: aiohttp's ``status``, azure-core's ``status_code``, botocore's
+    response metadata."""
     status = getattr(e, "status", None) or getattr(e, "status_code", None)
     response = getattr(e, "response", None)
     if status is None and isinstance(response, Mapping):

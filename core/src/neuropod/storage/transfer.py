@@ -23,6 +23,7 @@ import neuropod.storage.stores as stores
 import neuropod.storage.web as web
 from neuropod import cache
 from neuropod.errors import NeuropodError, PackageError
+from neuropod.storage.pinned import Read, ranged_reader
 from neuropod.storage.stores import (
     fs_protocol,
     is_ranged,
@@ -240,6 +241,8 @@ def _download_file(
     size = info.get("size")
     wait = FIRST_WAIT_S
     ranges = [True]  # a web server that showed it takes no ranges: every attempt starts again
+    # An object store's reads, each conditional on the version this download is cached under.
+    read = ranged_reader(fs, source, info, where) if is_ranged(fs) else None
     for attempt in range(1, ATTEMPTS + 1):
         try:
             have = target.stat().st_size if target.exists() and ranges[0] else 0
@@ -256,7 +259,7 @@ def _download_file(
             if fs_protocol(fs) in ("http", "https"):
                 written = web.copy(fs, source, target, have, info, where, ranges)
                 return written, None  # a web server lists no MD5
-            written = _copy(fs, source, target, have, size, digest)
+            written = _copy(fs, source, target, have, size, digest, read)
             return written, digest.hexdigest() if digest is not None else None
         except FileNotFoundError:
             raise PackageError(f"No Neuropod package at {where}: the object went away while it was being "
@@ -288,11 +291,15 @@ def _md5_of_prefix(target: Path, length: int) -> Any:
     return digest
 
 
-def _copy(fs: Any, source: str, target: Path, offset: int, size: int | None, digest: Any = None) -> int:
+def _copy(fs: Any, source: str, target: Path, offset: int, size: int | None, digest: Any = None,
+          read: Read | None = None) -> int:  # fmt: skip
     """Append ``source`` from ``offset`` to ``target``, a chunk at a time (each fed to ``digest``
-    too, when given); the length written in all."""
-    if size is not None and size - offset > stores.CHUNK and is_ranged(fs):
-        return _copy_ranges(fs, source, target, offset, size, digest)
+    too, when given); the length written in all.
+
+    :param read: reads ranges of ``source`` from the version being downloaded (:mod:`.pinned`):
+        every read of the object goes through it."""
+    if size is not None and is_ranged(fs) and (read is not None or size - offset > stores.CHUNK):
+        return _copy_ranges(fs, source, target, offset, size, digest, read)
     with fs.open(source, "rb", block_size=stores.CHUNK, cache_type="none") as src:
         if offset:
             try:
@@ -321,10 +328,18 @@ def _copy(fs: Any, source: str, target: Path, offset: int, size: int | None, dig
     return written
 
 
-def _copy_ranges(fs: Any, source: str, target: Path, offset: int, size: int, digest: Any = None) -> int:
+def _copy_ranges(fs: Any, source: str, target: Path, offset: int, size: int, digest: Any = None,
+                 read: Read | None = None) -> int:  # fmt: skip
     """:func:`_copy` of an object store's object: :data:`PARALLEL` range reads of a chunk each in flight
     (one request's latency hides behind the others', as ``aws s3 cp`` does), written in order, so a
     download that stops leaves a prefix to resume from. Memory: at most about ``2 * PARALLEL + 4`` chunks."""
+    # Without ``read``, plain reads: the listed MD5 and the check after the download tie them to the version.
+    reader = read or (lambda start, end: bytes(fs.cat_file(source, start=start, end=end)))
+    if size - offset <= stores.CHUNK:  # one read: no threads
+        chunk = reader(offset, size)
+        if len(chunk) != size - offset:
+            raise OSError(errno.EIO, f"a range read gave {len(chunk):,} bytes instead of {size - offset:,}")
+        return _append(target, offset, [chunk], digest)
     ranges = iter(range(offset, size, stores.CHUNK))
     written = offset
     with concurrent.futures.ThreadPoolExecutor(PARALLEL, thread_name_prefix="neuropod-download") as pool, \
@@ -337,7 +352,7 @@ def _copy_ranges(fs: Any, source: str, target: Path, offset: int, size: int, dig
             start = next(ranges, None)
             if start is not None:
                 end = min(start + stores.CHUNK, size)
-                pending.append((end - start, pool.submit(fs.cat_file, source, start=start, end=end)))
+                pending.append((end - start, pool.submit(reader, start, end)))
 
         for _ in range(PARALLEL):
             more()
@@ -359,6 +374,21 @@ def _copy_ranges(fs: Any, source: str, target: Path, offset: int, size: int, dig
             out.flush()
             os.fsync(out.fileno())
     return written
+
+
+def _append(target: Path, offset: int, chunks: list[bytes], digest: Any) -> int:
+    """Write ``chunks`` to ``target`` from ``offset`` (its length until then), synced: the length then."""
+    with open(target, "ab" if offset else "wb") as out:
+        if not offset:
+            out.truncate(0)
+        for chunk in chunks:
+            out.write(chunk)
+            if digest is not None:
+                digest.update(chunk)
+            offset += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return offset
 
 
 def _fsync_tree(path: Path) -> None:
