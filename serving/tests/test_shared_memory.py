@@ -622,6 +622,28 @@ def test_a_request_holds_its_region_past_unregistration(regions: list[Any], serv
     assert region.closed
 
 
+def test_inputs_read_from_a_region_are_own_arrays_starting_on_a_cache_line(regions: list[Any], server: Server) -> None:
+    # The kernel copies out of a shared memory object faster into memory that starts on a cache line.
+    data = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8)
+    handle, key = _segment(regions, data.nbytes)
+    shm.set_shared_memory_region(handle, [data])
+    registry = SharedMemoryRegistry()
+    try:
+        registry.register_system("lines", key, 0, data.nbytes)
+        for offset, size in [(0, 5000), (3, 100), (17, 4096), (4999, 1), (64, 0)]:
+            tensor = SharedTensor("x", "lines", offset, size, "UINT8", (size,))
+            lease = registry.lease(SharedMemoryRequest(inputs={"x": tensor}))
+            try:
+                got = lease.read_inputs()["x"]
+            finally:
+                lease.release()
+            np.testing.assert_array_equal(got, data[offset : offset + size])
+            assert got.flags.writeable and got.flags.c_contiguous
+            assert got.ctypes.data % 64 == 0 or size == 0, (offset, size)
+    finally:
+        registry.close()
+
+
 def test_bad_bytes_in_a_region_are_refused_by_name(regions: list[Any], server: Server) -> None:
     handle, key = _segment(regions, 64)
     shm.set_shared_memory_region(handle, [np.array([0, 1, 2], np.uint8), np.array([200], "<u4").view(np.uint8)])
