@@ -36,6 +36,7 @@ from neuropod.errors import NeuropodError
 from neuropod.streams import ResponseStream
 from neuropod_serving.defaults import DEFAULT_MAX_OPEN_STREAMS, DEFAULT_STREAM_BUFFER
 from neuropod_serving.errors import ModelBusyError, StreamStoppedError
+from neuropod_serving.server.model_exits import EXITS, is_users_interrupt, model_exited
 
 Outputs = dict[str, np.ndarray]
 
@@ -110,7 +111,12 @@ class OpenStreams:
                 )
             self._by_model[name] = count + 1
         try:
-            responses = model.infer_stream(inputs, requested, parameters=parameters or None)
+            try:
+                responses = model.infer_stream(inputs, requested, parameters=parameters or None)
+            except EXITS as e:  # a model that exits as its stream opens (see model_exits)
+                if is_users_interrupt(e):
+                    raise
+                raise model_exited(name, e) from e
         except BaseException:
             self._release(name)
             if on_end is not None:
@@ -212,13 +218,21 @@ class ServedStream:
                 raise self._error from None
             raise
         except NeuropodError:  # the model failed, or its response broke the spec
-            self.model_s += time.perf_counter() - began
-            report = self._on_response
-            if report is not None:
-                report(self.model, time.perf_counter() - self._last, self.produced == 0, self.produced, failed=True)
+            self._failed(began)
             raise
+        except EXITS as e:  # the model's sys.exit(): the stream ends with its error, the server lives
+            if is_users_interrupt(e):
+                raise
+            self._failed(began)
+            raise model_exited(self.model, e) from e
         self._timed(began)
         return item
+
+    def _failed(self, began: float) -> None:
+        self.model_s += time.perf_counter() - began
+        report = self._on_response
+        if report is not None:
+            report(self.model, time.perf_counter() - self._last, self.produced == 0, self.produced, failed=True)
 
     def _timed(self, began: float) -> None:
         now = time.perf_counter()
