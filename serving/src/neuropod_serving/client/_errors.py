@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from neuropod.errors import RemoteError, SequenceError, SequenceLimitError
+from neuropod.storage.urls import redact
 from neuropod_serving.client._target import Target
 
 # What each code means, said to the user; {server} is the address.
@@ -61,13 +62,14 @@ def looks_like_tls(text: str) -> bool:
 
 
 def remote_error(target: Target, code: str, detail: str | None, *, call: str = "", timeout: float | None = None) -> RemoteError:
-    """A RemoteError naming the URL, what went wrong and the server's (or the transport's) words."""
+    """A RemoteError naming the URL, what went wrong and the server's (or the transport's) words,
+    each URL in them redacted (a server's error may name the presigned URL its model failed on)."""
     problem = _PROBLEMS.get(code, code.replace("_", " ")).format(server=target.server)
     if code == "deadline_exceeded" and timeout is not None:
         problem = f"no answer within {timeout:.3g} s"
     doing = f" ({call})" if call else ""
     text = f"Remote model {target.url}{doing}: {problem}"
-    detail = (detail or "").strip()
+    detail = redact((detail or "").strip())
     if detail:
         text += f": {detail}"
     return RemoteError(text, url=target.url, code=code, server_message=detail or None)

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from neuropod.storage.urls import redact
+
 #: Scheme -> (protocol, TLS by default, default port). 8000 and 8001 are what
 #: ``neuropod serve`` and Triton listen on; https without a port is 443, as
 #: behind a load balancer.
@@ -56,7 +58,8 @@ def parse_url(url: str, *, tls: bool | None = None) -> Target:
     """
     if not isinstance(url, str):
         raise TypeError(f"a remote model URL is a str, not {type(url).__name__} {url!r:.60}")
-    where = f"Remote model URL {url!r:.200}"
+    # Shown redacted (no user, password, query or fragment): a URL refused for holding them may hold a secret.
+    where = f"Remote model URL {redact(url)!r:.200}"
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -71,7 +74,9 @@ def parse_url(url: str, *, tls: bool | None = None) -> Target:
     if parts.username is not None or parts.password is not None:
         raise ValueError(f"{where} holds user information; pass a token as auth_token= instead")
     if parts.query or parts.fragment:
-        raise ValueError(f"{where} has a query or fragment; options are keyword arguments of load_neuropod")
+        raise ValueError(
+            f"{where} has a query or fragment (not shown); options are keyword arguments of load_neuropod"
+        )
     segments = [unquote(s) for s in parts.path.split("/")[1:]]
     if segments and segments[-1] == "":
         segments.pop()  # a trailing slash

@@ -17,6 +17,7 @@ from neuropod.sequences import Sequence as ModelSequence
 from neuropod.sequences import SequenceStep, check_sequence_id
 from neuropod.spec import SpecValidator, TensorSpec
 from neuropod.stateful import check_rows, check_steps
+from neuropod.storage.urls import redact
 from neuropod.streams import ResponseStream
 from neuropod_serving import __version__
 from neuropod_serving.client._errors import RemoteSequenceError, remote_error, sequence_error
@@ -498,7 +499,7 @@ class RemoteModel(NeuropodModel):
     def _stream_failed(self, e: Exception) -> RemoteError:
         """The error for an unexpected exception while reading a stream (the caller chains ``e``)."""
         url = self.urls[0]
-        return RemoteError(f"Remote model {', '.join(self.urls)}: the stream failed: {type(e).__name__}: {e}",
+        return RemoteError(f"Remote model {', '.join(self.urls)}: the stream failed: {type(e).__name__}: {redact(str(e))}",
                            url=url, code="unknown")  # fmt: skip
 
     def status(self, timeout: float = CONNECT_TIMEOUT_S) -> list[dict[str, Any]]:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from typing import TYPE_CHECKING
 
 from neuropod.errors import NeuropodError, PackageError
+from neuropod.storage.urls import redact
 
 if TYPE_CHECKING:
     from neuropod_serving.server.lifecycle import Runner
@@ -30,12 +32,17 @@ def failed_load(error: BaseException) -> NeuropodError:
     """What a model's load raised, as the failure of that load: a NeuropodError as it is; anything
     else (an exception of the model's code, or its ``SystemExit``: an ``argparse`` call at import)
     as a PackageError naming it. A real interrupt (KeyboardInterrupt on the main thread, where
-    signals arrive) is raised again: it stops the server, not a load."""
+    signals arrive) is raised again: it stops the server, not a load.
+
+    Its words show every URL redacted (a model's code may name the presigned URL it read its
+    weights from): they are logged and listed in the repository index."""
     if isinstance(error, NeuropodError):
-        return error
+        text = str(error)
+        shown = redact(text)
+        return error if shown == text else PackageError(shown)
     if isinstance(error, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
         raise error
-    what = f"{type(error).__name__}({error})" if str(error) else type(error).__name__
+    what = f"{type(error).__name__}({redact(str(error))})" if str(error) else type(error).__name__
     if isinstance(error, SystemExit):
         what += ": its code exited while it was imported or loaded (an argparse call at import?)"
     return PackageError(f"loading the model raised {what}")
@@ -77,7 +84,8 @@ class RepositoryPolling:
             removals = not catalog.errors
             if self._said("listing", "; ".join(catalog.errors)):  # once per outage, not once per poll
                 for error in catalog.errors:
-                    log.warning("polling the model repository: %s; nothing is unloaded until it can be listed", error)
+                    log.warning("polling the model repository: %s; nothing is unloaded until it can be listed",
+                                redact(error))  # fmt: skip
             for name in sorted(set(catalog.models) | set(self.registry.names())):
                 if name not in catalog.models:
                     if removals:
@@ -90,7 +98,7 @@ class RepositoryPolling:
                 except NeuropodError as e:
                     self._failed_all(name, e)
                     if self._said(f"model {name}", str(e)):
-                        log.error("model %r: %s", name, e)
+                        log.error("model %r: %s", name, redact(str(e)))
                     continue
                 self._said(f"model {name}", "")
                 done, _ = self._apply(name, plan, catalog, None, force=False, removals=removals)
@@ -116,8 +124,9 @@ class RepositoryPolling:
             while not self._closing.wait(interval_s):
                 try:
                     self.poll()
-                except BaseException:  # nothing a poll meets may stop the next one
-                    log.exception("polling the model repository failed")
+                except BaseException as e:  # noqa: BLE001 - nothing a poll meets may stop the next one
+                    # Its traceback as text, redacted (a store's exception may name a presigned URL).
+                    log.error("polling the model repository failed:\n%s", redact("".join(traceback.format_exception(e))))
 
         self._poller = threading.Thread(target=run, name="neuropod-repository-poll", daemon=True)
         self._poller.start()
