@@ -248,10 +248,9 @@ class RemoteRepository:
         :raises PluginNotInstalledError: its filesystem is not installed.
         """
         files = storage.list_objects(self.url, storage_options=self.storage_options)
-        base = self.url.rstrip("/")
         # "": the URL is one object, a package zip.
         candidates = [("", "1", None, _stamp(files, ""), "")] if "" in files else _remote_candidates(files)
-        found = [self._fetch(base, *candidate) for candidate in candidates]
+        found = [self._fetch(*candidate) for candidate in candidates]
         if not found:
             raise PackageError(
                 f"{self.where} holds no Neuropod package: no {_CONFIG} under it, nor a .zip or .neuropod object "
@@ -260,8 +259,8 @@ class RemoteRepository:
         self.last = found
         return found
 
-    def _fetch(self, base: str, rel: str, version: str, folder: str | None, stamp: str, problem: str) -> Found:
-        url = f"{base}/{rel}" if rel else self.url
+    def _fetch(self, rel: str, version: str, folder: str | None, stamp: str, problem: str) -> Found:
+        url = _under(self.url, rel) if rel else self.url
         where = storage.shown(url)
         if problem:
             return Found(None, version, folder, where, stamp, problem)
@@ -274,6 +273,18 @@ class RemoteRepository:
             return Found(None, version, folder, where, stamp, f"downloading it failed: {e}")
         self._fetched[url] = (stamp, local)
         return Found(local, version, folder, where, stamp)
+
+
+def _under(url: str, rel: str) -> str:
+    """The URL of ``rel`` under the repository URL ``url``: joined to its path, and its query and
+    fragment kept (``s3://b/models?versionId=7``, ``rel`` ``m/1/`` -> ``s3://b/models/m/1/?versionId=7``):
+    a token there (an Azure SAS token) signs each object's URL too."""
+    cut = len(url)
+    for mark in "?#":
+        at = url.find(mark)
+        if at != -1:
+            cut = min(cut, at)
+    return f"{url[:cut].rstrip('/')}/{rel}{url[cut:]}"
 
 
 def _stamp(files: Mapping[str, Mapping[str, Any]], prefix: str) -> str:
