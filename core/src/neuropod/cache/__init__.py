@@ -40,6 +40,7 @@ from neuropod.cache.entries import FILES as FILES
 from neuropod.cache.entries import (
     HEX64,
     STALE_SECONDS,
+    TRASH_PREFIX,
     ZIP_READ_ERRORS,
     Entry,
     FileRecord,
@@ -68,6 +69,7 @@ __all__ = [
     "FileRecord",
     "HEX64",
     "STALE_SECONDS",
+    "TRASH_PREFIX",
     "ZIP_READ_ERRORS",
     "cache_dir",
     "entry_lock",

@@ -47,6 +47,9 @@ _RECORD_FORMAT = "neuropod-cache-entry"
 _RECORD_VERSION = 1
 #: A temporary directory older than this is left over by a killed process, not in use.
 STALE_SECONDS = 3600
+#: What :func:`remove_path` renames a path to (``<prefix><16 hex digits>``, beside it) before it deletes it:
+#: one left behind is a removal that was killed half-way.
+TRASH_PREFIX = ".trash-"
 #: Above this many files one ``sync()`` is cheaper than an ``fsync()`` per file.
 _FSYNC_EACH_UP_TO = 256
 #: Deeper than any real package; keeps directory creation and removal, which recurse, far from the stack limit.
@@ -251,7 +254,7 @@ def _commit(tmp: Path, final: Path, digest: str) -> Entry:
 
 def remove_path(path: Path) -> None:
     """Move ``path`` out of the way atomically, then delete it; gone already is fine."""
-    trash = path.parent / f".trash-{secrets.token_hex(8)}"
+    trash = path.parent / f"{TRASH_PREFIX}{secrets.token_hex(8)}"
     try:
         os.rename(path, trash)
     except FileNotFoundError:
@@ -501,7 +504,7 @@ def verify_cache(repair: bool = False) -> list[str]:
 
 def _stray(child: os.DirEntry[str]) -> str | None:
     """Why something in the cache that is not an entry should go, or None to leave it."""
-    if not child.name.startswith((".extract-", ".trash-", "tmp")):
+    if not child.name.startswith((".extract-", TRASH_PREFIX, "tmp")):
         return "not a cache entry (its name is not a sha256)"
     try:
         age = time.time() - child.stat(follow_symlinks=False).st_mtime

@@ -15,7 +15,7 @@ r"""The ``neuropod`` command.
                                       env prune [--days N] (lock environments no package used for N days)
     neuropod cache verify [--repair]  re-hash every extracted zip package against its record; check downloads
     neuropod cache prune [--days N]   remove packages downloaded by URL that no load used for N days (and
-                                      partial downloads that interrupted downloads left)
+                                      what interrupted downloads and removals left)
     neuropod serve PKG...             an Open Inference Protocol server (from neuropod-serving)
 
 A URL command (inspect, explain, infer) takes ``--auth-token-file FILE`` for
@@ -176,7 +176,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                    "again when needed)")  # fmt: skip
     c.set_defaults(func=cmd_cache_verify)
     c = cache_sub.add_parser("prune", help="remove the packages downloaded by URL that no load has used for --days days, "
-                             "and what interrupted downloads left (partial downloads untouched for an hour)")  # fmt: skip
+                             "and what interrupted downloads and removals left (partial downloads and .trash- folders "
+                             "untouched for an hour)")  # fmt: skip
     c.add_argument("--days", type=float, default=30, help="unused for at least this many days (default 30)")
     c.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     c.set_defaults(func=cmd_cache_prune)

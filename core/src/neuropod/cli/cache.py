@@ -34,19 +34,24 @@ def cmd_cache_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_cache_prune(args: argparse.Namespace, out: TextIO) -> int:
-    from neuropod import storage  # lazy: numpy, kept out of `neuropod --help`
+    from neuropod import cache, storage  # lazy: numpy, kept out of `neuropod --help`
 
     if not args.days >= 0:  # also NaN, which compares false with everything
         raise NeuropodError(f"--days must be a number >= 0, not {args.days:g}")
     gone = storage.prune_downloads(args.days, dry_run=args.dry_run)
     verb = "Would remove" if args.dry_run else "Removed"
+    trash = sum(1 for path, _, _ in gone if path.name.startswith(cache.TRASH_PREFIX))
     for path, url, size in gone:
-        # A partial download (no URL recorded yet): what an interrupted download left.
+        # No URL recorded: a partial download (what an interrupted download left), or what a removal
+        # killed half-way left (a .trash- folder).
+        left = "removal" if path.name.startswith(cache.TRASH_PREFIX) else "download"
         print(f"{verb} {url} ({size:,} bytes, {path})" if url else f"{verb} {path} ({size:,} bytes, left by an "
-              "interrupted download)", file=out)  # fmt: skip
+              f"interrupted {left})", file=out)  # fmt: skip
     total = sum(size for _, _, size in gone)
-    partial = sum(1 for _, url, _ in gone if not url)
+    partial = sum(1 for _, url, _ in gone if not url) - trash
     interrupted = f" and {partial} partial one(s) of interrupted downloads" if partial else ""
-    print(f"{verb} {len(gone) - partial} download(s) unused for {args.days:g} day(s){interrupted}, {total:,} bytes, "
-          f"from {storage.downloads_dir()}", file=out)  # fmt: skip
+    if trash:
+        interrupted += f" and {trash} folder(s) of interrupted removals"
+    print(f"{verb} {len(gone) - partial - trash} download(s) unused for {args.days:g} day(s){interrupted}, "
+          f"{total:,} bytes, from {storage.downloads_dir()}", file=out)  # fmt: skip
     return 0

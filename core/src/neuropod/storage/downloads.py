@@ -145,9 +145,10 @@ def verify_downloads(repair: bool = False) -> list[str]:
     """Check every download against its record: each file there, a regular file of the size the store
     listed (the package's own hashes are checked by every load).
 
-    :param repair: remove each bad download (it is downloaded again when its URL is next loaded), and
+    :param repair: remove each bad download (it is downloaded again when its URL is next loaded),
         each temporary directory and partial download an interrupted download left (no process
-        writing it, none of it written for :data:`cache.STALE_SECONDS`).
+        writing it, none of it written for :data:`cache.STALE_SECONDS`), and each ``.trash-`` folder
+        an interrupted removal left (nothing in it changed for as long).
     :returns: one line per problem, naming the download, its URL and what is wrong (ending in
         "(removed)" when ``repair`` removed it); empty when every download is sound.
     """
@@ -167,6 +168,10 @@ def verify_downloads(repair: bool = False) -> list[str]:
                 reason, url = _check_download(path, child.name)
                 if reason and repair:
                     cache.remove_path(path)
+        elif child.name.startswith(cache.TRASH_PREFIX):
+            reason = _trash_reason(path) if _untouched(path, cache.STALE_SECONDS) else None
+            if reason and repair:
+                cache.remove_path(path)
         elif child.name.startswith(".") and child.name.endswith(".tmp"):
             try:
                 old = time.time() - child.stat(follow_symlinks=False).st_mtime > cache.STALE_SECONDS
@@ -224,14 +229,15 @@ def _check_download(entry: Path, key: str) -> tuple[str | None, str]:
 
 def prune_downloads(days: float = 30, *, dry_run: bool = False) -> list[tuple[Path, str, int]]:
     """Remove the downloads no load has used for ``days`` days (a download is used when a load of its
-    URL finds its objects unchanged): old versions of packages, objects since deleted; and the partial
+    URL finds its objects unchanged): old versions of packages, objects since deleted; the partial
     downloads interrupted ones left (no process writing them, none of it written for ``days`` days or
-    :data:`cache.STALE_SECONDS`, whichever is shorter).
+    :data:`cache.STALE_SECONDS`, whichever is shorter); and the ``.trash-`` folders removals killed
+    half-way left (nothing in them changed for as long: a removal under way deletes in it all the time).
 
     :param days: a number >= 0; 0 removes every download not being made right now.
     :param dry_run: only say which would go.
     :returns: (path, URL, bytes) of each download removed (or that would be); a partial download's
-        URL is "" (it has no record yet).
+        URL is "" (it has no record yet), as is a ``.trash-`` folder's.
     """
     if isinstance(days, bool) or not isinstance(days, (int, float)) or not (days >= 0):
         raise ValueError(f"days must be a number >= 0, not {days!r}")
@@ -244,6 +250,16 @@ def prune_downloads(days: float = 30, *, dry_run: bool = False) -> list[tuple[Pa
     now = time.time()
     for child in children:
         path = Path(child.path)
+        if child.name.startswith(cache.TRASH_PREFIX):
+            if _untouched(path, min(days * 86400, cache.STALE_SECONDS)):
+                try:
+                    size = _size(path)
+                except OSError:  # another process removed it meanwhile
+                    continue
+                if not dry_run:
+                    cache.remove_path(path)
+                gone.append((path, "", size))
+            continue
         if _PARTIAL.fullmatch(child.name):
             with _stale_partial(root, child.name, min(days * 86400, cache.STALE_SECONDS)) as stale:
                 if not stale:
@@ -290,6 +306,19 @@ def _stale_partial(root: Path, name: str, older_than: float) -> Iterator[bool]:
         except OSError:  # gone meanwhile
             stale = False
         yield stale
+
+
+def _untouched(path: Path, older_than: float) -> bool:
+    """Whether nothing at or under ``path`` was written for ``older_than`` seconds (False: gone)."""
+    try:
+        return time.time() - _last_written(path) >= older_than
+    except OSError:
+        return False
+
+
+def _trash_reason(path: Path) -> str:
+    what = "a folder" if path.is_dir() and not path.is_symlink() else "a file"
+    return f"{what} left by an interrupted removal (nothing in it changed for {cache.STALE_SECONDS // 60} minutes)"
 
 
 def _last_written(path: Path) -> float:
