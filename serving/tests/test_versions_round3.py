@@ -297,3 +297,59 @@ def test_version_swaps_under_load_fail_no_request(tmp_path: Path, scalers: dict[
             answered.count("gRPC"),
         )
         assert answer(http) == ("6", expected(3))
+
+
+def test_a_package_replaced_by_an_unreadable_file_keeps_the_one_served(
+    tmp_path: Path, scalers: dict[int, Path]
+) -> None:
+    """A package of a flat repository (no version folders) overwritten by a file that is no
+    package (a corrupt or half-copied upload) is a failed load of that model: the model loaded
+    before keeps serving, the index says why, and a good package put there later replaces it."""
+    repo = tmp_path / "models"
+    place(zip_of(scalers[1], tmp_path / "k1.zip"), repo / "scaler.zip")
+    with serving([repo], poll=POLL_S) as (engine, http):
+        assert answer(http) == ("1", expected(1))
+        bad = tmp_path / "bad.zip"
+        bad.write_bytes(b"PK\x03\x04 not a whole zip")
+        os.remove(repo / "scaler.zip")
+        place(bad, repo / "scaler.zip")
+        wait_for("the failure to be listed", lambda: any(e.get("reason") for e in index(http).values()))
+        time.sleep(3 * POLL_S)
+        assert answer(http) == ("1", expected(1))
+        [entry] = index(http).values()
+        assert entry["state"] == "READY" and "no longer a Neuropod package" in entry["reason"], entry
+        os.remove(repo / "scaler.zip")
+        place(zip_of(scalers[2], tmp_path / "k2.zip"), repo / "scaler.zip")
+        wait_for("the good package to serve", lambda: answer(http) == ("1", expected(2)))
+
+
+def test_a_package_url_whose_file_turns_unreadable_keeps_the_one_served(
+    tmp_path: Path, scalers: dict[int, Path]
+) -> None:
+    """The same for a polled package URL: the download of its new bytes is no package, and the
+    model loaded before keeps serving until a good package is there."""
+    pytest.importorskip("aiohttp", reason="needs neuropod[http] (nox -s tests_serving installs it)")
+    www = tmp_path / "www"
+    www.mkdir()
+    zip_of(scalers[1], www / "scaler.neuropod")
+    handler = type("Quiet", (http.server.SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(www)))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/scaler.neuropod"
+    try:
+        with serving([url], poll=POLL_S) as (engine, http_client):
+            assert answer(http_client) == ("1", expected(1))
+            (www / "scaler.neuropod").write_bytes(b"PK\x03\x04 not a whole zip")
+            wait_for("the failure to be listed", lambda: any(e.get("reason") for e in index(http_client).values()))
+            time.sleep(3 * POLL_S)
+            assert answer(http_client) == ("1", expected(1))
+            assert engine.registry.versions("scaler") == ["1"]
+            os.remove(www / "scaler.neuropod")
+            zip_of(scalers[3], www / "scaler.neuropod")
+            wait_for("the good package to serve", lambda: answer(http_client) == ("1", expected(3)))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)

@@ -9,6 +9,7 @@ nothing a poll meets can stop; and what a failed load is.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import traceback
 from typing import TYPE_CHECKING
@@ -86,8 +87,17 @@ class RepositoryPolling:
                 for error in catalog.errors:
                     log.warning("polling the model repository: %s; nothing is unloaded until it can be listed",
                                 redact(error))  # fmt: skip
+            unreadable = {found.where: problem for _, found, problem in catalog.unreadable}
             for name in sorted(set(catalog.models) | set(self.registry.names())):
                 if name not in catalog.models:
+                    # Its package is there but cannot be read now (a corrupt or half-copied upload
+                    # over it): a failed load of it, which replaces nothing, not a removal.
+                    broken = _unreadable_now(self._locations(name), unreadable)
+                    if broken:
+                        self._failed_all(name, PackageError(broken))
+                        if self._said(f"model {name}", broken):
+                            log.error("model %r: %s; still serving the one loaded before", name, redact(broken))
+                        continue
                     if removals:
                         log.info("model %r is no longer in the repository: unloading it", name)
                         retired += self._remove(name, self.registry.versions(name))
@@ -105,6 +115,11 @@ class RepositoryPolling:
                 retired += done
             self._update_loaded()
         self._retire(retired, drain_s)
+
+    def _locations(self, name: str) -> list[str]:
+        """Where the loaded versions of model ``name`` were loaded from."""
+        located = (self.registry.loaded(name, v) for v in self.registry.versions(name))
+        return [served.where for served in located if served is not None]
 
     def _said(self, about: str, message: str) -> bool:
         """Whether ``message`` about ``about`` is new since the last poll ("": nothing to say now)."""
@@ -141,6 +156,18 @@ class RepositoryPolling:
         if poller.is_alive():
             log.warning("the repository poll under way did not end within %g s (a repository store that does "
                         "not answer?): stopping without it", POLL_STOP_S)  # fmt: skip
+
+
+def _unreadable_now(locations: list[str], unreadable: dict[str, str]) -> str | None:
+    """Why the package a model was loaded from cannot be read now, when it is still there (a URL the
+    listing found unreadable; a local file or folder that is no longer a package), else None."""
+    for where in locations:
+        if where in unreadable:
+            return unreadable[where]
+        if "://" not in where and os.path.lexists(where):
+            return (f"{where} is no longer a Neuropod package (no config.json in it: a corrupt or half-copied "
+                    "file?)")  # fmt: skip
+    return None
 
 
 __all__ = ["POLL_STOP_S", "RepositoryPolling", "failed_load"]
