@@ -36,6 +36,7 @@ from neuropod_serving.protocol import (
     parse_infer_request,
 )
 from neuropod_serving.protocol.options import require_sequence
+from neuropod_serving.server.admission import Retired
 from neuropod_serving.server.classification import answers_small
 from neuropod_serving.server.compression import COMPRESS_FROM, chosen, compressed, decoded_body
 from neuropod_serving.server.engine import CLIENT_ERRORS, Engine
@@ -182,8 +183,14 @@ class _RawInfer:
                 small = small and held.output_bytes <= shared_memory_api.INLINE_BYTES
             failure = "model"
             try:
-                # A version swapped while the body came or the request waited: the latest, if none was named.
-                s, outputs = await engine.infer_latest(s, version, decoded.inputs, requested, decoded.options)
+                # A version swapped while the body came: the latest, if none was named.
+                s = engine.current(s, version)
+                try:
+                    outputs = await engine.infer(s, decoded.inputs, requested, decoded.options)
+                except Retired:  # swapped before it was admitted (rare): again, as infer_latest does
+                    if version:
+                        raise
+                    s, outputs = await engine.infer_latest(s, version, decoded.inputs, requested, decoded.options)
             except CLIENT_ERRORS:
                 failure = "client"
                 raise
