@@ -307,7 +307,7 @@ def test_a_package_replaced_by_an_unreadable_file_keeps_the_one_served(
     before keeps serving, the index says why, and a good package put there later replaces it."""
     repo = tmp_path / "models"
     place(zip_of(scalers[1], tmp_path / "k1.zip"), repo / "scaler.zip")
-    with serving([repo], poll=POLL_S) as (engine, http):
+    with serving([repo], poll=POLL_S) as (_engine, http):
         assert answer(http) == ("1", expected(1))
         bad = tmp_path / "bad.zip"
         bad.write_bytes(b"PK\x03\x04 not a whole zip")
