@@ -155,3 +155,28 @@ def test_a_version_that_stops_serving_waits_for_its_open_streams(tmp_path: Path,
         assert got == values
         assert swapped and swapped[0] >= ended, "version 1 was closed while a stream still ran on it"
         assert engine.registry.versions("repeat") == ["2"]
+
+
+def test_a_refused_stream_leaves_nothing_for_a_swap_to_wait_for(tmp_path: Path, packages: dict[str, Path]) -> None:
+    """A stream refused at its model's limit of open streams (429) holds nothing of its version:
+    once the stream that was open closes, a swap closes the old version at once, not after 30 s."""
+    from neuropod_serving.errors import ModelBusyError
+    from neuropod_serving.server import Engine, ModelRegistry
+    from neuropod_serving.server.streams import StreamLimits
+
+    repo = tmp_path / "models"
+    place(packages["repeat"], repo / "repeat" / "1")
+    engine = Engine(ModelRegistry.load([repo]), stream_limits=StreamLimits(max_open=1))
+    try:
+        old = engine.get("repeat")
+        with engine.open_stream(old, repeat_inputs([1])) as stream:
+            with pytest.raises(ModelBusyError):
+                engine.open_stream(old, repeat_inputs([2]))
+            assert [int(r["OUT"][0]) for r in stream] == [1]
+        place(packages["repeat"], repo / "repeat" / "2")
+        started = time.monotonic()
+        engine.load("repeat")
+        assert time.monotonic() - started < 5, "the swap waited for a stream that never opened"
+        assert engine.registry.versions("repeat") == ["2"]
+    finally:
+        engine.close()

@@ -235,9 +235,13 @@ class Engine(ModelLifecycle):
         self._check_missing(runner, inputs)
         parameters = options.parameters if options is not None else None
         runner.gate.hold()  # a version that stops serving waits for its streams (as for its requests)
-        return self.streams.open(
-            served.name, runner.served.model, writable(inputs), requested, parameters, on_end=runner.gate.release
-        )
+        try:
+            return self.streams.open(
+                served.name, runner.served.model, writable(inputs), requested, parameters, on_end=runner.gate.release
+            )
+        except BaseException:  # refused (busy, stopping, the model's error): nothing to wait for
+            runner.gate.release()
+            raise
 
     def infer_blocking(
         self, served: ServedModel, inputs: dict[str, np.ndarray], requested: list[str] | None = None,

@@ -94,7 +94,7 @@ class OpenStreams:
     ) -> ServedStream:  # fmt: skip
         """Open a stream of ``model``'s responses to ``inputs`` (checked now: a SpecError is raised here).
 
-        :param on_end: called once when the stream closes (or fails to open).
+        :param on_end: called once when the stream, opened, closes (not when it fails to open).
 
         :raises ModelBusyError: ``name`` has :attr:`StreamLimits.max_open` streams open.
         :raises NeuropodError: the server is stopping, or the model refused the request.
@@ -119,8 +119,6 @@ class OpenStreams:
                 raise model_exited(name, e) from e
         except BaseException:
             self._release(name)
-            if on_end is not None:
-                on_end()
             raise
         stream = ServedStream(self, name, responses)
         stream.on_end = on_end
